@@ -1,0 +1,51 @@
+"""Between FLA's token layout and the torch backend's chunk layout.
+
+FLA ops take ``[B, T, H, D]`` (with ``cu_seqlens``: B = 1 and T the packed
+length of N sequences). The chunked core wants ``[N, H, Tp, D]`` with Tp a
+multiple of the chunk size and every sequence starting a fresh chunk.
+
+Padding tokens are zeros: a zero key and zero erase gate leave the state
+untouched and a zero log-gate decays nothing, so the state after the padded
+tail equals the true final state. Outputs at padded positions are dropped.
+These are plain indexing ops, so autograd carries gradients through them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class ChunkLayout:
+    """Maps ``[B, T, H, D]`` tensors to ``[N, H, Tp, D]`` and back."""
+
+    def __init__(self, B: int, T: int, chunk: int, cu_seqlens: torch.Tensor | None, device: torch.device):
+        self.T = T
+        self.chunk = chunk
+        if cu_seqlens is None:
+            self.num_seqs = B
+            self.padded_len = -(-T // chunk) * chunk
+            self.gather = None
+            return
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        self.num_seqs = len(lens)
+        self.padded_len = max(1, -(-max(lens, default=0) // chunk)) * chunk
+        pos = torch.arange(self.padded_len, device=device)
+        starts = cu_seqlens[:-1].to(device=device, dtype=torch.long).unsqueeze(1)
+        valid = pos.unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
+        # Index T points at an appended zero row, so padding reads zeros.
+        self.gather = torch.where(valid, starts + pos, torch.full_like(starts + pos, T))
+        self.scatter = valid.flatten().nonzero().squeeze(1)     # token order, since cu_seqlens ascends
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather is None:
+            pad = self.padded_len - self.T
+            return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        x0 = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
+        return x0[self.gather].transpose(1, 2)
+
+    def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
+        y = y.transpose(1, 2)
+        if self.gather is None:
+            return y[:, : self.T]
+        return y.flatten(0, 1)[self.scatter].unsqueeze(0)

@@ -1,0 +1,20 @@
+"""rewy-hf: faster training of delta-rule attention models, same gradients.
+
+The ReWY backward (Residual WY, Matrix Intra, Gram Elimination) behind FLA's
+op signatures. See README.md and docs/architecture.md.
+"""
+
+from .errors import InputValidationError, UnsupportedConfigError
+from .ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gdn2, chunk_kda
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InputValidationError",
+    "UnsupportedConfigError",
+    "chunk_delta_rule",
+    "chunk_gated_delta_rule",
+    "chunk_gdn2",
+    "chunk_kda",
+    "__version__",
+]

@@ -1,0 +1,283 @@
+"""Public delta-rule ops with FLA 0.6.0's names, argument order and return value.
+
+Each op validates its inputs, applies the activations FLA fuses into its
+kernels (q/k l2norm, gate and beta activations) as ordinary torch ops, and
+hands the activated tensors to the selected backend, whose autograd Function
+runs the chunked forward and the ReWY backward. Extra keyword arguments:
+``backend`` ("auto", "torch", "triton") and ``policy`` ("recompute", "full";
+FLA's ``disable_recompute=True`` means "full").
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .errors import InputValidationError, UnsupportedConfigError
+from .kernels.reference import beta_activation, gdn_gate, kda_gate, l2norm
+from .kernels.torch_backend import compute_dtype, delta_rule_core
+from .validation import (
+    check_chunk_size,
+    check_cu_seqlens,
+    check_finite,
+    check_initial_state,
+    check_qkv,
+    check_shape,
+    check_tensor,
+    pop_fla_extras,
+    refuse_if_set,
+    resolve_backend,
+    resolve_policy,
+)
+
+__all__ = ["chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn2"]
+
+_PLUMBING = ("chunk_size", "chunk_indices", "cu_seqlens_cpu", "transpose_state_layout", "disable_recompute")
+
+
+def _state_layout(state_v_first: bool, extras: dict) -> bool:
+    if "transpose_state_layout" not in extras:
+        return state_v_first
+    if state_v_first:
+        raise UnsupportedConfigError("pass either `state_v_first` or the deprecated `transpose_state_layout`, not both.")
+    warnings.warn("`transpose_state_layout` is deprecated; use `state_v_first`.", DeprecationWarning, stacklevel=3)
+    return bool(extras["transpose_state_layout"])
+
+
+def _prepare_qk(q, k, use_qk_l2norm_in_kernel: bool):
+    if not use_qk_l2norm_in_kernel:
+        return q, k
+    dt = compute_dtype(q)
+    return l2norm(q.to(dt)), l2norm(k.to(dt))
+
+
+def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise UnsupportedConfigError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True` (as in FLA).")
+    if not use_beta_sigmoid_in_kernel:
+        return beta
+    return beta_activation(beta.to(compute_dtype(beta)), allow_neg_eigval)
+
+
+def _check_gate_params(A_log, dt_bias, a_numel: int, bias_numel: int, need_a: bool):
+    if A_log is None and need_a:
+        raise UnsupportedConfigError("`use_gate_in_kernel=True` needs `A_log` (or a `lower_bound` for KDA/GDN2).")
+    if A_log is not None and A_log.numel() != a_numel:
+        raise InputValidationError(f"`A_log` must have {a_numel} elements (one per head), got shape {list(A_log.shape)}.")
+    if dt_bias is not None and dt_bias.numel() != bias_numel:
+        raise InputValidationError(f"`dt_bias` must have {bias_numel} elements, got shape {list(dt_bias.shape)}.")
+
+
+def _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, heads: int, K: int):
+    """KDA/GDN2 gate. ``lower_bound`` only shapes the in-kernel activation, as in
+    FLA; ``safe_gate`` selects a faster FLA kernel and changes no math here (the
+    torch backend is exact for any non-positive gates)."""
+    if safe_gate and use_gate_in_kernel and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise UnsupportedConfigError(
+            f"`safe_gate=True` with `use_gate_in_kernel=True` needs `lower_bound` in [-5, 0), got {lower_bound}."
+        )
+    if not use_gate_in_kernel:
+        return g
+    _check_gate_params(A_log, dt_bias, heads, heads * K, need_a=lower_bound is None)
+    dt = compute_dtype(g)
+    cast = (lambda t: None if t is None else t.to(dt))
+    return kda_gate(g.to(dt), cast(A_log), cast(dt_bias), lower_bound)
+
+
+def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva):
+    B, T, H, K, HV, V = check_qkv(q, k, v, allow_gva)
+    check_chunk_size(extras.get("chunk_size", 64))
+    N = check_cu_seqlens(cu_seqlens, B, T)
+    check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
+    resolve_backend(backend, q.device)
+    policy = resolve_policy(policy, bool(extras.get("disable_recompute", False)))
+    scale = K ** -0.5 if scale is None else float(scale)
+    return (B, T, H, K, HV, V), scale, policy
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    *,
+    backend: str = "auto",
+    policy: str | None = None,
+    **kwargs,
+):
+    """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale S_t^T q_t.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]. Returns (o, final_state).
+    """
+    extras = pop_fla_extras("chunk_delta_rule", kwargs, _PLUMBING)
+    (B, T, H, K, HV, V), scale, policy = _common(
+        "chunk_delta_rule", q, k, v, scale, initial_state, cu_seqlens, False, backend, policy, extras, allow_gva=False
+    )
+    check_tensor("beta", beta, 3)
+    check_shape("beta", beta, (B, T, HV), "[B, T, H]")
+    check_finite(q=q, k=k, v=v, beta=beta, initial_state=initial_state)
+    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
+    return delta_rule_core(q, k, v, None, beta.unsqueeze(-1), None, scale, initial_state,
+                           output_final_state, cu_seqlens, False, policy)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context=None,
+    *,
+    backend: str = "auto",
+    policy: str | None = None,
+    **kwargs,
+):
+    """Gated DeltaNet with a scalar log-gate per value head.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H: GVA); g, beta:
+    [B, T, HV]. With ``use_gate_in_kernel=True``, g is raw and the gate is
+    ``-exp(A_log) * softplus(g + dt_bias)`` (A_log, dt_bias: [HV]).
+    """
+    refuse_if_set("chunk_gated_delta_rule", "cp_context", cp_context, None)
+    extras = pop_fla_extras("chunk_gated_delta_rule", kwargs, _PLUMBING + ("use_gate_in_kernel", "A_log", "dt_bias"))
+    state_v_first = _state_layout(state_v_first, extras)
+    (B, T, H, K, HV, V), scale, policy = _common(
+        "chunk_gated_delta_rule", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras,
+        allow_gva=True,
+    )
+    for name, x in (("g", g), ("beta", beta)):
+        check_tensor(name, x, 3)
+        check_shape(name, x, (B, T, HV), "[B, T, HV]")
+    check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    if extras.get("use_gate_in_kernel", False):
+        A_log, dt_bias = extras.get("A_log"), extras.get("dt_bias")
+        _check_gate_params(A_log, dt_bias, HV, HV, need_a=True)
+        dt = compute_dtype(g)
+        g = gdn_gate(g.to(dt), A_log.to(dt), None if dt_bias is None else dt_bias.to(dt))
+    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
+    beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return delta_rule_core(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), None, scale, initial_state,
+                           output_final_state, cu_seqlens, state_v_first, policy)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    *,
+    backend: str = "auto",
+    policy: str | None = None,
+    **kwargs,
+):
+    """Kimi Delta Attention: per-channel log-gate g [B, T, HV, K], scalar beta [B, T, HV].
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] (GVA when HV > H). With
+    ``use_gate_in_kernel=True`` the gate is ``-exp(A_log) * softplus(g + dt_bias)``
+    or, with ``lower_bound``, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+    """
+    for name, value, default in (("cp_context", cp_context, None), ("return_intermediate_states",
+                                  return_intermediate_states, False), ("use_graph", use_graph, False)):
+        refuse_if_set("chunk_kda", name, value, default)
+    extras = pop_fla_extras("chunk_kda", kwargs, _PLUMBING + ("A_log", "dt_bias"))
+    extras["disable_recompute"] = disable_recompute
+    state_v_first = _state_layout(state_v_first, extras)
+    (B, T, H, K, HV, V), scale, policy = _common(
+        "chunk_kda", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva=True
+    )
+    check_tensor("g", g, 4)
+    check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    check_tensor("beta", beta, 3)
+    check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), HV, K)
+    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
+    beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return delta_rule_core(q, k, v, g, beta.unsqueeze(-1), None, scale, initial_state,
+                           output_final_state, cu_seqlens, state_v_first, policy)
+
+
+def chunk_gdn2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    w: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cp_context=None,
+    *,
+    backend: str = "auto",
+    policy: str | None = None,
+    **kwargs,
+):
+    """Gated DeltaNet-2: channel-wise erase gate b [B, T, H, K] and write gate w [B, T, H, V].
+
+    S_t = (I - k_t (b_t * k_t)^T) Diag(exp(g_t)) S_{t-1} + k_t (w_t * v_t)^T with
+    g [B, T, H, K]. No GVA (as in FLA 0.6.0).
+    """
+    for name, value, default in (("cp_context", cp_context, None),
+                                 ("return_intermediate_states", return_intermediate_states, False)):
+        refuse_if_set("chunk_gdn2", name, value, default)
+    extras = pop_fla_extras("chunk_gdn2", kwargs, _PLUMBING + ("A_log", "dt_bias"))
+    extras["disable_recompute"] = disable_recompute
+    state_v_first = _state_layout(state_v_first, extras)
+    (B, T, H, K, HV, V), scale, policy = _common(
+        "chunk_gdn2", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva=False
+    )
+    for name, x, shape, meaning in (("g", g, (B, T, H, K), "[B, T, H, K]"), ("b", b, (B, T, H, K), "[B, T, H, K]"),
+                                    ("w", w, (B, T, H, V), "[B, T, H, V]")):
+        check_tensor(name, x, 4)
+        check_shape(name, x, shape, meaning)
+    check_finite(q=q, k=k, v=v, g=g, b=b, w=w, initial_state=initial_state)
+    g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), H, K)
+    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
+    return delta_rule_core(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens,
+                           state_v_first, policy)

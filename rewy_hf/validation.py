@@ -1,0 +1,145 @@
+"""Checks shared by the public ops: every failure names the argument and the fix."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import InputValidationError, UnsupportedConfigError
+
+SUPPORTED_CHUNK_SIZE = 64
+BACKENDS = ("auto", "torch", "triton")
+POLICIES = ("recompute", "full")
+
+
+def check_tensor(name: str, x, rank: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise InputValidationError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
+    if x.dim() != rank:
+        raise InputValidationError(f"`{name}` must have rank {rank}, got shape {tuple(x.shape)}.")
+    if not x.is_floating_point():
+        raise InputValidationError(f"`{name}` must be a floating-point tensor, got {x.dtype}.")
+
+
+def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise InputValidationError(
+            f"`{name}` must have shape {meaning} = {list(expected)}, got {list(x.shape)}."
+        )
+
+
+def check_qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
+    """Returns (B, T, H, K, HV, V)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+    if q.shape != k.shape:
+        raise InputValidationError(f"`q` and `k` must have the same shape [B, T, H, K], got {list(q.shape)} and {list(k.shape)}.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputValidationError(f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    B, T, H, K = q.shape
+    if v.shape[:2] != q.shape[:2]:
+        raise InputValidationError(f"`v` must have shape [B, T, HV, V] with B, T of q ({B}, {T}), got {list(v.shape)}.")
+    HV, V = v.shape[2], v.shape[3]
+    if HV != H and not allow_gva:
+        raise UnsupportedConfigError(
+            f"this op needs as many value heads as key heads (no GVA), got H={H} key heads and HV={HV} value heads."
+        )
+    if HV % H:
+        raise InputValidationError(
+            f"the number of value heads HV={HV} must be a multiple of the number of key heads H={H} (GVA)."
+        )
+    if T == 0:
+        raise InputValidationError("the sequence length T must be at least 1, got 0.")
+    return B, T, H, K, HV, V
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Returns the number of sequences N."""
+    if cu_seqlens is None:
+        return B
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        raise InputValidationError("`cu_seqlens` must be a 1-D integer tensor of sequence offsets [0, ..., T].")
+    if B != 1:
+        raise InputValidationError(
+            f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}; flatten the batch first."
+        )
+    cu = cu_seqlens.tolist()
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise InputValidationError(
+            f"`cu_seqlens` must start at 0, end at T={T} and never decrease, got {cu if len(cu) < 12 else cu[:12] + ['...']}."
+        )
+    return len(cu) - 1
+
+
+def check_initial_state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, compute_f64: bool) -> None:
+    if initial_state is None:
+        return
+    check_tensor("initial_state", initial_state, 4)
+    allowed = (torch.float32, torch.float64) if compute_f64 else (torch.float32,)
+    if initial_state.dtype not in allowed:
+        raise InputValidationError(
+            f"`initial_state` must be float32 (as in FLA), got {initial_state.dtype}; pass initial_state.float()."
+        )
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    check_shape("initial_state", initial_state, shape, "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if chunk_size != SUPPORTED_CHUNK_SIZE:
+        raise UnsupportedConfigError(f"`chunk_size`={chunk_size} is not supported; rewy-hf uses chunk_size=64.")
+
+
+def check_finite(**tensors) -> None:
+    """Opt-in (REWY_CHECK_FINITE=1): a full pass over the inputs, so off by default."""
+    if os.environ.get("REWY_CHECK_FINITE", "0") in ("", "0"):
+        return
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not torch.isfinite(x).all():
+            bad = (~torch.isfinite(x)).sum().item()
+            raise InputValidationError(
+                f"`{name}` has {bad} non-finite values (NaN or Inf); REWY_CHECK_FINITE=1 checks inputs before the op."
+            )
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise UnsupportedConfigError(f"`backend`={backend!r} is unknown; choose one of {BACKENDS}.")
+    if backend == "triton":
+        raise UnsupportedConfigError(
+            "`backend`='triton' is not available yet: the ReWY Triton backward kernels are not implemented; "
+            "use backend='torch' (or 'auto')."
+        )
+    return "torch"
+
+
+def resolve_policy(policy: str | None, disable_recompute: bool) -> str:
+    if policy is None:
+        return "full" if disable_recompute else "recompute"
+    if policy not in POLICIES:
+        raise UnsupportedConfigError(f"`policy`={policy!r} is unknown; choose one of {POLICIES}.")
+    if disable_recompute and policy != "full":
+        raise UnsupportedConfigError(
+            f"`disable_recompute=True` means policy='full' but policy={policy!r} was given; pass only one of them."
+        )
+    return policy
+
+
+def pop_fla_extras(op: str, kwargs: dict, allowed: tuple[str, ...]) -> dict:
+    """Accept FLA's plumbing keywords that change nothing here; refuse the rest by name."""
+    out = {}
+    for key in list(kwargs):
+        if key in allowed:
+            out[key] = kwargs.pop(key)
+    if "head_first" in kwargs:
+        raise UnsupportedConfigError("`head_first` was removed in FLA; pass inputs as [B, T, H, D].")
+    if kwargs:
+        raise UnsupportedConfigError(
+            f"{op}: unsupported keyword argument(s) {sorted(kwargs)}; supported extras are {sorted(allowed)}."
+        )
+    return out
+
+
+def refuse_if_set(op: str, name: str, value, default) -> None:
+    if value is not default and value != default:
+        raise UnsupportedConfigError(f"{op}: `{name}`={value!r} is not supported by rewy-hf; leave it at {default!r}.")
