@@ -19,7 +19,7 @@ import torch
 
 from .chunk_forward import ChunkInputs, GateTerms
 from .gated_gram import gram_backward
-from .residual_wy import residual_wy_backward
+from .residual_wy import wy_backward
 
 
 @dataclass
@@ -71,10 +71,8 @@ def local_backward(x: ChunkInputs, gt: GateTerms, s: Saved, do: torch.Tensor, dV
     dGC = (s.Hs * dHnext).sum(-1).unsqueeze(-2) * gt.decay.expand(*gt.decay.shape[:-1], k.shape[-1])
 
     # Residual WY, then the key Gram L (Gram Elimination gives its gate term).
-    dX, dY, dL = residual_wy_backward(s.A, s.W, s.U, dW, dVn)
     a = b * k
-    scalar = G.shape[-1] == 1 and b.shape[-1] == 1
-    Ra, Rc = gram_backward(dL, a, k, G, inclusive=False, row_scale=b if scalar else None)
+    dX, dY, Ra, Rc = wy_backward(s.A, s.W, s.U, dW, dVn, a, k, G, b)
     da = dX * eG + Ra
     dk = Rc
     dG = dX * a * eG + a * Ra - k * Rc

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .gated_gram import gram_backward
+
 
 def residual_wy_backward(
     A: torch.Tensor, W: torch.Tensor, U: torch.Tensor, dW: torch.Tensor, dU: torch.Tensor
@@ -23,3 +25,27 @@ def residual_wy_backward(
     dXY = A.transpose(-1, -2) @ torch.cat([dW, dU], dim=-1)
     dL = -(dXY @ torch.cat([W, U], dim=-1).transpose(-1, -2))
     return dXY[..., :K], dXY[..., K:], dL.tril(-1)
+
+
+def wy_backward(
+    A: torch.Tensor,
+    W: torch.Tensor,
+    U: torch.Tensor,
+    dW: torch.Tensor,
+    dU: torch.Tensor,
+    a: torch.Tensor,
+    k: torch.Tensor,
+    G: torch.Tensor,
+    b: torch.Tensor,
+):
+    """The whole local WY backward: (dW, dU) -> (dX, dY, Ra, Rc).
+
+    L is the strictly lower gated Gram of (a = b*k, k); Ra and Rc are its
+    gradients with respect to a (rows) and k (columns). For scalar gates and a
+    scalar erase gate (GDN, DeltaNet) this is three products in all: two here
+    and one stacked product in the Gram backward.
+    """
+    dX, dY, dL = residual_wy_backward(A, W, U, dW, dU)
+    scalar = G.shape[-1] == 1 and b.shape[-1] == 1
+    Ra, Rc = gram_backward(dL, a, k, G, inclusive=False, row_scale=b if scalar else None)
+    return dX, dY, Ra, Rc

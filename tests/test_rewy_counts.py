@@ -1,0 +1,139 @@
+"""The ReWY identities as counts, recorded with a TorchDispatchMode.
+
+- Residual WY: (dW, dU) -> (dX, dY, dL) issues exactly two matrix products per
+  chunk batch, and the whole GDN/DeltaNet WY backward three.
+- Gram Elimination: no matrix product in backward produces the key Gram
+  K K^T or the gated key Gram L. A positive control shows the same detector
+  finds L in the forward pass, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rewy_hf.kernels.chunk_forward import ChunkInputs, gate_terms, wy_factors, wy_inverse
+from rewy_hf.kernels.gated_gram import gram
+from rewy_hf.kernels.residual_wy import residual_wy_backward, wy_backward
+from rewy_hf.kernels.torch_function import CHUNK_SIZE, ReWYChunkFunction
+
+MATMUL_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten.mv.default, torch.ops.aten.dot.default,
+}
+
+
+class ProductRecorder(TorchDispatchMode):
+    """Records the output of every matrix product dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in MATMUL_OPS:
+            self.outputs.append(out.detach().clone())
+        return out
+
+
+def _chunk_inputs(kind: str, N=2, H=2, NT=3, K=16, V=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    C = CHUNK_SIZE
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q, k, v = r(N, H, NT * C, K), F.normalize(r(N, H, NT * C, K), dim=-1), r(N, H, NT * C, V)
+    gk = K if kind in ("kda", "gdn2") else 1
+    g = None if kind == "delta_rule" else F.logsigmoid(r(N, H, NT * C, gk))
+    b = torch.rand(N, H, NT * C, K if kind == "gdn2" else 1, generator=gen, dtype=torch.float64)
+    w = torch.rand(N, H, NT * C, V, generator=gen, dtype=torch.float64) if kind == "gdn2" else None
+    return q, k, v, g, b, w
+
+
+def _chunked(t):
+    return None if t is None else t.unflatten(2, (t.shape[2] // CHUNK_SIZE, CHUNK_SIZE))
+
+
+def _wy_state(kind: str):
+    q, k, v, g, b, w = _chunk_inputs(kind)
+    g = torch.zeros_like(b[..., :1]) if g is None else g
+    x = ChunkInputs(*(_chunked(t) for t in (q, k, v, g, b, w)), scale=0.25)
+    gt = gate_terms(x.g)
+    A = wy_inverse(x, gt)
+    X, Y = wy_factors(x, gt)
+    W, U = A @ X, A @ Y
+    gen = torch.Generator().manual_seed(1)
+    dW, dU = torch.randn(W.shape, generator=gen, dtype=W.dtype), torch.randn(U.shape, generator=gen, dtype=U.dtype)
+    return x, gt, A, W, U, dW, dU
+
+
+@pytest.mark.parametrize("kind", ["delta_rule", "gdn", "kda", "gdn2"])
+def test_residual_wy_two_products(kind):
+    x, gt, A, W, U, dW, dU = _wy_state(kind)
+    with ProductRecorder() as rec:
+        dX, dY, dL = residual_wy_backward(A, W, U, dW, dU)
+    assert len(rec.outputs) == 2, f"expected 2 products, got {len(rec.outputs)}"
+    # and they are the textbook gradients (six products the long way)
+    X, Y = wy_factors(x, gt)
+    At = A.transpose(-1, -2)
+    dA = dW @ X.transpose(-1, -2) + dU @ Y.transpose(-1, -2)
+    assert torch.allclose(dX, At @ dW, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(dY, At @ dU, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(dL, (-(At @ dA @ At)).tril(-1), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["delta_rule", "gdn"])
+def test_scalar_gate_wy_backward_three_products(kind):
+    x, gt, A, W, U, dW, dU = _wy_state(kind)
+    a = x.b * x.k
+    with ProductRecorder() as rec:
+        wy_backward(A, W, U, dW, dU, a, x.k, gt.G, x.b)
+    assert len(rec.outputs) == 3, f"expected 3 products, got {len(rec.outputs)}"
+
+
+def _forbidden_grams(kind):
+    """Every form of the key Gram per chunk: K K^T, (b*K) K^T, and gated L
+    with and without the erase gate."""
+    q, k, v, g, b, w = _chunk_inputs(kind)
+    kc, bc = _chunked(k), _chunked(b)
+    G = (torch.zeros_like(bc[..., :1]) if g is None else _chunked(g)).cumsum(-2)
+    return [kc @ kc.transpose(-1, -2), (bc * kc) @ kc.transpose(-1, -2),
+            gram(bc * kc, kc, G, inclusive=False), gram(kc, kc, G, inclusive=False)]
+
+
+def _block_lower(C: int, block: int = 16) -> torch.Tensor:
+    """Entries (i, j) with j before the 16-row block of i. Matrix Intra forms
+    exactly these entries of L as products (the diagonal blocks elementwise),
+    so a Gram formed whole or by blocks agrees with the target on them."""
+    i = torch.arange(C).unsqueeze(1)
+    return torch.arange(C).unsqueeze(0) < (i // block) * block
+
+
+def _matches(out: torch.Tensor, target: torch.Tensor) -> bool:
+    if out.numel() != target.numel():
+        return False
+    cand = out.reshape(target.shape)
+    mask = _block_lower(target.shape[-1])
+    return torch.allclose(cand[..., mask], target[..., mask], rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+@pytest.mark.parametrize("kind", ["delta_rule", "gdn", "kda", "gdn2"])
+def test_backward_never_forms_key_gram(kind, policy):
+    q, k, v, g, b, w = _chunk_inputs(kind)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, b, w) if t is not None]
+    forbidden = _forbidden_grams(kind)
+
+    with ProductRecorder() as fwd:
+        o, ht = ReWYChunkFunction.apply(q, k, v, g, b, w, None, 0.25, policy)
+    # Positive control: the forward builds L, so the detector must see it.
+    assert any(_matches(out, t) for out in fwd.outputs for t in forbidden), \
+        "detector failed to find the key Gram in forward"
+
+    with ProductRecorder() as bwd:
+        torch.autograd.grad((o * torch.randn_like(o)).sum() + ht.sum(), leaves)
+    assert bwd.outputs, "backward issued no products at all"
+    for out in bwd.outputs:
+        for target in forbidden:
+            assert not _matches(out, target), f"backward formed a key Gram of shape {tuple(out.shape)}"
