@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunk_forward import ChunkInputs, GateTerms
+from .chunk_forward import ChunkInputs, GateTerms, chunk_major
 from .gated_gram import gram_backward
 from .residual_wy import wy_backward
 
@@ -38,18 +38,20 @@ def reverse_state_pass(
     x: ChunkInputs, gt: GateTerms, s: Saved, do: torch.Tensor, dht: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dVn, dHnext, dh0); dHnext[:, :, n] is the gradient of the state
-    leaving chunk n."""
-    Kc = x.k * gt.eKc
-    dVn = s.Aqk.transpose(-1, -2) @ do
-    QdO = x.scale * (x.q * gt.eG).transpose(-1, -2) @ do
-    dec = gt.decay.transpose(-1, -2)
-    dHnext = torch.empty_like(s.Hs)
+    leaving chunk n. Runs chunk-major, like the forward state pass."""
+    Kc = chunk_major(x.k * gt.eKc)
+    dVn = chunk_major(s.Aqk.transpose(-1, -2) @ do)
+    QdO = chunk_major(x.scale * (x.q * gt.eG).transpose(-1, -2) @ do)
+    dec = chunk_major(gt.decay.transpose(-1, -2))
+    WT = chunk_major(s.W.transpose(-1, -2))
+    dHnext = dht.new_empty(dVn.shape[0], *dht.shape)
     dS = dht
-    for n in reversed(range(do.shape[2])):
-        dHnext[:, :, n] = dS
-        dVn[:, :, n] += Kc[:, :, n] @ dS
-        dS = dec[:, :, n] * dS + QdO[:, :, n] - s.W[:, :, n].transpose(-1, -2) @ dVn[:, :, n]
-    return dVn, dHnext, dS
+    for n in reversed(range(dVn.shape[0])):
+        dHnext[n] = dS
+        dv = dVn[n].flatten(0, 1)
+        dv.baddbmm_(Kc[n].flatten(0, 1), dS.flatten(0, 1))
+        dS = torch.baddbmm((dec[n] * dS + QdO[n]).flatten(0, 1), WT[n].flatten(0, 1), dv, alpha=-1).view_as(dS)
+    return dVn.movedim(0, 2), dHnext.movedim(0, 2), dS
 
 
 def local_backward(x: ChunkInputs, gt: GateTerms, s: Saved, do: torch.Tensor, dVn: torch.Tensor, dHnext: torch.Tensor):

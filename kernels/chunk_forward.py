@@ -67,19 +67,27 @@ def state_pass(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequential inter-chunk recurrence.
 
-    Returns (Hs, Vn, final): Hs[:, :, n] is the state entering chunk n.
+    Returns (Hs, Vn, final): Hs[:, :, n] is the state entering chunk n. The loop
+    runs on chunk-major copies so each step's operands are contiguous and the
+    batched products need no hidden copies.
     """
-    N, H, NT, C, V = U.shape
+    W, U, KcT = (chunk_major(t) for t in (W, U, Kc.transpose(-1, -2)))
+    dec = chunk_major(decay.transpose(-1, -2))      # [NT, N, H, Dg, 1]: scales the K rows of S
+    NT = U.shape[0]
     S = h0
-    Hs = U.new_empty(N, H, NT, W.shape[-1], V)
+    Hs = U.new_empty(NT, *h0.shape)
     Vn = torch.empty_like(U)
-    dec = decay.transpose(-1, -2)        # [N, H, NT, Dg, 1]: scales the K rows of S
     for n in range(NT):
-        Hs[:, :, n] = S
-        vn = U[:, :, n] - W[:, :, n] @ S
-        Vn[:, :, n] = vn
-        S = dec[:, :, n] * S + Kc[:, :, n].transpose(-1, -2) @ vn
-    return Hs, Vn, S
+        Hs[n] = S
+        torch.baddbmm(U[n].flatten(0, 1), W[n].flatten(0, 1), S.flatten(0, 1), beta=1, alpha=-1,
+                      out=Vn[n].flatten(0, 1))
+        S = torch.baddbmm((dec[n] * S).flatten(0, 1), KcT[n].flatten(0, 1), Vn[n].flatten(0, 1)).view_as(S)
+    return Hs.movedim(0, 2), Vn.movedim(0, 2), S
+
+
+def chunk_major(t: torch.Tensor) -> torch.Tensor:
+    """[N, H, NT, ...] -> contiguous [NT, N, H, ...]."""
+    return t.movedim(2, 0).contiguous()
 
 
 def output(x: ChunkInputs, gt: GateTerms, Hs: torch.Tensor, Vn: torch.Tensor, Aqk: torch.Tensor) -> torch.Tensor:

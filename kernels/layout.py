@@ -40,9 +40,9 @@ class ChunkLayout:
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather is None:
             pad = self.padded_len - self.T
-            return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+            return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).contiguous()
         x0 = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
-        return x0[self.gather].transpose(1, 2)
+        return x0[self.gather].transpose(1, 2).contiguous()
 
     def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
         y = y.transpose(1, 2)

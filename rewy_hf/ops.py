@@ -61,6 +61,10 @@ def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool
 
 
 def _check_gate_params(A_log, dt_bias, a_numel: int, bias_numel: int, need_a: bool):
+    for name, p in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if p is not None and not (isinstance(p, torch.Tensor) and p.is_floating_point()):
+            raise InputValidationError(f"`{name}` must be a floating-point torch.Tensor, got {type(p).__name__}.")
+    check_finite(A_log=A_log, dt_bias=dt_bias)
     if A_log is None and need_a:
         raise UnsupportedConfigError("`use_gate_in_kernel=True` needs `A_log` (or a `lower_bound` for KDA/GDN2).")
     if A_log is not None and A_log.numel() != a_numel:
@@ -116,7 +120,8 @@ def chunk_delta_rule(
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]. Returns (o, final_state).
     """
-    extras = pop_fla_extras("chunk_delta_rule", kwargs, _PLUMBING)
+    # DeltaNet has no state_v_first in FLA, so its deprecated alias is refused too.
+    extras = pop_fla_extras("chunk_delta_rule", kwargs, tuple(k for k in _PLUMBING if k != "transpose_state_layout"))
     (B, T, H, K, HV, V), scale, policy = _common(
         "chunk_delta_rule", q, k, v, scale, initial_state, cu_seqlens, False, backend, policy, extras, allow_gva=False
     )
@@ -171,7 +176,7 @@ def chunk_gated_delta_rule(
         A_log, dt_bias = extras.get("A_log"), extras.get("dt_bias")
         _check_gate_params(A_log, dt_bias, HV, HV, need_a=True)
         dt = compute_dtype(g)
-        g = gdn_gate(g.to(dt), A_log.to(dt), None if dt_bias is None else dt_bias.to(dt))
+        g = gdn_gate(g.to(dt), A_log.reshape(-1).to(dt), None if dt_bias is None else dt_bias.reshape(-1).to(dt))
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return delta_rule_core(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), None, scale, initial_state,

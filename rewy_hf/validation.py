@@ -58,7 +58,8 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     """Returns the number of sequences N."""
     if cu_seqlens is None:
         return B
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()
+            or cu_seqlens.dtype == torch.bool):
         raise InputValidationError("`cu_seqlens` must be a 1-D integer tensor of sequence offsets [0, ..., T].")
     if B != 1:
         raise InputValidationError(
