@@ -71,7 +71,7 @@ class ReWYChunkFunction(torch.autograd.Function):
             gt, s, _ = _forward_pass(x, state0, A)
         if dht is None:
             dht = torch.zeros_like(state0)
-        do = _chunked(do.to(q.dtype), C)
+        do = _chunked(do.to(q.dtype).contiguous(), C)
         dVn, dHnext, dh0 = reverse_state_pass(x, gt, s, do, dht.to(q.dtype))
         grads = local_backward(x, gt, s, do, dVn, dHnext)
         dq, dk, dv, dg, db, dw = (None if t is None else t.flatten(2, 3) for t in grads)

@@ -1,0 +1,67 @@
+"""The `rewy-hf` command line.
+
+Each subcommand lives in its own module, listed in ``COMMANDS``. A command
+module provides:
+
+    HELP: str                       one line for `rewy-hf --help`
+    add_arguments(parser) -> None   add its options to its subparser
+    run(args) -> int                do the work, return the exit status
+
+Command modules keep heavy imports (torch, FLA, transformers) inside ``run`` so
+that `rewy-hf --help` stays instant. To add `parity`, `bench`, ... write the
+module and add one line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rewy_hf.env import rewy_hf_version
+
+COMMANDS: dict[str, str] = {
+    "env": "rewy_hf.env",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints only the usage line on errors; a newcomer who mistypes
+    # a subcommand is better served by the full list of commands.
+    def error(self, message: str):
+        self.print_help(sys.stderr)
+        self.exit(2, f"\n{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="rewy-hf",
+        description="Faster backward passes for delta-rule attention in Hugging Face models.",
+    )
+    parser.add_argument("--version", action="version", version=f"rewy-hf {rewy_hf_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # --help/--version/usage errors exit through argparse; callers of
+        # main() (tests, the console script) want a status, not an exception.
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args._run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
