@@ -1,1 +1,12 @@
-"""The math: float64 reference recurrences, torch backend and triton backend (installed as rewy_hf.kernels)."""
+"""The math: float64 reference recurrences and the torch backend (installed as rewy_hf.kernels)."""
+
+# This folder sits at the repository root but installs as ``rewy_hf.kernels``.
+# Run from the root with ``python -m ...``, Python would find it as a
+# top-level ``kernels`` and hide Hugging Face's hub-kernels package of that
+# name, which transformers imports. Refuse loudly instead of misbehaving.
+if __name__ == "kernels":
+    raise ImportError(
+        "the repository's kernels/ folder was imported as top-level `kernels`, which would shadow Hugging Face's "
+        "`kernels` package; install rewy-hf (pip install -e .) and run tools with their console scripts "
+        "(`pytest`, `rewy-hf`) or `python -P -m ...` so the current folder is not put on sys.path."
+    )

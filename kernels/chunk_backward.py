@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunk_forward import ChunkInputs, GateTerms, chunk_major
+from .chunk_forward import ChunkInputs, GateTerms, transition
 from .gated_gram import gram_backward
 from .residual_wy import wy_backward
 
@@ -27,71 +27,71 @@ class Saved:
     """Forward intermediates the backward consumes (saved or recomputed)."""
 
     A: torch.Tensor
-    W: torch.Tensor
-    U: torch.Tensor
+    WU: torch.Tensor      # [W U] side by side: W = A X, U = A Y
     Hs: torch.Tensor
     Vn: torch.Tensor
     Aqk: torch.Tensor
+
+    @property
+    def W(self) -> torch.Tensor:
+        return self.WU[..., : self.Hs.shape[-2]]
 
 
 def reverse_state_pass(
     x: ChunkInputs, gt: GateTerms, s: Saved, do: torch.Tensor, dht: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dVn, dHnext, dh0); dHnext[:, :, n] is the gradient of the state
-    leaving chunk n. Runs chunk-major, like the forward state pass."""
-    Kc = chunk_major(x.k * gt.eKc)
-    dVn = chunk_major(s.Aqk.transpose(-1, -2) @ do)
-    QdO = chunk_major(x.scale * (x.q * gt.eG).transpose(-1, -2) @ do)
-    dec = chunk_major(gt.decay.transpose(-1, -2))
-    WT = chunk_major(s.W.transpose(-1, -2))
-    dHnext = dht.new_empty(dVn.shape[0], *dht.shape)
-    dS = dht
-    for n in reversed(range(dVn.shape[0])):
-        dHnext[n] = dS
-        dv = dVn[n].flatten(0, 1)
-        dv.baddbmm_(Kc[n].flatten(0, 1), dS.flatten(0, 1))
-        dS = torch.baddbmm((dec[n] * dS + QdO[n]).flatten(0, 1), WT[n].flatten(0, 1), dv, alpha=-1).view_as(dS)
-    return dVn.movedim(0, 2), dHnext.movedim(0, 2), dS
+    """Returns (dVn, dHnext, dh0); dHnext[n] is the gradient of the state
+    leaving chunk n.
+
+    With dVn = Aqk^T dO + Kc dS', the gradient of the entering state is
+    dS = M^T dS' + R, M^T = Diag(e^{G_C}) - W^T Kc, R = scale (q e^G)^T dO - W^T Aqk^T dO:
+    the transpose of the forward recurrence, again one product per chunk.
+    """
+    Kc = x.k * gt.eKc
+    WT = s.W.transpose(-1, -2)
+    dVn_local = s.Aqk.transpose(-1, -2) @ do
+    R = (x.scale * (x.q * gt.eG)).transpose(-1, -2) @ do - WT @ dVn_local
+    MT = transition(WT, Kc, gt.decay)
+    dH = dht.new_empty(do.shape[0] + 1, *dht.shape)
+    dH[-1] = dht
+    for n in reversed(range(do.shape[0])):
+        torch.baddbmm(R[n].flatten(0, 1), MT[n].flatten(0, 1), dH[n + 1].flatten(0, 1), out=dH[n].flatten(0, 1))
+    dVn = dVn_local + Kc @ dH[1:]
+    return dVn, dH[1:], dH[0]
 
 
 def local_backward(x: ChunkInputs, gt: GateTerms, s: Saved, do: torch.Tensor, dVn: torch.Tensor, dHnext: torch.Tensor):
-    """Gradients of q, k, v, g, b, w given the state-pass results.
-
-    Gate gradients are accumulated per channel in dG ([..., C, K]) and reduced
-    to the gate's own width at the end.
-    """
+    """Gradients of q, k, v, g, b, w given the state-pass results."""
     q, k, v, b, wg = x.q, x.k, x.v, x.b, x.write_gate
-    G, eG = gt.G, gt.eG
+    eG = gt.eG
     HsT = s.Hs.transpose(-1, -2)
 
     # Products with the states entering / leaving each chunk.
-    dW = -(dVn @ HsT)
-    dQg = x.scale * (do @ HsT)
-    dAqk = (do @ s.Vn.transpose(-1, -2)).tril()
+    dW = (dVn @ HsT).neg_()
+    dQg = do @ HsT
+    dAqk = do @ s.Vn.transpose(-1, -2)        # the Gram backward keeps only its causal part
     Kc = k * gt.eKc
     dKc = s.Vn @ dHnext.transpose(-1, -2)
-    dGC = (s.Hs * dHnext).sum(-1).unsqueeze(-2) * gt.decay.expand(*gt.decay.shape[:-1], k.shape[-1])
 
-    # Residual WY, then the key Gram L (Gram Elimination gives its gate term).
+    # Residual WY and the key Gram L, then the output Gram Aqk = scale * gram(q, k).
     a = b * k
-    dX, dY, Ra, Rc = wy_backward(s.A, s.W, s.U, dW, dVn, a, k, G, b)
+    dX, dY, Ra, Rc = wy_backward(s.A, s.WU, dW, dVn, a, k, gt.G, b, decay=gt.pair_decay(False))
+    Rq, Rk = gram_backward(dAqk, q, k, gt.G, inclusive=True, decay=gt.pair_decay(True))
     da = dX * eG + Ra
-    dk = Rc
-    dG = dX * a * eG + a * Ra - k * Rc
+    dq = (Rq + dQg * eG).mul_(x.scale)
+    dkg = Rc + Rk.mul_(x.scale)
 
-    # Output Gram Aqk = scale * gram(q, k).
-    Rq, Rk = gram_backward(x.scale * dAqk, q, k, G, inclusive=True)
-    dq = Rq + dQg * eG
-    dk = dk + Rk + dKc * gt.eKc
-    dG = dG + q * Rq - k * Rk + dQg * q * eG - dKc * Kc
-    dGC = dGC + (dKc * Kc).sum(-2, keepdim=True)
-    dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dGC], dim=-2)
+    # Gate gradient without any further product: each factor e^{+G} contributes
+    # (factor's operand) * (its gradient), each e^{-G} the negative, so the Gram
+    # terms, X = a e^G, q e^G and k e^{G_C - G} collapse to one expression
+    # (Gram Elimination). G_C also scales the carried state and every Kc row.
+    dG = a * da + q * dq - k * dkg - Kc * dKc
+    dGC = (s.Hs * dHnext).sum(-1).unsqueeze(-2) * gt.decay + (dKc * Kc).sum(-2, keepdim=True)
+    if gt.G.shape[-1] == 1:
+        dG, dGC = dG.sum(-1, keepdim=True), dGC.sum(-1, keepdim=True)
+    dg = dG.flip(-2).cumsum(-2).flip(-2) + dGC       # G_i = sum_{s<=i} g_s
 
-    if G.shape[-1] == 1:
-        dG = dG.sum(-1, keepdim=True)
-    dg = dG.flip(-2).cumsum(-2).flip(-2)
-
-    dk = dk + da * b
+    dk = dkg + dKc * gt.eKc + da * b
     db = _reduce_to(da * k, b)
     dv = dY * wg
     dw = _reduce_to(dY * v, wg)

@@ -1,6 +1,6 @@
 """Chunked forward of the general delta rule (torch backend).
 
-All tensors are in the chunk layout ``[N, H, NT, C, D]`` in the compute dtype.
+All tensors are chunk-major, ``[NT, N, H, C, D]``, in the compute dtype.
 Symbols follow design.md section 3: G cumulative log-gates within a chunk,
 X = b*k*e^G, Y = w*v, L the strictly lower gated key Gram, A = (I + L)^{-1},
 W = A X, U = A Y, Vn = U - W S, O = scale (q e^G) S + Aqk Vn, and
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gated_gram import gram
+from .gated_gram import gram, scalar_decay
 
 
 @dataclass
@@ -42,12 +42,24 @@ class GateTerms:
     eG: torch.Tensor      # e^G
     eKc: torch.Tensor     # e^{G_C - G}
     decay: torch.Tensor   # e^{G_C}, [..., 1, Dg]
+    gamma: torch.Tensor | None  # scalar gates: exp(G_i - G_j) for j < i, else None
+
+    @property
+    def scalar(self) -> bool:
+        return self.gamma is not None
+
+    def pair_decay(self, inclusive: bool) -> torch.Tensor | None:
+        """The C x C decay of a scalar-gated Gram (the diagonal is exp(0) = 1)."""
+        if self.gamma is None or not inclusive:
+            return self.gamma
+        return self.gamma + torch.eye(self.gamma.shape[-1], dtype=self.gamma.dtype, device=self.gamma.device)
 
 
 def gate_terms(g: torch.Tensor) -> GateTerms:
     G = g.cumsum(-2)
     GC = G[..., -1:, :]
-    return GateTerms(G=G, eG=G.exp(), eKc=(GC - G).exp(), decay=GC.exp())
+    gamma = scalar_decay(G, inclusive=False) if G.shape[-1] == 1 else None
+    return GateTerms(G=G, eG=G.exp(), eKc=(GC - G).exp(), decay=GC.exp(), gamma=gamma)
 
 
 def wy_factors(x: ChunkInputs, gt: GateTerms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +69,7 @@ def wy_factors(x: ChunkInputs, gt: GateTerms) -> tuple[torch.Tensor, torch.Tenso
 
 def wy_inverse(x: ChunkInputs, gt: GateTerms) -> torch.Tensor:
     """A = (I + L)^{-1} with L = strictly-lower gated Gram of (b*k, k)."""
-    L = gram(x.b * x.k, x.k, gt.G, inclusive=False)
+    L = gram(x.b * x.k, x.k, gt.G, inclusive=False, decay=gt.pair_decay(False))
     eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
     return torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
 
@@ -67,27 +79,28 @@ def state_pass(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequential inter-chunk recurrence.
 
-    Returns (Hs, Vn, final): Hs[:, :, n] is the state entering chunk n. The loop
-    runs on chunk-major copies so each step's operands are contiguous and the
-    batched products need no hidden copies.
+    S' = Diag(e^{G_C}) S + Kc^T (U - W S) is linear in S: S' = M S + B with
+    M = Diag(e^{G_C}) - Kc^T W and B = Kc^T U. M and B are formed for all
+    chunks in two batched products, so the loop is one product per chunk;
+    Vn = U - W S then comes from one more batched product.
+    Returns (Hs, Vn, final): Hs[n] is the state entering chunk n.
     """
-    W, U, KcT = (chunk_major(t) for t in (W, U, Kc.transpose(-1, -2)))
-    dec = chunk_major(decay.transpose(-1, -2))      # [NT, N, H, Dg, 1]: scales the K rows of S
-    NT = U.shape[0]
-    S = h0
-    Hs = U.new_empty(NT, *h0.shape)
-    Vn = torch.empty_like(U)
-    for n in range(NT):
-        Hs[n] = S
-        torch.baddbmm(U[n].flatten(0, 1), W[n].flatten(0, 1), S.flatten(0, 1), beta=1, alpha=-1,
-                      out=Vn[n].flatten(0, 1))
-        S = torch.baddbmm((dec[n] * S).flatten(0, 1), KcT[n].flatten(0, 1), Vn[n].flatten(0, 1)).view_as(S)
-    return Hs.movedim(0, 2), Vn.movedim(0, 2), S
+    KcT = Kc.transpose(-1, -2)
+    M = transition(KcT, W, decay)
+    B = KcT @ U
+    Hs = U.new_empty(U.shape[0] + 1, *h0.shape)
+    Hs[0] = h0
+    for n in range(U.shape[0]):
+        torch.baddbmm(B[n].flatten(0, 1), M[n].flatten(0, 1), Hs[n].flatten(0, 1), out=Hs[n + 1].flatten(0, 1))
+    Vn = U - W @ Hs[:-1]
+    return Hs[:-1], Vn, Hs[-1]
 
 
-def chunk_major(t: torch.Tensor) -> torch.Tensor:
-    """[N, H, NT, ...] -> contiguous [NT, N, H, ...]."""
-    return t.movedim(2, 0).contiguous()
+def transition(left: torch.Tensor, right: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Diag(e^{G_C}) - left @ right, the per-chunk state transition ([..., K, K])."""
+    M = (left @ right).neg_()
+    M.diagonal(dim1=-2, dim2=-1).add_(decay.squeeze(-2))
+    return M
 
 
 def output(x: ChunkInputs, gt: GateTerms, Hs: torch.Tensor, Vn: torch.Tensor, Aqk: torch.Tensor) -> torch.Tensor:
@@ -96,4 +109,4 @@ def output(x: ChunkInputs, gt: GateTerms, Hs: torch.Tensor, Vn: torch.Tensor, Aq
 
 def qk_gram(x: ChunkInputs, gt: GateTerms) -> torch.Tensor:
     """Aqk = scale * causal (inclusive) gated Gram of (q, k)."""
-    return x.scale * gram(x.q, x.k, gt.G, inclusive=True)
+    return x.scale * gram(x.q, x.k, gt.G, inclusive=True, decay=gt.pair_decay(True))

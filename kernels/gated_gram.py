@@ -71,10 +71,13 @@ def _diag_blocks(M: torch.Tensor, nb: int) -> torch.Tensor:
     return torch.diagonal(M4, dim1=-4, dim2=-2).movedim(-1, -3)
 
 
-def gram(a: torch.Tensor, c: torch.Tensor, G: torch.Tensor, inclusive: bool) -> torch.Tensor:
-    """M_ij = sum_d a_id c_jd exp(G_id - G_jd) on the causal part. Returns [..., C, C]."""
+def gram(a: torch.Tensor, c: torch.Tensor, G: torch.Tensor, inclusive: bool,
+         decay: torch.Tensor | None = None) -> torch.Tensor:
+    """M_ij = sum_d a_id c_jd exp(G_id - G_jd) on the causal part. Returns [..., C, C].
+
+    ``decay`` may carry a precomputed ``scalar_decay(G, inclusive)``."""
     if G.shape[-1] == 1:
-        return (a @ c.transpose(-1, -2)) * scalar_decay(G, inclusive)
+        return (a @ c.transpose(-1, -2)) * (scalar_decay(G, inclusive) if decay is None else decay)
     blk = _Blocks(a, c, G, inclusive)
     off = (blk.aB * blk.row) @ (c.unsqueeze(-3) * blk.col).transpose(-1, -2)   # [..., nb, Bi, C]
     M = off.flatten(-3, -2)
@@ -89,6 +92,7 @@ def gram_backward(
     G: torch.Tensor,
     inclusive: bool,
     row_scale: torch.Tensor | None = None,
+    decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``sum(dM * gram(a, c, G))`` with respect to ``a`` and ``c``.
 
@@ -102,9 +106,8 @@ def gram_backward(
     row_scale of shape [..., C, 1]; both halves then come from one product with
     the stacked left operand [P; P^T Diag(row_scale)], where P = dM * Gamma.
     """
-    dM = dM * causal_mask(dM.shape[-1], inclusive, dM.device)
     if G.shape[-1] == 1:
-        P = dM * scalar_decay(G, inclusive)
+        P = dM * (scalar_decay(G, inclusive) if decay is None else decay)
         if row_scale is not None:
             Pt = P.transpose(-1, -2) * row_scale.transpose(-1, -2)
             R = torch.cat([P, Pt], dim=-2) @ c
@@ -112,6 +115,9 @@ def gram_backward(
             return R[..., :C, :], R[..., C:, :]
         return P @ c, P.transpose(-1, -2) @ a
     blk = _Blocks(a, c, G, inclusive)
+    # Entries of dM outside the causal part meet zero factors below (the
+    # column factors vanish from each block's first row on, the diagonal
+    # blocks are masked), so dM needs no mask of its own.
     dMB = dM.unflatten(-2, (blk.nb, BLOCK))                              # [..., nb, Bi, C]
     c_col = c.unsqueeze(-3) * blk.col                                    # [..., nb, C, K]
     a_row = blk.aB * blk.row                                             # [..., nb, Bi, K]

@@ -1,8 +1,10 @@
 """Between FLA's token layout and the torch backend's chunk layout.
 
 FLA ops take ``[B, T, H, D]`` (with ``cu_seqlens``: B = 1 and T the packed
-length of N sequences). The chunked core wants ``[N, H, Tp, D]`` with Tp a
-multiple of the chunk size and every sequence starting a fresh chunk.
+length of N sequences). The chunked core wants the chunk-major layout
+``[NT, N, H, C, D]``: every sequence starts a fresh chunk of C tokens, and the
+chunk index leads so that each step of the sequential state recurrence reads
+one contiguous ``[N, H, C, D]`` slab.
 
 Padding tokens are zeros: a zero key and zero erase gate leave the state
 untouched and a zero log-gate decays nothing, so the state after the padded
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 
 class ChunkLayout:
-    """Maps ``[B, T, H, D]`` tensors to ``[N, H, Tp, D]`` and back."""
+    """Maps ``[B, T, H, D]`` tensors to ``[NT, N, H, C, D]`` and back."""
 
     def __init__(self, B: int, T: int, chunk: int, cu_seqlens: torch.Tensor | None, device: torch.device):
         self.T = T
@@ -39,13 +41,14 @@ class ChunkLayout:
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather is None:
-            pad = self.padded_len - self.T
-            return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).contiguous()
-        x0 = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
-        return x0[self.gather].transpose(1, 2).contiguous()
+            x = F.pad(x, (0, 0, 0, 0, 0, self.padded_len - self.T))
+        else:
+            x = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[self.gather]
+        # [N, Tp, H, D] -> [N, NT, C, H, D] -> [NT, N, H, C, D]
+        return x.unflatten(1, (-1, self.chunk)).permute(1, 0, 3, 2, 4).contiguous()
 
     def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
-        y = y.transpose(1, 2)
+        y = y.permute(1, 0, 3, 2, 4).flatten(1, 2)       # [N, Tp, H, D]
         if self.gather is None:
             return y[:, : self.T]
         return y.flatten(0, 1)[self.scatter].unsqueeze(0)

@@ -17,26 +17,28 @@ import torch
 from .gated_gram import gram_backward
 
 
-def residual_wy_backward(
-    A: torch.Tensor, W: torch.Tensor, U: torch.Tensor, dW: torch.Tensor, dU: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dX, dY, dL) from (dW, dU) with exactly two (batched) matrix products."""
-    K = W.shape[-1]
-    dXY = A.transpose(-1, -2) @ torch.cat([dW, dU], dim=-1)
-    dL = -(dXY @ torch.cat([W, U], dim=-1).transpose(-1, -2))
-    return dXY[..., :K], dXY[..., K:], dL.tril(-1)
+def residual_wy_backward(A: torch.Tensor, WU: torch.Tensor, dWU: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([dX dY], dL) from [dW dU] with exactly two (batched) matrix products.
+
+    ``WU`` and ``dWU`` hold W, U (and dW, dU) side by side on the last axis.
+    Only the strictly lower part of the returned dL is meaningful; its
+    consumers mask it, so no mask is spent here.
+    """
+    dXY = A.transpose(-1, -2) @ dWU
+    dL = (dXY @ WU.transpose(-1, -2)).neg_()
+    return dXY, dL
 
 
 def wy_backward(
     A: torch.Tensor,
-    W: torch.Tensor,
-    U: torch.Tensor,
+    WU: torch.Tensor,
     dW: torch.Tensor,
     dU: torch.Tensor,
     a: torch.Tensor,
     k: torch.Tensor,
     G: torch.Tensor,
     b: torch.Tensor,
+    decay: torch.Tensor | None = None,
 ):
     """The whole local WY backward: (dW, dU) -> (dX, dY, Ra, Rc).
 
@@ -45,7 +47,8 @@ def wy_backward(
     scalar erase gate (GDN, DeltaNet) this is three products in all: two here
     and one stacked product in the Gram backward.
     """
-    dX, dY, dL = residual_wy_backward(A, W, U, dW, dU)
+    K = dW.shape[-1]
+    dXY, dL = residual_wy_backward(A, WU, torch.cat([dW, dU], dim=-1))
     scalar = G.shape[-1] == 1 and b.shape[-1] == 1
-    Ra, Rc = gram_backward(dL, a, k, G, inclusive=False, row_scale=b if scalar else None)
-    return dX, dY, Ra, Rc
+    Ra, Rc = gram_backward(dL, a, k, G, inclusive=False, row_scale=b if scalar else None, decay=decay)
+    return dXY[..., :K], dXY[..., K:], Ra, Rc

@@ -1,13 +1,13 @@
 """The torch backend's autograd Function: chunked forward, ReWY backward.
 
 Inputs arrive already preprocessed (l2norm, gate and beta activations are plain
-torch ops outside, so autograd chains through them) and in the layout
-``[N, H, T, D]`` with T a multiple of the chunk size and the compute dtype.
+torch ops outside, so autograd chains through them), in the compute dtype and
+the chunk-major layout ``[NT, N, H, C, D]`` (C = 64); see layout.py.
 
 Save policies:
 - ``recompute``: keep the inputs and A = (I + L)^{-1} (T x C per head); rebuild
-  W, U (two products), Aqk and the chunk states in backward.
-- ``full``: keep W, U, the states, Vn and Aqk as well; backward skips the
+  [W U] (one product), Aqk and the chunk states in backward.
+- ``full``: keep [W U], the states, Vn and Aqk as well; backward skips the
   recomputation at the cost of one K x V state per chunk.
 Neither policy rebuilds the key Gram L in backward.
 """
@@ -23,19 +23,16 @@ CHUNK_SIZE = 64
 POLICIES = ("recompute", "full")
 
 
-def _chunked(t: torch.Tensor | None, C: int) -> torch.Tensor | None:
-    return None if t is None else t.unflatten(2, (t.shape[2] // C, C))
-
-
 def _forward_pass(x: ChunkInputs, h0: torch.Tensor, A: torch.Tensor | None = None):
     gt = gate_terms(x.g)
     if A is None:
         A = wy_inverse(x, gt)
     X, Y = wy_factors(x, gt)
-    W, U = A @ X, A @ Y
-    Hs, Vn, ht = state_pass(W, U, x.k * gt.eKc, gt.decay, h0)
+    WU = A @ torch.cat([X, Y], dim=-1)          # W = A X and U = A Y in one product
+    K = X.shape[-1]
+    Hs, Vn, ht = state_pass(WU[..., :K], WU[..., K:], x.k * gt.eKc, gt.decay, h0)
     Aqk = qk_gram(x, gt)
-    return gt, Saved(A=A, W=W, U=U, Hs=Hs, Vn=Vn, Aqk=Aqk), ht
+    return gt, Saved(A=A, WU=WU, Hs=Hs, Vn=Vn, Aqk=Aqk), ht
 
 
 class ReWYChunkFunction(torch.autograd.Function):
@@ -43,17 +40,18 @@ class ReWYChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, b, w, h0, scale: float, policy: str):
-        C = CHUNK_SIZE
+        if q.shape[-2] != CHUNK_SIZE:
+            raise ValueError(f"the torch core expects chunks of {CHUNK_SIZE} tokens, got {q.shape[-2]}")
         has_g = g is not None
         if g is None:
             g = q.new_zeros(*q.shape[:-1], 1)
-        x = ChunkInputs(*(_chunked(t, C) for t in (q, k, v, g, b, w)), scale=scale)
-        N, H, _, K = q.shape
+        x = ChunkInputs(q, k, v, g, b, w, scale=scale)
+        _, N, H, _, K = q.shape
         state0 = h0 if h0 is not None else q.new_zeros(N, H, K, v.shape[-1])
         gt, s, ht = _forward_pass(x, state0)
-        o = output(x, gt, s.Hs, s.Vn, s.Aqk).flatten(2, 3)
+        o = output(x, gt, s.Hs, s.Vn, s.Aqk)
 
-        extra = (s.W, s.U, s.Hs, s.Vn, s.Aqk) if policy == "full" else ()
+        extra = (s.WU, s.Hs, s.Vn, s.Aqk) if policy == "full" else ()
         ctx.save_for_backward(q, k, v, g, b, w, state0, s.A, *extra)
         ctx.meta = (scale, policy, has_g, h0 is not None)
         return o, ht
@@ -62,8 +60,7 @@ class ReWYChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         scale, policy, has_g, has_h0 = ctx.meta
         q, k, v, g, b, w, state0, A, *extra = ctx.saved_tensors
-        C = CHUNK_SIZE
-        x = ChunkInputs(*(_chunked(t, C) for t in (q, k, v, g, b, w)), scale=scale)
+        x = ChunkInputs(q, k, v, g, b, w, scale=scale)
         if policy == "full":
             gt = gate_terms(x.g)
             s = Saved(A, *extra)
@@ -71,8 +68,8 @@ class ReWYChunkFunction(torch.autograd.Function):
             gt, s, _ = _forward_pass(x, state0, A)
         if dht is None:
             dht = torch.zeros_like(state0)
-        do = _chunked(do.to(q.dtype).contiguous(), C)
+        do = do.to(q.dtype).contiguous()
         dVn, dHnext, dh0 = reverse_state_pass(x, gt, s, do, dht.to(q.dtype))
         grads = local_backward(x, gt, s, do, dVn, dHnext)
-        dq, dk, dv, dg, db, dw = (None if t is None else t.flatten(2, 3) for t in grads)
+        dq, dk, dv, dg, db, dw = grads
         return dq, dk, dv, dg if has_g else None, db, dw, dh0 if has_h0 else None, None, None

@@ -22,6 +22,7 @@ from rewy_hf.env import rewy_hf_version
 
 COMMANDS: dict[str, str] = {
     "env": "rewy_hf.env",
+    "demo": "rewy_hf.demo",
 }
 
 

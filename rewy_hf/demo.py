@@ -57,6 +57,17 @@ def run_op(op: str, gen: torch.Generator) -> tuple[float, float]:
     return worst, elapsed
 
 
+HELP = "one-minute CPU parity demo: the four ops' torch backend vs the float64 recurrence"
+
+
+def add_arguments(parser) -> None:
+    """No options: the demo is a fixed, reproducible check."""
+
+
+def run(args) -> int:
+    return main()
+
+
 def main() -> int:
     gen = torch.Generator().manual_seed(0)
     print("rewy-hf parity demo: torch backend (chunked forward + ReWY backward) vs float64 recurrence")

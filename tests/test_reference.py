@@ -5,21 +5,13 @@ FLA's naive recurrences compute in float32, so comparisons against them use a
 relative tolerance of 1e-5; identities between our own float64 paths use 1e-12.
 """
 
-import importlib.util
-import pathlib
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-try:
-    from rewy_hf.kernels import reference as ref
-except ImportError:  # package not installed: load the file directly
-    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "reference.py"
-    _spec = importlib.util.spec_from_file_location("_rewy_reference", _path)
-    ref = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(ref)
+from rewy_hf.kernels import reference as ref
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # FLA warns that Triton is unavailable on CPU

@@ -40,64 +40,60 @@ class ProductRecorder(TorchDispatchMode):
 
 
 def _chunk_inputs(kind: str, N=2, H=2, NT=3, K=16, V=8, seed=0):
+    """Random inputs in the core's chunk-major layout [NT, N, H, C, D]."""
     gen = torch.Generator().manual_seed(seed)
-    C = CHUNK_SIZE
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    q, k, v = r(N, H, NT * C, K), F.normalize(r(N, H, NT * C, K), dim=-1), r(N, H, NT * C, V)
-    gk = K if kind in ("kda", "gdn2") else 1
-    g = None if kind == "delta_rule" else F.logsigmoid(r(N, H, NT * C, gk))
-    b = torch.rand(N, H, NT * C, K if kind == "gdn2" else 1, generator=gen, dtype=torch.float64)
-    w = torch.rand(N, H, NT * C, V, generator=gen, dtype=torch.float64) if kind == "gdn2" else None
+    shape = (NT, N, H, CHUNK_SIZE)
+    r = lambda d: torch.randn(*shape, d, generator=gen, dtype=torch.float64)
+    q, k, v = r(K), F.normalize(r(K), dim=-1), r(V)
+    g = None if kind == "delta_rule" else F.logsigmoid(r(K if kind in ("kda", "gdn2") else 1))
+    b = torch.rand(*shape, K if kind == "gdn2" else 1, generator=gen, dtype=torch.float64)
+    w = torch.rand(*shape, V, generator=gen, dtype=torch.float64) if kind == "gdn2" else None
     return q, k, v, g, b, w
-
-
-def _chunked(t):
-    return None if t is None else t.unflatten(2, (t.shape[2] // CHUNK_SIZE, CHUNK_SIZE))
 
 
 def _wy_state(kind: str):
     q, k, v, g, b, w = _chunk_inputs(kind)
     g = torch.zeros_like(b[..., :1]) if g is None else g
-    x = ChunkInputs(*(_chunked(t) for t in (q, k, v, g, b, w)), scale=0.25)
+    x = ChunkInputs(q, k, v, g, b, w, scale=0.25)
     gt = gate_terms(x.g)
     A = wy_inverse(x, gt)
     X, Y = wy_factors(x, gt)
-    W, U = A @ X, A @ Y
+    WU = torch.cat([A @ X, A @ Y], dim=-1)
     gen = torch.Generator().manual_seed(1)
-    dW, dU = torch.randn(W.shape, generator=gen, dtype=W.dtype), torch.randn(U.shape, generator=gen, dtype=U.dtype)
-    return x, gt, A, W, U, dW, dU
+    dW = torch.randn(X.shape, generator=gen, dtype=X.dtype)
+    dU = torch.randn(Y.shape, generator=gen, dtype=Y.dtype)
+    return x, gt, A, WU, dW, dU
 
 
 @pytest.mark.parametrize("kind", ["delta_rule", "gdn", "kda", "gdn2"])
 def test_residual_wy_two_products(kind):
-    x, gt, A, W, U, dW, dU = _wy_state(kind)
+    x, gt, A, WU, dW, dU = _wy_state(kind)
     with ProductRecorder() as rec:
-        dX, dY, dL = residual_wy_backward(A, W, U, dW, dU)
+        dXY, dL = residual_wy_backward(A, WU, torch.cat([dW, dU], dim=-1))
     assert len(rec.outputs) == 2, f"expected 2 products, got {len(rec.outputs)}"
     # and they are the textbook gradients (six products the long way)
     X, Y = wy_factors(x, gt)
+    K = X.shape[-1]
     At = A.transpose(-1, -2)
     dA = dW @ X.transpose(-1, -2) + dU @ Y.transpose(-1, -2)
-    assert torch.allclose(dX, At @ dW, rtol=1e-12, atol=1e-12)
-    assert torch.allclose(dY, At @ dU, rtol=1e-12, atol=1e-12)
-    assert torch.allclose(dL, (-(At @ dA @ At)).tril(-1), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(dXY[..., :K], At @ dW, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(dXY[..., K:], At @ dU, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(dL.tril(-1), (-(At @ dA @ At)).tril(-1), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["delta_rule", "gdn"])
 def test_scalar_gate_wy_backward_three_products(kind):
-    x, gt, A, W, U, dW, dU = _wy_state(kind)
-    a = x.b * x.k
+    x, gt, A, WU, dW, dU = _wy_state(kind)
     with ProductRecorder() as rec:
-        wy_backward(A, W, U, dW, dU, a, x.k, gt.G, x.b)
+        wy_backward(A, WU, dW, dU, x.b * x.k, x.k, gt.G, x.b, decay=gt.pair_decay(False))
     assert len(rec.outputs) == 3, f"expected 3 products, got {len(rec.outputs)}"
 
 
 def _forbidden_grams(kind):
     """Every form of the key Gram per chunk: K K^T, (b*K) K^T, and gated L
     with and without the erase gate."""
-    q, k, v, g, b, w = _chunk_inputs(kind)
-    kc, bc = _chunked(k), _chunked(b)
-    G = (torch.zeros_like(bc[..., :1]) if g is None else _chunked(g)).cumsum(-2)
+    q, kc, v, g, bc, w = _chunk_inputs(kind)
+    G = (torch.zeros_like(bc[..., :1]) if g is None else g).cumsum(-2)
     return [kc @ kc.transpose(-1, -2), (bc * kc) @ kc.transpose(-1, -2),
             gram(bc * kc, kc, G, inclusive=False), gram(kc, kc, G, inclusive=False)]
 
