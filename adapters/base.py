@@ -1,0 +1,50 @@
+"""What an adapter is: which layer classes it serves and how to call rewy for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One model family's delta-rule layers.
+
+    ``site`` is ``"<module>:<attribute>"``: the module-level core function the
+    layer's forward calls for the chunked path (the decode path calls another
+    name and is left alone). ``call(args, kwargs, *, backend, policy)`` receives
+    the arguments the layer passed to that function and returns ``(o, state)``
+    from a rewy op. ``check(layer)`` returns a reason when a layer instance
+    cannot be served, else None.
+    """
+
+    family: str
+    op: str
+    layer_classes: tuple[str, ...]
+    site: str
+    call: Callable
+    check: Callable[[nn.Module], str | None] = field(default=lambda layer: None)
+
+    @property
+    def site_module(self) -> str:
+        return self.site.split(":")[0]
+
+    @property
+    def site_attr(self) -> str:
+        return self.site.split(":")[1]
+
+
+def qualified_class_names(layer: nn.Module) -> list[str]:
+    """The layer's class and its bases as ``module.QualName`` strings."""
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(layer).__mro__]
+
+
+def keyword_call(op: Callable) -> Callable:
+    """Adapter ``call`` for sites whose signature already is FLA's: pass through."""
+
+    def call(args, kwargs, *, backend, policy):
+        return op(*args, backend=backend, policy=policy, **kwargs)
+
+    return call

@@ -1,0 +1,43 @@
+"""The call convention shared by transformers' delta-rule layers.
+
+transformers resolves each model's core once at import: the modeling module
+defines ``torch_chunk_gated_delta_rule`` (or ``chunk_kimi_delta_attention``)
+wrapped by ``use_kernel_func_from_hub_with_fallback``, which at call time runs
+FLA's op when FLA is importable and the plain-torch function otherwise. The
+layer calls that module-level name as
+
+    core(query, key, value, g=g, beta=beta, initial_state=..., output_final_state=...,
+         use_qk_l2norm_in_kernel=True, [cu_seqlens=...], **forward_kwargs)
+
+with activated gates (g already a log-decay, beta already a sigmoid) in FLA's
+``[B, T, H, D]`` layout. The torch function's positional order is
+``(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+use_qk_l2norm_in_kernel)``. Like transformers' wrapper (which filters keyword
+arguments by the target's signature), leftover attention keyword arguments the
+core has no use for (``cu_seq_lens_k``, ``max_length_q`` ...) are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_POSITIONAL = ("g", "beta", "chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+_PASSED_ON = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens")
+
+
+def hf_core_call(op: Callable) -> Callable:
+    def call(args, kwargs, *, backend, policy):
+        query, key, value, *rest = args
+        bound = dict(zip(_POSITIONAL, rest))
+        bound.update(kwargs)
+        passed = {name: bound[name] for name in _PASSED_ON if bound.get(name) is not None}
+        return op(query, key, value, bound["g"], bound["beta"], backend=backend, policy=policy, **passed)
+
+    return call
+
+
+def torch_reference(module, attr: str) -> Callable:
+    """The plain-torch core behind a transformers site (skipping FLA)."""
+    fn = getattr(module, attr)
+    fn = getattr(fn, "original", fn)          # under a rewy CoreDispatcher
+    return getattr(fn, "__wrapped__", fn)

@@ -1,0 +1,33 @@
+"""transformers models whose linear-attention layer is Gated DeltaNet.
+
+Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid, LaRA-mini and Qwen4-exp all
+call ``torch_chunk_gated_delta_rule`` in their modeling module; see
+transformers_common for the call convention.
+"""
+
+from __future__ import annotations
+
+from rewy_hf import ops
+
+from .base import Adapter
+from .transformers_common import hf_core_call
+
+_MODELS = (
+    ("qwen3_5", "Qwen3_5GatedDeltaNet"),
+    ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+    ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+    ("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+    ("lara_mini", "LaraMiniGatedDeltaNet"),
+    ("qwen4_exp", "Qwen4ExpTextGatedDeltaNet"),
+)
+
+ADAPTERS = tuple(
+    Adapter(
+        family=model,
+        op="gated_delta_rule",
+        layer_classes=(f"transformers.models.{model}.modeling_{model}.{cls}",),
+        site=f"transformers.models.{model}.modeling_{model}:torch_chunk_gated_delta_rule",
+        call=hf_core_call(ops.chunk_gated_delta_rule),
+    )
+    for model, cls in _MODELS
+)

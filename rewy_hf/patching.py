@@ -1,0 +1,200 @@
+"""patch_model / unpatch_model / patched: swap only the delta-rule core, per instance.
+
+For each supported layer, the module-level core name its forward calls is
+replaced (once per process) by a ``CoreDispatcher``, and a small wrapper is
+bound into the layer instance's ``__dict__['forward']`` that marks the layer as
+active while its forward runs. Only marked layers reach rewy; every other
+model keeps its original core. Parameters, buffers, the state dict and the
+config are never touched, so checkpoints are byte-identical.
+
+Order with PEFT and Accelerate: patch before or after ``get_peft_model`` (the
+LoRA wrapping replaces Linear children, not the delta-rule layer), and before
+``accelerator.prepare`` (prepare may wrap the model; patching the wrapper also
+works, since it walks all submodules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .adapters import find_adapter, looks_like_delta_rule
+from .adapters.base import Adapter
+from .dispatch import ACTIVE_LAYER, CoreDispatcher, route
+from .errors import UnsupportedConfigError
+from .patch_report import PatchedLayer, PatchReport, SkippedLayer
+from .validation import POLICIES
+
+FALLBACKS = ("error", "original")
+_STATE_ATTR = "_rewy_patch"
+_SITES_LOCK = threading.Lock()
+_SITE_USERS: dict[str, int] = {}
+
+
+@dataclass
+class LayerPatch:
+    """The per-instance patch state, stored in the layer's ``__dict__``."""
+
+    name: str
+    layer_class: str
+    adapter: Adapter
+    backend: str
+    policy: str
+    fallback: str
+    previous_forward: Callable | None   # an instance-level forward that was there before us
+
+    def call_core(self, original: Callable, args: tuple, kwargs: dict):
+        return route(self, original, args, kwargs)
+
+
+def _patched_forward(self: nn.Module, *args, **kwargs):
+    state: LayerPatch = self.__dict__[_STATE_ATTR]
+    token = ACTIVE_LAYER.set(state)
+    try:
+        if state.previous_forward is not None:
+            return state.previous_forward(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        ACTIVE_LAYER.reset(token)
+
+
+def _install_dispatcher(adapter: Adapter) -> None:
+    with _SITES_LOCK:
+        module = importlib.import_module(adapter.site_module)
+        current = getattr(module, adapter.site_attr)
+        if not isinstance(current, CoreDispatcher):
+            setattr(module, adapter.site_attr, CoreDispatcher(current, adapter.site))
+        _SITE_USERS[adapter.site] = _SITE_USERS.get(adapter.site, 0) + 1
+
+
+def _release_dispatcher(adapter: Adapter) -> None:
+    with _SITES_LOCK:
+        _SITE_USERS[adapter.site] = max(0, _SITE_USERS.get(adapter.site, 1) - 1)
+        if _SITE_USERS[adapter.site]:
+            return
+        module = importlib.import_module(adapter.site_module)
+        current = getattr(module, adapter.site_attr)
+        if isinstance(current, CoreDispatcher):
+            setattr(module, adapter.site_attr, current.original)
+
+
+def _resolve_backend(backend: str, model: nn.Module) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise UnsupportedConfigError(f"`backend`={backend!r} is unknown; choose 'auto', 'torch' or 'triton'.")
+    if backend == "triton":
+        raise UnsupportedConfigError(
+            "`backend`='triton' is not available yet: the ReWY Triton backward kernels are not implemented; "
+            "use backend='torch' (or 'auto')."
+        )
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if backend == "auto" and on_cuda:
+        warnings.warn(
+            "rewy-hf: the Triton backend is not implemented yet, so backend='auto' uses the pure-PyTorch backend, "
+            "which computes the same gradients but is slower than FLA's kernels on GPU. Pass backend='torch' to "
+            "silence this warning.", RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+def _layer_class(layer: nn.Module) -> str:
+    return type(layer).__name__
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    policy: str = "recompute",
+    fallback: str = "error",
+    strict: bool = True,
+) -> PatchReport:
+    """Route the chunked delta-rule core of every supported layer of ``model`` to rewy.
+
+    Idempotent (a patched layer is left as it is and reported), reversible with
+    ``unpatch_model``, and scoped to this instance. ``fallback="original"``
+    runs the original core for calls rewy cannot serve, counting each in
+    ``rewy_hf.dispatch_report()``; ``fallback="error"`` raises
+    ``UnsupportedConfigError`` instead. With ``strict=True`` a model without a
+    supported layer is an error; with ``strict=False`` the report is empty.
+    """
+    if policy not in POLICIES:
+        raise UnsupportedConfigError(f"`policy`={policy!r} is unknown; choose one of {POLICIES}.")
+    if fallback not in FALLBACKS:
+        raise UnsupportedConfigError(f"`fallback`={fallback!r} is unknown; choose one of {FALLBACKS}.")
+    backend = _resolve_backend(backend, model)
+    report = PatchReport(backend=backend, policy=policy, fallback=fallback)
+    for name, layer in model.named_modules():
+        existing = layer.__dict__.get(_STATE_ATTR)
+        if existing is not None:
+            report.patched.append(PatchedLayer(name, _layer_class(layer), existing.adapter.op,
+                                               existing.backend, existing.policy, already=True))
+            continue
+        adapter = find_adapter(layer)
+        if adapter is None:
+            if looks_like_delta_rule(layer):
+                report.skipped.append(SkippedLayer(name, _layer_class(layer), "no rewy adapter for this layer class"))
+            continue
+        reason = adapter.check(layer)
+        if reason is not None:
+            report.skipped.append(SkippedLayer(name, _layer_class(layer), reason))
+            continue
+        _install_dispatcher(adapter)
+        layer.__dict__[_STATE_ATTR] = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback,
+                                                 layer.__dict__.get("forward"))
+        layer.forward = types.MethodType(_patched_forward, layer)
+        report.patched.append(PatchedLayer(name, _layer_class(layer), adapter.op, backend, policy))
+    if strict and not report.patched:
+        raise UnsupportedConfigError(
+            f"no supported delta-rule layer found in {type(model).__name__}"
+            + (f" ({len(report.skipped)} found but not supported: see the report with strict=False)"
+               if report.skipped else "")
+            + f". Supported layer classes: {', '.join(supported_layer_classes())}."
+        )
+    return report
+
+
+def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:
+    """Restore every patched layer of ``model`` (or those named in ``only``);
+    returns how many were restored."""
+    restored = 0
+    for name, layer in model.named_modules():
+        if only is not None and name not in only:
+            continue
+        state = layer.__dict__.pop(_STATE_ATTR, None)
+        if state is None:
+            continue
+        if state.previous_forward is not None:
+            layer.forward = state.previous_forward
+        else:
+            layer.__dict__.pop("forward", None)
+        _release_dispatcher(state.adapter)
+        restored += 1
+    return restored
+
+
+def is_patched(layer: nn.Module) -> bool:
+    return _STATE_ATTR in layer.__dict__
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, **options: Any):
+    """``with rewy_hf.patched(model): ...`` patches for the block and restores after."""
+    report = patch_model(model, **options)
+    try:
+        yield report
+    finally:
+        # Layers that were patched before the block stay patched.
+        unpatch_model(model, only={p.name for p in report.patched if not p.already})
+
+
+def supported_layer_classes() -> list[str]:
+    from .adapters import all_adapters
+
+    return sorted({cls.rsplit(".", 1)[1] for a in all_adapters() for cls in a.layer_classes})
