@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from rewy_hf.env import rewy_hf_version
 
 COMMANDS: dict[str, str] = {
     "env": "rewy_hf.env",
     "demo": "rewy_hf.demo",
+    "parity": "rewy_hf.parity_command",
+    "run": "rewy_hf.run_command",
 }
 
 
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # FLA warns on import that it found no GPU; the commands say what they run on themselves.
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import UnsupportedConfigError
+from .testing import apply_grad_fault
 
 # The patch state of the layer whose forward is running, or None.
 ACTIVE_LAYER: contextvars.ContextVar = contextvars.ContextVar("rewy_active_layer", default=None)
@@ -114,4 +115,5 @@ def route(state, original: Callable, args: tuple, kwargs: dict):
         return original(*args, **kwargs)
     count_forward(op, state.backend, state.policy)
     count_backward_when_used(o, op)
+    apply_grad_fault(o, op)
     return o, final_state

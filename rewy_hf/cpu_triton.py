@@ -1,0 +1,49 @@
+"""Running FLA-hub models on a machine without a GPU.
+
+FLA's layers use Triton kernels for their short convolution and fused norms.
+Without a GPU driver those kernels can only run under Triton's interpreter,
+which must be switched on before the kernels are defined (before ``import
+fla``), and whose autotuner cannot time configs, so each autotuned kernel is
+cut down to its first config. FLA's own chunk ops still do not run there; a
+patched layer's core is rewy's, and an unpatched one needs a reference core
+(see reference_cores.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_PRUNED = False
+
+
+def enable_cpu_interpreter() -> bool:
+    """Turn on Triton's interpreter if there is no CUDA device. Returns whether
+    it is (now) on. Refuses with a clear error if FLA was imported earlier."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1" and "fla" in sys.modules:
+        raise RuntimeError(
+            "FLA was imported before rewy-hf could enable Triton's CPU interpreter; set TRITON_INTERPRET=1 in the "
+            "environment (or call rewy_hf.cpu_triton.enable_cpu_interpreter() before importing fla)."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    _prune_autotuners()
+    return True
+
+
+def _prune_autotuners() -> None:
+    global _PRUNED
+    if _PRUNED:
+        return
+    import triton.runtime.autotuner as autotuner
+
+    original_init = autotuner.Autotuner.__init__
+
+    def first_config_only(self, fn, arg_names, configs, *args, **kwargs):
+        original_init(self, fn, arg_names, configs[:1], *args, **kwargs)
+
+    autotuner.Autotuner.__init__ = first_config_only
+    _PRUNED = True

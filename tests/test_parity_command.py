@@ -1,0 +1,130 @@
+"""`rewy-hf parity` end to end on CPU: local directories, an offline hub cache,
+a deliberately broken core, models it cannot serve, and the presets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rewy_hf.cli import main
+from rewy_hf.presets import build_preset
+
+QUICK = ["--steps", "1", "--batch-size", "1", "--seq-len", "80"]
+
+
+def _run(argv, capsys):
+    code = main(["parity", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def saved_qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen")
+    build_preset("tiny-qwen3.5").save_pretrained(path)
+    return path
+
+
+def test_local_directory_parity_holds(saved_qwen, tmp_path, capsys):
+    report = tmp_path / "parity.json"
+    code, out, _ = _run(["--model", str(saved_qwen), "--json", str(report), *QUICK], capsys)
+    assert code == 0, out
+    assert "PARITY HOLDS" in out
+    data = json.loads(report.read_text())
+    assert data["ok"] is True and data["exit_code"] == 0
+    assert data["loss_rel_err"] <= data["tolerance"]["loss_rel"]
+    assert data["optimized_backward_calls"] == 1
+    names = {g["name"] for g in data["gradients"]}
+    assert "model.layers.0.linear_attn.A_log" in names and "lm_head.weight" in names
+    assert all(g["rel_err"] <= data["tolerance"]["grad_rel"] for g in data["gradients"])
+    assert [p["name"] for p in data["patch_report"]["patched"]] == ["model.layers.0.linear_attn"]
+    assert data["update"], "the optimizer-step comparison is on by default"
+
+
+def test_hub_id_from_offline_cache(saved_qwen, tmp_path, capsys, monkeypatch):
+    """A hand-built Hugging Face cache: models--org--name/snapshots/<rev>/ + refs/main."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--rewy-test--tiny-qwen"
+    shutil.copytree(saved_qwen, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = _run(["--model", "rewy-test/tiny-qwen", *QUICK], capsys)
+    assert code == 0, out + err
+    assert "PARITY HOLDS" in out
+
+
+def test_broken_core_fails_and_names_layers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("REWY_HF_TEST_FAULT", "grad_scale=1.05")
+    report = tmp_path / "parity.json"
+    with pytest.warns(RuntimeWarning, match="deliberately corrupting"):
+        code, out, _ = _run(["--model", "tiny-qwen3.5", "--json", str(report), *QUICK], capsys)
+    assert code == 1
+    assert "PARITY VIOLATED" in out and "model.layers.0" in out
+    data = json.loads(report.read_text())
+    bad = {g["name"] for g in data["gradients"] if g["rel_err"] > data["tolerance"]["grad_rel"]}
+    assert "model.layers.0.linear_attn.A_log" in bad
+    assert not any(name.startswith("lm_head") for name in bad), "upstream-only parameters are unaffected"
+
+
+def test_model_without_delta_rule_layer_exits_2(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(path)
+    code, _, err = _run(["--model", str(path), *QUICK], capsys)
+    assert code == 2
+    assert "no supported delta-rule layer found in LlamaForCausalLM" in err
+
+
+def test_missing_model_exits_2_with_loader_reason(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = _run(["--model", "no-such-org/no-such-model", *QUICK], capsys)
+    assert code == 2
+    assert "could not load 'no-such-org/no-such-model'" in err and "presets are" in err
+
+
+def test_text_file_without_tokenizer_exits_2(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello " * 100)
+    code, _, err = _run(["--model", "tiny-qwen3.5", "--text-file", str(text), *QUICK], capsys)
+    assert code == 2 and "needs a tokenizer" in err
+
+
+def test_lora_parity(tmp_path, capsys):
+    report = tmp_path / "parity.json"
+    code, out, _ = _run(["--model", "tiny-qwen3.5", "--lora", "--json", str(report), *QUICK], capsys)
+    assert code == 0, out
+    names = [g["name"] for g in json.loads(report.read_text())["gradients"]]
+    assert names and all("lora_" in n for n in names), "only LoRA parameters are trainable under --lora"
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-olmo-hybrid", "tiny-qwen3.5-moe"])
+def test_transformers_presets(preset, capsys):
+    code, out, _ = _run(["--model", preset, *QUICK], capsys)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("preset", ["tiny-fla-deltanet", "tiny-fla-gdn", "tiny-fla-kda", "tiny-fla-gdn2"])
+def test_fla_presets(preset, capsys):
+    code, out, _ = _run(["--model", preset, *QUICK], capsys)
+    assert code == 0, out
+
+
+def test_console_script_exit_code(tmp_path):
+    """The installed `rewy-hf` entry point returns the same codes (here: 2)."""
+    exe = shutil.which("rewy-hf")
+    assert exe is not None, "rewy-hf console script is not installed"
+    proc = subprocess.run([exe, "parity", "--model", str(tmp_path / "missing-dir"), *QUICK], capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr
