@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import ops
 from .errors import UnsupportedConfigError
 from .testing import apply_grad_fault
 
@@ -113,7 +114,7 @@ def route(state, original: Callable, args: tuple, kwargs: dict):
             ) from exc
         count_fallback(op, str(exc))
         return original(*args, **kwargs)
-    count_forward(op, state.backend, state.policy)
+    count_forward(op, ops.last_backend.get() or state.backend, state.policy)
     count_backward_when_used(o, op)
     apply_grad_fault(o, op)
     return o, final_state

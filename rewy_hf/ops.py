@@ -10,6 +10,7 @@ FLA's ``disable_recompute=True`` means "full").
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 
 import torch
@@ -33,6 +34,10 @@ from .validation import (
 
 __all__ = ["chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn2"]
 
+# The backend that served the latest call in this context (read by the dispatcher's report).
+last_backend: contextvars.ContextVar = contextvars.ContextVar("rewy_last_backend", default=None)
+_WARNED_TORCH_ON_GPU: set[str] = set()
+
 _PLUMBING = ("chunk_size", "chunk_indices", "cu_seqlens_cpu", "transpose_state_layout", "disable_recompute")
 
 
@@ -45,11 +50,14 @@ def _state_layout(state_v_first: bool, extras: dict) -> bool:
     return bool(extras["transpose_state_layout"])
 
 
-def _prepare_qk(q, k, use_qk_l2norm_in_kernel: bool):
+def _prepare_qk(q, k, use_qk_l2norm_in_kernel: bool, keep_dtype: bool = False):
+    """l2norm in float32 (float64 stays float64); ``keep_dtype`` rounds back to the
+    input dtype, as FLA's fused l2norm does, for kernels that need q, k, v in one dtype."""
     if not use_qk_l2norm_in_kernel:
         return q, k
     dt = compute_dtype(q)
-    return l2norm(q.to(dt)), l2norm(k.to(dt))
+    qn, kn = l2norm(q.to(dt)), l2norm(k.to(dt))
+    return (qn.to(q.dtype), kn.to(k.dtype)) if keep_dtype else (qn, kn)
 
 
 def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
@@ -89,15 +97,42 @@ def _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, 
     return kda_gate(g.to(dt), cast(A_log), cast(dt_bias), lower_bound)
 
 
+def triton_gdn_core(*args):
+    # Imported on first use: importing rewy_hf must not define Triton kernels
+    # (on CPU, Triton's interpreter has to be switched on first).
+    from .kernels.triton_gdn import triton_gdn_core as core
+
+    return core(*args)
+
+
+def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
+    """Why the Triton backend cannot serve this call, or None if it can."""
+    if op not in ("chunk_delta_rule", "chunk_gated_delta_rule"):
+        return f"the ReWY Triton kernels for {op} are not implemented yet"
+    if cu_seqlens is not None:
+        return "`cu_seqlens` packing is not implemented in the Triton backend yet"
+    if q.dtype == torch.float64:
+        return "float64 inputs (Triton has no float64 matrix product)"
+    if q.shape[-1] > 256:
+        return f"key head dim {q.shape[-1]} > 256"
+    return None
+
+
 def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva):
     B, T, H, K, HV, V = check_qkv(q, k, v, allow_gva)
     check_chunk_size(extras.get("chunk_size", 64))
     N = check_cu_seqlens(cu_seqlens, B, T)
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
-    resolve_backend(backend, q.device)
+    reason = _triton_unsupported(op, q, cu_seqlens)
+    chosen = resolve_backend(backend, q.device, reason)
+    if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
+        _WARNED_TORCH_ON_GPU.add(op)
+        warnings.warn(f"rewy-hf: {op} runs on the torch backend on GPU ({reason or 'backend=torch'}); it computes "
+                      "the same gradients but is slower than FLA's kernels.", RuntimeWarning, stacklevel=3)
+    last_backend.set(chosen)
     policy = resolve_policy(policy, bool(extras.get("disable_recompute", False)))
     scale = K ** -0.5 if scale is None else float(scale)
-    return (B, T, H, K, HV, V), scale, policy
+    return (B, T, H, K, HV, V), scale, policy, chosen
 
 
 def chunk_delta_rule(
@@ -122,12 +157,15 @@ def chunk_delta_rule(
     """
     # DeltaNet has no state_v_first in FLA, so its deprecated alias is refused too.
     extras = pop_fla_extras("chunk_delta_rule", kwargs, tuple(k for k in _PLUMBING if k != "transpose_state_layout"))
-    (B, T, H, K, HV, V), scale, policy = _common(
+    (B, T, H, K, HV, V), scale, policy, chosen = _common(
         "chunk_delta_rule", q, k, v, scale, initial_state, cu_seqlens, False, backend, policy, extras, allow_gva=False
     )
     check_tensor("beta", beta, 3)
     check_shape("beta", beta, (B, T, HV), "[B, T, H]")
     check_finite(q=q, k=k, v=v, beta=beta, initial_state=initial_state)
+    if chosen == "triton":
+        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
+        return triton_gdn_core(q, k, v, None, beta, scale, initial_state, output_final_state, False, policy)
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, None, beta.unsqueeze(-1), None, scale, initial_state,
                            output_final_state, cu_seqlens, False, policy)
@@ -164,7 +202,7 @@ def chunk_gated_delta_rule(
     refuse_if_set("chunk_gated_delta_rule", "cp_context", cp_context, None)
     extras = pop_fla_extras("chunk_gated_delta_rule", kwargs, _PLUMBING + ("use_gate_in_kernel", "A_log", "dt_bias"))
     state_v_first = _state_layout(state_v_first, extras)
-    (B, T, H, K, HV, V), scale, policy = _common(
+    (B, T, H, K, HV, V), scale, policy, chosen = _common(
         "chunk_gated_delta_rule", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras,
         allow_gva=True,
     )
@@ -177,8 +215,11 @@ def chunk_gated_delta_rule(
         _check_gate_params(A_log, dt_bias, HV, HV, need_a=True)
         dt = compute_dtype(g)
         g = gdn_gate(g.to(dt), A_log.reshape(-1).to(dt), None if dt_bias is None else dt_bias.reshape(-1).to(dt))
-    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if chosen == "triton":
+        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
+        return triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy)
+    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), None, scale, initial_state,
                            output_final_state, cu_seqlens, state_v_first, policy)
 
@@ -223,7 +264,7 @@ def chunk_kda(
     extras = pop_fla_extras("chunk_kda", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
-    (B, T, H, K, HV, V), scale, policy = _common(
+    (B, T, H, K, HV, V), scale, policy, _ = _common(
         "chunk_kda", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva=True
     )
     check_tensor("g", g, 4)
@@ -274,7 +315,7 @@ def chunk_gdn2(
     extras = pop_fla_extras("chunk_gdn2", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
-    (B, T, H, K, HV, V), scale, policy = _common(
+    (B, T, H, K, HV, V), scale, policy, _ = _common(
         "chunk_gdn2", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva=False
     )
     for name, x, shape, meaning in (("g", g, (B, T, H, K), "[B, T, H, K]"), ("b", b, (B, T, H, K), "[B, T, H, K]"),

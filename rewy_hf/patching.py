@@ -19,7 +19,6 @@ import contextlib
 import importlib
 import threading
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -87,20 +86,15 @@ def _release_dispatcher(adapter: Adapter) -> None:
 
 
 def _resolve_backend(backend: str, model: nn.Module) -> str:
+    """What the report shows: the backend, or ``auto`` (decided per call: triton on
+    CUDA where rewy has Triton kernels, torch elsewhere; the dispatch report
+    counts which one served each call)."""
     if backend not in ("auto", "torch", "triton"):
         raise UnsupportedConfigError(f"`backend`={backend!r} is unknown; choose 'auto', 'torch' or 'triton'.")
-    if backend == "triton":
-        raise UnsupportedConfigError(
-            "`backend`='triton' is not available yet: the ReWY Triton backward kernels are not implemented; "
-            "use backend='torch' (or 'auto')."
-        )
     on_cuda = any(p.is_cuda for p in model.parameters())
-    if backend == "auto" and on_cuda:
-        warnings.warn(
-            "rewy-hf: the Triton backend is not implemented yet, so backend='auto' uses the pure-PyTorch backend, "
-            "which computes the same gradients but is slower than FLA's kernels on GPU. Pass backend='torch' to "
-            "silence this warning.", RuntimeWarning, stacklevel=3)
-    return "torch"
+    if backend == "auto" and not on_cuda:
+        return "torch"
+    return backend
 
 
 def _layer_class(layer: nn.Module) -> str:

@@ -103,15 +103,26 @@ def check_finite(**tensors) -> None:
             )
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, triton_unsupported: str | None) -> str:
+    """``auto`` picks triton on CUDA where rewy has Triton kernels for the call, else torch.
+
+    ``triton_unsupported`` is None when the Triton backend can serve the call,
+    else the reason it cannot.
+    """
     if backend not in BACKENDS:
         raise UnsupportedConfigError(f"`backend`={backend!r} is unknown; choose one of {BACKENDS}.")
+    if backend == "torch":
+        return "torch"
+    on_cuda = device.type == "cuda"
     if backend == "triton":
-        raise UnsupportedConfigError(
-            "`backend`='triton' is not available yet: the ReWY Triton backward kernels are not implemented; "
-            "use backend='torch' (or 'auto')."
-        )
-    return "torch"
+        if not on_cuda:
+            raise UnsupportedConfigError(
+                f"`backend`='triton' needs CUDA tensors, got tensors on {device}; use backend='torch' or 'auto'.")
+        if triton_unsupported:
+            raise UnsupportedConfigError(
+                f"`backend`='triton' cannot serve this call: {triton_unsupported}; use backend='torch' or 'auto'.")
+        return "triton"
+    return "triton" if on_cuda and not triton_unsupported else "torch"
 
 
 def resolve_policy(policy: str | None, disable_recompute: bool) -> str:

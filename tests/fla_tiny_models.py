@@ -156,31 +156,79 @@ def reference_core(naive, calls: list):
 
 
 @contextlib.contextmanager
-def reference_cores():
-    """Replace the four FLA core sites by float64 reference cores for the block.
+def reference_site(module_name: str, attr: str, naive, calls: list):
+    """Replace one module-level core name by ``reference_core(naive)`` for the block.
 
-    If ``patch_model`` installed a CoreDispatcher at a site, its ``original``
-    is swapped (so unpatched models reach the reference while patched ones
-    still reach rewy); otherwise the module attribute itself. Yields a dict
-    kind -> list of recorded calls (their non-tensor keywords and cu_seqlens).
-    """
-    calls = {kind: [] for kind in SITES}
-    undo = []
+    If ``patch_model`` installed a CoreDispatcher there, its ``original`` is
+    swapped instead (unpatched models reach the reference, patched ones still
+    reach rewy)."""
+    module = importlib.import_module(module_name)
+    current = getattr(module, attr)
+    ref = reference_core(naive, calls)
+    obj, name = (current, "original") if isinstance(current, CoreDispatcher) else (module, attr)
+    saved = getattr(obj, name)
+    setattr(obj, name, ref)
     try:
-        for kind, (mod_name, attr, naive, _) in SITES.items():
-            module = importlib.import_module(mod_name)
-            current = getattr(module, attr)
-            ref = reference_core(naive, calls[kind])
-            if isinstance(current, CoreDispatcher):
-                undo.append((current, "original", current.original))
-                current.original = ref
-            else:
-                undo.append((module, attr, current))
-                setattr(module, attr, ref)
         yield calls
     finally:
-        for obj, attr, value in reversed(undo):
-            setattr(obj, attr, value)
+        setattr(obj, name, saved)
+
+
+@contextlib.contextmanager
+def reference_cores():
+    """Replace the four FLA chunk-core sites by float64 reference cores for the block.
+
+    Yields a dict kind -> list of recorded calls (their non-tensor keywords and cu_seqlens).
+    """
+    calls = {kind: [] for kind in SITES}
+    with contextlib.ExitStack() as stack:
+        for kind, (mod_name, attr, naive, _) in SITES.items():
+            stack.enter_context(reference_site(mod_name, attr, naive, calls[kind]))
+        yield calls
+
+
+def torch_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                        activation=None, backend=None, cu_seqlens=None, **kwargs):
+    """FLA's ``causal_conv1d`` (depthwise causal conv, then SiLU) as plain torch ops.
+
+    FLA's Triton conv cannot run in float64 under the interpreter (its
+    ``tl.cast(..., fp_downcast_rounding='rtne')`` of an fp32 accumulator to
+    fp64 is refused) and accumulates in fp32 anyway, so float64 runs use this.
+    Only the training path is covered: no cache, no residual.
+    """
+    if initial_state is not None or output_final_state or residual is not None:
+        raise NotImplementedError("torch_causal_conv1d covers the training path only")
+    W = weight.shape[-1]
+
+    def conv(xs):
+        y = F.conv1d(F.pad(xs.transpose(1, 2), (W - 1, 0)), weight.unsqueeze(1), bias, groups=weight.shape[0])
+        return y.transpose(1, 2)
+
+    if cu_seqlens is None:
+        y = conv(x)
+    else:
+        bounds = cu_seqlens.tolist()
+        y = torch.cat([conv(x[:, s:e]) for s, e in zip(bounds, bounds[1:])], dim=1)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise NotImplementedError(activation)
+    return y, None
+
+
+@contextlib.contextmanager
+def torch_short_conv():
+    """Route FLA's short convolutions (``ShortConvolution`` and GatedDeltaNet's
+    fused qkv call) to ``torch_causal_conv1d`` for the block."""
+    sites = [importlib.import_module(n) for n in ("fla.modules.causal_conv1d.ops", "fla.layers.gated_deltanet")]
+    saved = [m.causal_conv1d for m in sites]
+    try:
+        for m in sites:
+            m.causal_conv1d = torch_causal_conv1d
+        yield
+    finally:
+        for m, f in zip(sites, saved):
+            m.causal_conv1d = f
 
 
 def loss_and_grads(model: nn.Module, ids, labels, attention_mask=None):

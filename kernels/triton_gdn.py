@@ -1,0 +1,82 @@
+"""The triton backend for GDN and DeltaNet (CUDA).
+
+Forward: FLA 0.6.0's stage functions, called in FLA's order (chunk-local gate
+cumsum in log2 units, the intra-chunk WY pair w, u and A, the state recurrence
+h / v_new, the output). Backward: FLA's stages that ReWY leaves alone (w/u
+recompute, the state recurrence, the local dv and the reverse state
+recurrence dh / dv2), then rewy's own kernel for everything ReWY rewrites
+(triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
+kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
+
+Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new;
+``full`` saves them. Inputs arrive activated (l2norm, gate, beta) and in the
+layout [B, T, H, D]; the state is [N, HV, K, V].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_gdn_bwd import rewy_gdn_bwd_local
+
+RCP_LN2 = 1.4426950408889634
+
+
+def _fla():
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    return dict(fwd_h=chunk_gated_delta_rule_fwd_h, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+                dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra,
+                recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum)
+
+
+class ReWYTritonGDNFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str):
+        f = _fla()
+        g2 = None if g is None else f["cumsum"](g.float(), chunk_size=64, scale=RCP_LN2)
+        w, u, A = f["intra"](k=k, v=v, g=g2, beta=beta, chunk_size=64)
+        h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True, chunk_size=64)
+        o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64)
+        saved = (w, u, h, v_new) if policy == "full" else ()
+        ctx.save_for_backward(q, k, v, g2, beta, A, h0, *saved)
+        ctx.meta = (scale, policy, g is not None, h0 is not None)
+        return o.to(v.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        scale, policy, has_g, has_h0 = ctx.meta
+        q, k, v, g2, beta, A, h0, *saved = ctx.saved_tensors
+        f = _fla()
+        do = do.contiguous()
+        if policy == "full":
+            w, u, h, v_new = saved
+        else:
+            w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2)
+            h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False, chunk_size=64)
+        dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64)
+        dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
+                                    dht=None if dht is None else dht.contiguous(), scale=scale, chunk_size=64)
+        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, w, u, g2, beta, A, h, dh, do, dv2, scale=scale)
+        B, T, H, K = q.shape
+        group = v.shape[2] // H
+        if group > 1:                       # GVA: each key head serves `group` value heads
+            dq, dk = dq.view(B, T, H, group, K).sum(3), dk.view(B, T, H, group, K).sum(3)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),
+                dh0 if has_h0 else None, None, None)
+
+
+def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy):
+    """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward."""
+    h0 = None
+    if initial_state is not None:
+        h0 = (initial_state.transpose(-1, -2) if state_v_first else initial_state).float().contiguous()
+    o, ht = ReWYTritonGDNFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                        None if g is None else g.contiguous(), beta.contiguous(), h0, scale, policy)
+    if not output_final_state:
+        return o, None
+    return o, (ht.transpose(-1, -2) if state_v_first else ht)

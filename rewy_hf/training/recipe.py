@@ -1,0 +1,471 @@
+"""The fine-tuning loop behind ``recipes/finetune.py`` and ``recipes/finetune_gdn2.py``.
+
+``main(argv)`` parses the command line, runs, and returns an exit code (2 with a
+one-line ``error: ...`` on bad input); ``train(args)`` returns a ``RunResult``.
+Order of operations: Accelerator -> data -> model (+ LoRA) -> ``patch_model``
+(``--backend optimized``) -> ``accelerator.prepare`` -> optional resume -> loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import ByteTokenizer, DataError, WindowSampler, pack, read_documents
+from .metrics import MetricsWriter, plot_loss, read_metrics
+from .schedule import build_scheduler
+
+BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "recipes" / "data" / "corpus.txt"
+DEFAULT_MODEL = "gdn2-tiny"
+
+#: Linear layer names that LoRA targets when present: the token mixers' q/k/v/o (and fused in/out)
+#: projections of GDN2 / FLA, Qwen3.5 / Qwen3-Next and Kimi-Linear layers, and the MLP projections.
+#: Gate/decay projections (GDN2 f/b/w/g_proj, Qwen in_proj_a/b, Kimi f_*/g_*) stay frozen.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_qkvz", "in_proj_z", "out_proj",
+                "gate_proj", "up_proj", "down_proj")
+
+
+class RecipeError(RuntimeError):
+    """Bad command-line input; the message names the fix."""
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    final_step: int
+    losses: list[float] = field(default_factory=list)   # this invocation's steps only
+    checkpoints: list[Path] = field(default_factory=list)
+    final_model_dir: Path | None = None
+    adapter_dir: Path | None = None
+    trainable_params: int = 0
+    total_params: int = 0
+
+
+def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Fine-tune a delta-rule causal LM (GDN2, Qwen3.5, "
+                                "Kimi-Linear, FLA models, ...) with rewy-hf's backward. Run with `python` or "
+                                "`accelerate launch`.")
+    a = p.add_argument
+    a("--model", default=default_model, help="preset (gdn2-tiny, gdn2-small, gdn2-350m, gdn2-1b, gdn2-1b-hybrid, or "
+      f"a rewy preset such as tiny-qwen3.5), a local directory, or a hub id (default: {default_model})")
+    a("--revision", default=None, help="hub revision")
+    a("--trust-remote-code", action="store_true")
+    a("--data", default=None, help="a .txt file, a .jsonl file of {\"text\": ...} records, or a `datasets` name "
+      "(needs `datasets`) (default: the bundled recipes/data/corpus.txt)")
+    a("--data-split", default="train", help="split for a `datasets` name (default: train)")
+    a("--seq-len", type=int, default=512, help="tokens per training sequence (default: 512)")
+    a("--batch-size", type=int, default=8, help="sequences per device per micro-step (default: 8)")
+    a("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: 1)")
+    a("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
+    a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --lr (default: 0.1)")
+    a("--warmup-steps", type=int, default=100, help="linear warmup steps (default: 100; capped at --max-steps)")
+    a("--max-steps", type=int, default=1000, help="optimizer steps (default: 1000)")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay on matrices (default: 0.01)")
+    a("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm; 0 = no clipping "
+      "(the norm is still logged) (default: 1.0)")
+    a("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
+      help="auto: the accelerate config's setting if launched with one, else bf16 on a GPU and none on CPU")
+    a("--gradient-checkpointing", action="store_true")
+    a("--lora", action="store_true", help="train LoRA adapters only (PEFT)")
+    a("--lora-r", type=int, default=16)
+    a("--lora-alpha", type=int, default=32)
+    a("--lora-dropout", type=float, default=0.0)
+    a("--lora-targets", default=None, help=f"comma-separated Linear names (default: those of {','.join(LORA_TARGETS)} "
+      "present in the model)")
+    a("--backend", choices=("optimized", "original"), default="optimized",
+      help="optimized: patch_model(backend='auto') before accelerator.prepare; original: unpatched (needs a GPU)")
+    a("--policy", choices=("recompute", "full"), default="recompute", help="rewy backward policy")
+    a("--fallback", choices=("error", "original"), default="error",
+      help="calls rewy cannot serve: raise (error) or run the original core (default: error)")
+    a("--output-dir", default="outputs/finetune", help="checkpoints, metrics.jsonl, loss_curve.png, "
+      "dispatch_report.json, final/ (default: outputs/finetune)")
+    a("--save-every", type=int, default=500, help="checkpoint every N optimizer steps (0: only at the end)")
+    a("--keep-checkpoints", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
+    a("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+      help="resume from the latest checkpoint in --output-dir, or from the given checkpoint directory")
+    a("--stop-after", type=int, default=None, metavar="STEP",
+      help="stop after this optimizer step as if interrupted (no final save; the schedule still "
+           "follows --max-steps); for testing resume")
+    a("--log-every", type=int, default=1, help="print a log line every N steps (metrics.jsonl gets every step)")
+    a("--seed", type=int, default=0)
+    a("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+# --- model and tokenizer ----------------------------------------------------------------------------
+
+def _gdn2_preset_name(spec: str) -> str | None:
+    from rewy_hf.models.gdn2 import GDN2_PRESETS   # imports fla: the CPU interpreter is already on
+
+    name = spec[len("gdn2-"):] if spec.startswith("gdn2-") else spec
+    if name in GDN2_PRESETS:
+        return name
+    if spec.startswith("gdn2-"):
+        raise RecipeError(f"unknown GDN2 preset {spec!r}; use one of "
+                          f"{', '.join('gdn2-' + n for n in GDN2_PRESETS)}")
+    return None
+
+
+def _all_presets() -> str:
+    from rewy_hf.models.gdn2 import GDN2_PRESETS
+    from rewy_hf.presets import PRESETS
+
+    return ", ".join([f"gdn2-{n}" for n in GDN2_PRESETS] + list(PRESETS))
+
+
+def load_model_and_tokenizer(args):
+    """(model, tokenizer, source). Random-init presets get the byte tokenizer; a loaded model keeps its own
+    tokenizer (or a byte tokenizer saved by this recipe), else the byte tokenizer. The embedding table is
+    grown if the tokenizer has more ids than the model's vocabulary."""
+    from rewy_hf.model_loading import ModelLoadError, load_causal_lm
+    from rewy_hf.presets import PRESETS, build_preset
+
+    spec = args.model
+    gdn2_name = _gdn2_preset_name(spec)
+    if gdn2_name is not None:
+        from rewy_hf.models.gdn2 import GDN2ForCausalLM, gdn2_config
+
+        tok = ByteTokenizer()
+        cfg = gdn2_config(gdn2_name)
+        cfg = gdn2_config(gdn2_name, vocab_size=max(cfg.vocab_size, tok.vocab_size), bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            model = GDN2ForCausalLM(cfg)
+        return model, tok, "preset"
+    if spec in PRESETS:
+        return _fit_vocab(build_preset(spec, seed=args.seed), ByteTokenizer()), ByteTokenizer(), "preset"
+    is_dir = os.path.isdir(spec)
+    if not is_dir and (os.path.exists(spec) or spec.startswith((".", "/", "~"))):
+        raise RecipeError(f"--model {spec!r} is not a model directory (no such directory); pass a directory with "
+                          "config.json, a hub id (org/name) or a preset")
+    if not is_dir and "/" not in spec:
+        raise RecipeError(f"unknown preset {spec!r}; presets: {_all_presets()} (or pass a local model directory "
+                          "or a hub id like org/name)")
+    try:
+        loaded = load_causal_lm(spec, revision=args.revision, trust_remote_code=args.trust_remote_code)
+    except ModelLoadError as exc:
+        raise RecipeError(f"{exc}. Check the path / hub id (offline? set HF_HUB_OFFLINE=1 and pre-download), or "
+                          f"use a preset: {_all_presets()}") from None
+    tok = loaded.tokenizer
+    if is_dir and ByteTokenizer.saved_in(spec):
+        tok = ByteTokenizer()
+    elif tok is None:
+        tok = ByteTokenizer()
+    return _fit_vocab(loaded.model, tok), tok, loaded.source
+
+
+def _fit_vocab(model, tok):
+    needed = len(tok)
+    if model.get_input_embeddings().num_embeddings < needed:
+        model.resize_token_embeddings(needed)
+    if isinstance(tok, ByteTokenizer):
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(model.config, k, getattr(tok, k))
+    return model
+
+
+def lora_targets(model, requested: str | None) -> list[str]:
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if requested:
+        wanted = [t.strip() for t in requested.split(",") if t.strip()]
+        missing = [t for t in wanted if t not in names]
+        if missing:
+            raise RecipeError(f"--lora-targets {missing} are not Linear layers of this model; it has "
+                              f"{', '.join(sorted(names))}")
+        return wanted
+    found = [t for t in LORA_TARGETS if t in names]
+    if not found:
+        raise RecipeError(f"no default LoRA target in this model; pass --lora-targets from: {', '.join(sorted(names))}")
+    return found
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+def _check_args(args) -> None:
+    for name in ("seq_len", "batch_size", "grad_accum", "max_steps"):
+        if getattr(args, name) < 1:
+            raise RecipeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0 or args.save_every < 0:
+        raise RecipeError("--warmup-steps and --save-every must be >= 0")
+    if args.lr <= 0:
+        raise RecipeError(f"--lr must be positive, got {args.lr}")
+
+
+def _mixed_precision(choice: str) -> str | None:
+    if choice != "auto":
+        return choice
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return None   # launched with an accelerate config: it decides
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+#: settings a resumed run must share with the checkpoint, or the data order / schedule would differ
+_RESUME_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "max_steps", "warmup_steps", "lr",
+                "min_lr_ratio", "seed", "lora", "world_size")
+
+
+def train(args) -> RunResult:
+    _check_args(args)
+    from rewy_hf.cpu_triton import enable_cpu_interpreter
+
+    enable_cpu_interpreter()   # no-op with CUDA; must precede the first `import fla`
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, set_seed
+
+    import rewy_hf
+
+    if args.backend == "original" and not torch.cuda.is_available():
+        raise RecipeError("--backend original runs FLA's own Triton kernels, which need a CUDA GPU; on CPU use "
+                          "--backend optimized (the default), which runs rewy's kernels")
+
+    accelerator = Accelerator(mixed_precision=_mixed_precision(args.mixed_precision),
+                              step_scheduler_with_optimizer=False)
+    main_proc = accelerator.is_main_process
+    say = accelerator.print
+    out_dir = Path(args.output_dir)
+    data_spec = args.data or str(BUNDLED_CORPUS)
+    set_seed(args.seed)
+
+    # Resume target first: a bad --resume should fail before any heavy work.
+    resume_from = None
+    if args.resume is not None:
+        resume_from = ckpt.latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
+        if resume_from is None:
+            raise RecipeError(f"--resume: no complete checkpoint in {out_dir}; run without --resume to start fresh")
+        if not (resume_from / ckpt.STATE_FILE).is_file():
+            raise RecipeError(f"--resume {resume_from}: not a complete checkpoint (no {ckpt.STATE_FILE})")
+
+    try:
+        docs = read_documents(data_spec, split=args.data_split)
+    except DataError as exc:
+        raise RecipeError(str(exc)) from None
+    model, tokenizer, source = load_model_and_tokenizer(args)
+    try:
+        windows = pack(docs, tokenizer, args.seq_len)
+    except DataError as exc:
+        raise RecipeError(str(exc)) from None
+    del docs
+
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora_targets(model, args.lora_targets)
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
+                                                 lora_dropout=args.lora_dropout, target_modules=targets,
+                                                 task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+
+    patch_report = None
+    rewy_hf.reset_dispatch_report()
+    if args.backend == "optimized":
+        patch_report = rewy_hf.patch_model(model, backend="auto", policy=args.policy, fallback=args.fallback)
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 and not getattr(p, "_no_weight_decay", False) else no_decay).append(p)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    scheduler = build_scheduler(optimizer, min(args.warmup_steps, args.max_steps), args.max_steps, args.min_lr_ratio)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    world = accelerator.num_processes
+    run_config = {k: getattr(args, k) for k in vars(args)} | {"data": data_spec, "world_size": world}
+    start_step, tokens_seen = 0, 0
+    if resume_from is not None:
+        state = ckpt.read_state(resume_from)
+        diff = {k: (state["config"].get(k), run_config[k]) for k in _RESUME_KEYS
+                if state["config"].get(k) != run_config[k]}
+        if diff:
+            raise RecipeError("--resume: these settings differ from the checkpoint's (checkpoint, now): "
+                              + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items())
+                              + "; resume with the same settings")
+        accelerator.load_state(str(resume_from / ckpt.TRAINING_STATE_DIR))
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
+        say(f"resumed from {resume_from} at step {start_step}")
+
+    if main_proc:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "run_config.json").write_text(json.dumps(
+            run_config | {"model_source": source, "trainable_params": trainable, "total_params": total,
+                          "num_windows": windows.shape[0], "tokenizer": type(tokenizer).__name__,
+                          "patch_report": patch_report.to_dict() if patch_report else None}, indent=1) + "\n")
+        if patch_report is not None:
+            say(str(patch_report))
+    accelerator.wait_for_everyone()
+    metrics = MetricsWriter(out_dir / "metrics.jsonl", resume_step=start_step if resume_from else None) \
+        if main_proc else None
+
+    sampler = WindowSampler(windows.shape[0], args.batch_size, world, accelerator.process_index, args.seed)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    result = RunResult(out_dir, start_step, trainable_params=trainable, total_params=total)
+    say(f"training {type(accelerator.unwrap_model(model)).__name__} ({trainable:,} trainable / {total:,} params) on "
+        f"{windows.shape[0]} windows of {args.seq_len + 1} tokens, {world} process(es), device {accelerator.device}, "
+        f"mixed precision {accelerator.mixed_precision}, backend {args.backend}")
+
+    def save(step: int) -> None:
+        partial, final = ckpt.partial_path(out_dir, step), ckpt.final_path(out_dir, step)
+        if main_proc:
+            shutil.rmtree(partial, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(partial / ckpt.TRAINING_STATE_DIR), safe_serialization=True)
+        fsdp = accelerator.distributed_type == DistributedType.FSDP
+        state_dict = accelerator.get_state_dict(model) if fsdp else None
+        accelerator.unwrap_model(model).save_pretrained(partial, state_dict=state_dict, is_main_process=main_proc,
+                                                        safe_serialization=True)
+        if main_proc:
+            tokenizer.save_pretrained(partial)
+            ckpt.write_state(partial, {"step": step, "tokens_seen": tokens_seen, "config": run_config})
+            ckpt.commit(partial, final)
+            ckpt.prune(out_dir, args.keep_checkpoints)
+            _write_dispatch_report(out_dir, patch_report)
+        accelerator.wait_for_everyone()
+        result.checkpoints.append(final)
+
+    end_step = args.max_steps if args.stop_after is None else min(args.max_steps, args.stop_after)
+    bar = None
+    if not args.no_progress and accelerator.is_local_main_process and end_step > start_step:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    model.train()
+    for step in range(start_step, end_step):
+        t0 = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for micro in range(args.grad_accum):
+            batch = windows[sampler.indices(step * args.grad_accum + micro)].to(accelerator.device)
+            ctx = accelerator.no_sync(model) if micro < args.grad_accum - 1 else _null()
+            with ctx:
+                logits = model(input_ids=batch[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                accelerator.backward(loss / args.grad_accum)
+            loss_sum += loss.detach()
+        clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        grad_norm = accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = accelerator.reduce(loss_sum / args.grad_accum, reduction="mean").item()
+        grad_norm = float(grad_norm)
+        if accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens_seen += tokens_per_step
+        done = step + 1
+        record = {"step": done, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens_seen": tokens_seen,
+                  "epoch": round(sampler.epoch((done) * args.grad_accum), 4)}
+        result.losses.append(step_loss)
+        result.final_step = done
+        if metrics is not None:
+            metrics.write(record)
+        if not math.isfinite(step_loss):
+            raise RuntimeError(f"loss is {step_loss} at step {done}; lower --lr or check the data")
+        if bar is not None:
+            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", step_s=f"{dt:.2f}")
+            bar.update(1)
+        elif done % args.log_every == 0 or done == end_step:
+            say(f"step {done}/{args.max_steps} loss {step_loss:.4f} lr {lr:.3g} grad_norm {grad_norm:.3g} "
+                f"tok/s {record['tokens_per_s']:.0f} step_s {dt:.2f}")
+        if (args.save_every and done % args.save_every == 0) or done == args.max_steps:
+            save(done)
+    if bar is not None:
+        bar.close()
+
+    if result.final_step >= args.max_steps:
+        result.final_model_dir, result.adapter_dir = _save_final(accelerator, model, tokenizer, out_dir, args.lora)
+    if main_proc:
+        _write_dispatch_report(out_dir, patch_report)
+        records = read_metrics(out_dir / "metrics.jsonl")
+        renderer = plot_loss(records, out_dir / "loss_curve.png") if records else None
+        say(f"\noutputs in {out_dir.resolve()}:")
+        say(f"  metrics:          {out_dir / 'metrics.jsonl'}")
+        if renderer:
+            say(f"  loss curve:       {out_dir / 'loss_curve.png'} ({renderer})")
+        say(f"  dispatch report:  {out_dir / 'dispatch_report.json'}")
+        for c in ckpt.list_checkpoints(out_dir):
+            say(f"  checkpoint:       {c[1]}")
+        if result.final_model_dir:
+            say(f"  final model:      {result.final_model_dir}")
+        if result.adapter_dir:
+            say(f"  LoRA adapter:     {result.adapter_dir}")
+        if result.final_step < args.max_steps:
+            say(f"  stopped at step {result.final_step} of {args.max_steps}; continue with --resume")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _save_final(accelerator, model, tokenizer, out_dir: Path, lora: bool):
+    """``final/``: the full model (LoRA merged in), loadable with AutoModelForCausalLM; ``final-adapter/``
+    for LoRA runs. Written atomically like checkpoints."""
+    from accelerate.utils import DistributedType
+
+    main_proc = accelerator.is_main_process
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    state_dict = accelerator.get_state_dict(model) if fsdp else None
+    unwrapped = accelerator.unwrap_model(model)
+    final, adapter = out_dir / "final", (out_dir / "final-adapter" if lora else None)
+    if main_proc:
+        if lora:
+            part = out_dir / ".final-adapter.partial"
+            shutil.rmtree(part, ignore_errors=True)
+            unwrapped.save_pretrained(part, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(part)
+            ckpt.commit(part, adapter)
+            if state_dict is not None:
+                unwrapped.load_state_dict(state_dict, strict=False)
+            unwrapped = unwrapped.merge_and_unload()
+            state_dict = None
+        part = out_dir / ".final.partial"
+        shutil.rmtree(part, ignore_errors=True)
+        unwrapped.save_pretrained(part, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(part)
+        ckpt.commit(part, final)
+    accelerator.wait_for_everyone()
+    return final, adapter
+
+
+def _write_dispatch_report(out_dir: Path, patch_report) -> None:
+    import rewy_hf
+
+    (out_dir / "dispatch_report.json").write_text(json.dumps(
+        {"patch_report": patch_report.to_dict() if patch_report else None,
+         "dispatch": rewy_hf.dispatch_report()}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None, default_model: str = DEFAULT_MODEL, prog: str | None = None) -> int:
+    args = build_parser(default_model, prog).parse_args(argv)
+    try:
+        train(args)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

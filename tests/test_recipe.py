@@ -1,0 +1,250 @@
+"""recipes/finetune_gdn2.py on CPU: the tiny GDN2 preset, seq-len 80 (more than one 64-token chunk), batch 2.
+
+Training steps dominate the time (the Triton interpreter runs FLA's short convolution at several seconds a
+step), so the runs are shared: one uninterrupted 8-step run (checkpoints at 5 and 8) is the reference; a
+second run resumes from a copy of its step-5 checkpoint and must reproduce steps 6-8; one 2-step LoRA run
+goes through the script entry in a subprocess. Everything else fails before training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "recipes" / "finetune_gdn2.py"
+COMMON = ["--seq-len", "80", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "2", "--no-progress"]
+
+
+def _recipe_main():
+    spec = importlib.util.spec_from_file_location("finetune_gdn2_recipe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)   # the script's `if __name__ == "__main__"` does not fire
+    return lambda argv: module.main(argv, default_model="gdn2-tiny")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The uninterrupted reference: 8 steps, checkpoints at 5 and 8."""
+    out = tmp_path_factory.mktemp("full")
+    rc = _recipe_main()([*COMMON, "--max-steps", "8", "--save-every", "5", "--output-dir", str(out)])
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert rc == 0
+    return out
+
+
+def test_full_run_outputs(full_run):
+    from rewy_hf.training.checkpoint import list_checkpoints
+
+    records = _metrics(full_run)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(r)
+        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("loss", "lr", "grad_norm"))
+    assert records[-1]["loss"] < records[0]["loss"]
+    # warmup (2 steps) then cosine decay to 10% of --lr
+    lrs = [r["lr"] for r in records]
+    assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3) and lrs[2] == pytest.approx(3e-3)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+    assert [s for s, _ in list_checkpoints(full_run)] == [5, 8]
+    assert not [p for p in full_run.iterdir() if p.name.startswith(".")]   # no partial leftovers
+    ck = full_run / "checkpoint-5"
+    assert (ck / "model.safetensors").is_file() and (ck / "config.json").is_file()
+    assert (ck / "byte_tokenizer.json").is_file()
+    assert any(p.suffix == ".safetensors" for p in (ck / "training_state").iterdir())
+    assert json.loads((ck / "trainer_state.json").read_text())["step"] == 5
+
+    assert (full_run / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((full_run / "dispatch_report.json").read_text())
+    assert len(report["patch_report"]["patched"]) == 2
+    gdn2 = report["dispatch"]["ops"]["gdn2"]
+    assert gdn2["optimized_backward_calls"] == 8 * 2 and gdn2["fallback_calls"] == 0
+
+
+def test_saved_model_reloads(full_run):
+    import rewy_hf.models.gdn2  # noqa: F401  (registers "gdn2")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import rewy_hf
+
+    for d in (full_run / "checkpoint-8", full_run / "final"):
+        model = AutoModelForCausalLM.from_pretrained(d)
+        assert model.config.model_type == "gdn2"
+        saved = load_file(d / "model.safetensors")
+        state = model.state_dict()
+        for k, v in saved.items():
+            assert torch.equal(state[k], v), k
+    rewy_hf.patch_model(model)   # on CPU FLA's chunk kernel can't run unpatched
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(70).view(1, 70)).logits
+    assert logits.shape == (1, 70, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_resume_reproduces_uninterrupted_losses(full_run, tmp_path):
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(full_run / "checkpoint-5", out / "checkpoint-5")
+    # The interrupted run had logged steps 6-8 before dying: resume must drop them and re-log.
+    shutil.copy(full_run / "metrics.jsonl", out / "metrics.jsonl")
+    (out / ".checkpoint-8.partial").mkdir()   # a half-written checkpoint must be ignored
+    rc = _recipe_main()([*COMMON, "--max-steps", "8", "--save-every", "5", "--output-dir", str(out), "--resume"])
+    assert rc == 0
+    ref, got = _metrics(full_run), _metrics(out)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert (out / "checkpoint-8" / "trainer_state.json").is_file()
+
+
+def test_stop_after_then_resume_refuses_changed_settings(full_run, tmp_path, capsys):
+    rc = _recipe_main()([*COMMON, "--seq-len", "96", "--max-steps", "8", "--output-dir", str(tmp_path),
+                         "--resume", str(full_run / "checkpoint-5")])
+    assert rc == 2
+    assert "seq_len: 80 vs 96" in capsys.readouterr().err
+
+
+def test_lora_script_entry(tmp_path):
+    """The script itself (subprocess), with --lora: only adapters train; the merged model reloads."""
+    out = tmp_path / "lora"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--lora", "--lora-r", "4", *COMMON, "--max-steps", "2",
+                           "--save-every", "0", "--output-dir", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final model:" in proc.stdout and str(out) in proc.stdout
+
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert 0 < cfg["trainable_params"] < cfg["total_params"] // 5
+    assert (out / "final-adapter" / "adapter_model.safetensors").is_file()
+    targets = json.loads((out / "final-adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert set(targets) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    import rewy_hf.models.gdn2  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    from rewy_hf.training.recipe import build_parser, load_model_and_tokenizer
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    base, _, _ = load_model_and_tokenizer(build_parser().parse_args([]))   # same seed -> the initial weights
+    base = base.state_dict()
+    assert set(merged) == set(base)
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed, "LoRA training changed nothing"
+    assert all(k.rsplit(".", 2)[-2] in targets for k in changed), sorted(changed)
+    assert "model.embeddings.weight" not in changed and "lm_head.weight" not in changed
+
+
+# --- bad input: clear message, exit code 2, before any training ----------------------------------
+
+def _bad(tmp_path, capsys, *argv) -> str:
+    rc = _recipe_main()([*COMMON, "--max-steps", "1", "--output-dir", str(tmp_path / "out"), *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    return err
+
+
+def test_missing_data_file(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--data", str(tmp_path / "nope.txt"))
+    assert "data file not found" in err and "--data" in err
+
+
+def test_empty_data_file(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("  \n")
+    err = _bad(tmp_path, capsys, "--data", str(tmp_path / "empty.txt"))
+    assert "empty" in err and "--data" in err
+
+
+def test_seq_len_longer_than_data(tmp_path, capsys):
+    (tmp_path / "short.jsonl").write_text('{"text": "only a few bytes"}\n')
+    err = _bad(tmp_path, capsys, "--data", str(tmp_path / "short.jsonl"))
+    assert "fewer than one training window" in err and "--seq-len 16 or less" in err
+
+
+@pytest.mark.parametrize("model, hint", [("gdn2-huge", "gdn2-tiny"), ("no-such-preset", "tiny-qwen3.5")])
+def test_unknown_preset(tmp_path, capsys, model, hint):
+    err = _bad(tmp_path, capsys, "--model", model)
+    assert "unknown" in err and model in err and hint in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")
+def test_original_backend_needs_gpu(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--backend", "original")
+    assert "GPU" in err and "--backend optimized" in err
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--resume")
+    assert "no complete checkpoint" in err
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+
+def test_data_pieces(tmp_path):
+    from rewy_hf.training.data import ByteTokenizer, DataError, WindowSampler, pack, read_documents
+
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("héllo")) == "héllo"
+    docs = read_documents(str(ROOT / "recipes" / "data" / "sample.jsonl"))
+    assert len(docs) == 6
+    windows = pack(docs, tok, 63)
+    assert windows.shape[1] == 64 and (windows == tok.eos_token_id).sum() >= 5
+    (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
+    with pytest.raises(DataError, match="line 1"):
+        read_documents(str(tmp_path / "bad.jsonl"))
+    corpus = (ROOT / "recipes" / "data" / "corpus.txt").read_text()
+    assert 30_000 < len(corpus.encode()) < 60_000
+
+    a = [WindowSampler(10, 3, world_size=2, rank=r, seed=1) for r in (0, 1)]
+    first_epoch = a[0].indices(0) + a[1].indices(0) + a[0].indices(1)[:1]
+    assert len(set(first_epoch)) == 7   # ranks draw disjoint windows
+    assert a[0].indices(5) == WindowSampler(10, 3, 2, 0, seed=1).indices(5)   # a pure function of position
+
+
+def test_schedule_and_checkpoint_discovery(tmp_path):
+    from rewy_hf.training import checkpoint as ckpt
+    from rewy_hf.training.schedule import warmup_cosine
+
+    assert [warmup_cosine(s, 4, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert warmup_cosine(20, 4, 20, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(12, 4, 20, 0.0) == pytest.approx(0.5)
+
+    for step, complete in ((3, True), (7, False), (5, True)):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        if complete:
+            ckpt.write_state(d, {"step": step})
+    (tmp_path / ".checkpoint-9.partial").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-5"
+    part = tmp_path / ".checkpoint-9.partial"
+    ckpt.write_state(part, {"step": 9})
+    ckpt.commit(part, tmp_path / "checkpoint-9")
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-9" and not part.exists()
+    ckpt.prune(tmp_path, keep=1)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [9]

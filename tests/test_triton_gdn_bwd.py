@@ -1,0 +1,72 @@
+"""The ReWY Triton kernel for GDN / DeltaNet, under TRITON_INTERPRET=1 on CPU.
+
+It is fed the torch backend's own intermediates (A, W, U, the chunk states and
+their gradients, Vn and dVn), moved to FLA's layout, and must reproduce the
+torch backend's local gradients (dq, dk, dv, dg, dbeta) to float32 accuracy.
+bfloat16 is not used: the interpreter's tl.dot is wrong for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_hf.kernels.chunk_backward import local_backward, reverse_state_pass
+from rewy_hf.kernels.chunk_forward import ChunkInputs
+from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
+from rewy_hf.kernels.triton_gdn_bwd import rewy_gdn_bwd_local
+
+C = CHUNK_SIZE
+
+
+def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
+    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T)."""
+    NT, N, H, _, D = x.shape
+    return x.permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, D)[:, :T].contiguous()
+
+
+def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NT, N, HV, C)
+    r = lambda d: torch.randn(*shape, d, generator=gen)
+    valid = (torch.arange(NT * C) < T).view(NT, 1, 1, C, 1).float()      # zero padding past T, as the layout does
+    qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
+    q, k = qk() * valid, qk() * valid
+    v = r(V) * valid
+    g = F.logsigmoid(r(1)) * valid if kind == "gdn" else torch.zeros(*shape, 1)
+    b = torch.rand(*shape, 1, generator=gen) * valid
+    x = ChunkInputs(q, k, v, g, b, None, scale=K ** -0.5)
+    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    gt, s, _ = _forward_pass(x, h0)
+    do = r(V) * valid
+    dht = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    dVn, dHnext, _ = reverse_state_pass(x, gt, s, do, dht)
+    ref = local_backward(x, gt, s, do, dVn, dHnext)
+    return x, gt, s, do, dVn, dHnext, ref
+
+
+@pytest.mark.parametrize("kind,T,V", [("gdn", 2 * C, 32), ("gdn", 150, 128), ("delta_rule", 150, 32)])
+def test_kernel_matches_torch_stage(kind, T, V):
+    N, H, HV, K = 2, 1, 2, 16
+    NT = math.ceil(T / C)
+    x, gt, s, do, dVn, dHnext, ref = _stages(kind, N, H, HV, NT, K, V, T, seed=T + V)
+    Kdim = s.WU.shape[-1] - V
+    fla = lambda t: _to_fla(t, T)
+    q = fla(x.q)[:, :, ::HV // H].contiguous()          # key heads only; the kernel maps value head -> key head
+    k = fla(x.k)[:, :, ::HV // H].contiguous()
+    g2 = fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None
+    A = fla(s.A)
+    h = s.Hs.permute(1, 0, 2, 3, 4).contiguous()
+    dh = dHnext.permute(1, 0, 2, 3, 4).contiguous()
+    dq, dk, dv, dg, db = rewy_gdn_bwd_local(
+        q, k, fla(x.v), fla(s.Vn), fla(s.WU[..., :Kdim]), fla(s.WU[..., Kdim:]), g2, fla(x.b)[..., 0], A, h, dh,
+        fla(do), fla(dVn), scale=x.scale)
+    rq, rk, rv, rg, rb, _ = ref
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    errors = {"dq": rel(dq, fla(rq)), "dk": rel(dk, fla(rk)), "dv": rel(dv, fla(rv)), "db": rel(db, fla(rb)[..., 0])}
+    if kind == "gdn":
+        errors["dg"] = rel(dg, fla(rg)[..., 0])
+    assert max(errors.values()) < 1e-5, errors
