@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import threading
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -35,7 +36,10 @@ from .validation import POLICIES
 FALLBACKS = ("error", "original")
 _STATE_ATTR = "_rewy_patch"
 _SITES_LOCK = threading.Lock()
-_SITE_USERS: dict[str, int] = {}
+# Per core site, the layers currently patched for it (weakly held: a layer that
+# is garbage-collected stops counting). When the last one is unpatched the
+# module-level name is restored.
+_SITE_LAYERS: dict[str, weakref.WeakSet] = {}
 
 
 @dataclass
@@ -56,6 +60,9 @@ class LayerPatch:
 
 def _patched_forward(self: nn.Module, *args, **kwargs):
     state: LayerPatch = self.__dict__[_STATE_ATTR]
+    # A deep copy (or any clone made without patch_model) carries the patch
+    # state but was never registered; make sure its site still dispatches.
+    _install_dispatcher(state.adapter, self)
     token = ACTIVE_LAYER.set(state)
     try:
         if state.previous_forward is not None:
@@ -65,19 +72,20 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
         ACTIVE_LAYER.reset(token)
 
 
-def _install_dispatcher(adapter: Adapter) -> None:
+def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
     with _SITES_LOCK:
         module = importlib.import_module(adapter.site_module)
         current = getattr(module, adapter.site_attr)
         if not isinstance(current, CoreDispatcher):
             setattr(module, adapter.site_attr, CoreDispatcher(current, adapter.site))
-        _SITE_USERS[adapter.site] = _SITE_USERS.get(adapter.site, 0) + 1
+        _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
 
 
-def _release_dispatcher(adapter: Adapter) -> None:
+def _release_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
     with _SITES_LOCK:
-        _SITE_USERS[adapter.site] = max(0, _SITE_USERS.get(adapter.site, 1) - 1)
-        if _SITE_USERS[adapter.site]:
+        layers = _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet())
+        layers.discard(layer)
+        if len(layers):
             return
         module = importlib.import_module(adapter.site_module)
         current = getattr(module, adapter.site_attr)
@@ -139,7 +147,7 @@ def patch_model(
         if reason is not None:
             report.skipped.append(SkippedLayer(name, _layer_class(layer), reason))
             continue
-        _install_dispatcher(adapter)
+        _install_dispatcher(adapter, layer)
         layer.__dict__[_STATE_ATTR] = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback,
                                                  layer.__dict__.get("forward"))
         layer.forward = types.MethodType(_patched_forward, layer)
@@ -168,7 +176,7 @@ def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:
             layer.forward = state.previous_forward
         else:
             layer.__dict__.pop("forward", None)
-        _release_dispatcher(state.adapter)
+        _release_dispatcher(state.adapter, layer)
         restored += 1
     return restored
 

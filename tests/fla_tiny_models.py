@@ -13,6 +13,8 @@ so every model in this file must have its chunk core replaced, either by
 * ``twin(model)`` is an independent copy with the same weights (load_state_dict).
 * ``reference_cores()`` temporarily replaces the four FLA core sites by
   ``kernels.reference.naive_*`` (float64, token by token) with FLA's signatures.
+* ``torch_short_conv()`` temporarily routes FLA's short convolution to plain
+  torch ops (FLA's Triton conv cannot run in float64 under the interpreter).
 """
 
 from __future__ import annotations

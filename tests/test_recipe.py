@@ -122,7 +122,7 @@ def test_resume_reproduces_uninterrupted_losses(full_run, tmp_path):
     assert (out / "checkpoint-8" / "trainer_state.json").is_file()
 
 
-def test_stop_after_then_resume_refuses_changed_settings(full_run, tmp_path, capsys):
+def test_resume_refuses_changed_settings(full_run, tmp_path, capsys):
     rc = _recipe_main()([*COMMON, "--seq-len", "96", "--max-steps", "8", "--output-dir", str(tmp_path),
                          "--resume", str(full_run / "checkpoint-5")])
     assert rc == 2
@@ -158,6 +158,14 @@ def test_lora_script_entry(tmp_path):
     assert changed, "LoRA training changed nothing"
     assert all(k.rsplit(".", 2)[-2] in targets for k in changed), sorted(changed)
     assert "model.embeddings.weight" not in changed and "lm_head.weight" not in changed
+
+
+def test_stop_after_leaves_a_resumable_run(tmp_path, capsys):
+    """--stop-after 0: nothing trained, no final model, and the summary says how to continue."""
+    rc = _recipe_main()([*COMMON, "--max-steps", "4", "--stop-after", "0", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    assert "continue with --resume" in capsys.readouterr().out
+    assert not (tmp_path / "final").exists() and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 # --- bad input: clear message, exit code 2, before any training ----------------------------------
