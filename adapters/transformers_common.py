@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .base import Adapter
+
 _POSITIONAL = ("g", "beta", "chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
 _PASSED_ON = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens")
 
@@ -41,3 +43,18 @@ def torch_reference(module, attr: str) -> Callable:
     fn = getattr(module, attr)
     fn = getattr(fn, "original", fn)          # under a rewy CoreDispatcher
     return getattr(fn, "__wrapped__", fn)
+
+
+def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, rewy_op: Callable) -> tuple[Adapter, ...]:
+    """One adapter per (model folder, layer class) pair whose modeling module
+    defines the core ``site_attr``."""
+    return tuple(
+        Adapter(
+            family=model,
+            op=op,
+            layer_classes=(f"transformers.models.{model}.modeling_{model}.{cls}",),
+            site=f"transformers.models.{model}.modeling_{model}:{site_attr}",
+            call=hf_core_call(rewy_op),
+        )
+        for model, cls in models
+    )

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from rewy_hf import ops
 
-from .base import Adapter
-from .transformers_common import hf_core_call
+from .transformers_common import hf_adapters
 
 _MODELS = (
     ("qwen3_5", "Qwen3_5GatedDeltaNet"),
@@ -21,13 +20,4 @@ _MODELS = (
     ("qwen4_exp", "Qwen4ExpTextGatedDeltaNet"),
 )
 
-ADAPTERS = tuple(
-    Adapter(
-        family=model,
-        op="gated_delta_rule",
-        layer_classes=(f"transformers.models.{model}.modeling_{model}.{cls}",),
-        site=f"transformers.models.{model}.modeling_{model}:torch_chunk_gated_delta_rule",
-        call=hf_core_call(ops.chunk_gated_delta_rule),
-    )
-    for model, cls in _MODELS
-)
+ADAPTERS = hf_adapters(_MODELS, "gated_delta_rule", "torch_chunk_gated_delta_rule", ops.chunk_gated_delta_rule)

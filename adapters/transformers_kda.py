@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from rewy_hf import ops
 
-from .base import Adapter
-from .transformers_common import hf_core_call
+from .transformers_common import hf_adapters
 
 _MODELS = (
     ("kimi_linear", "KimiLinearDeltaAttention"),
@@ -19,13 +18,4 @@ _MODELS = (
     ("glm5_next", "Glm5NextTextLinearAttention"),
 )
 
-ADAPTERS = tuple(
-    Adapter(
-        family=model,
-        op="kda",
-        layer_classes=(f"transformers.models.{model}.modeling_{model}.{cls}",),
-        site=f"transformers.models.{model}.modeling_{model}:chunk_kimi_delta_attention",
-        call=hf_core_call(ops.chunk_kda),
-    )
-    for model, cls in _MODELS
-)
+ADAPTERS = hf_adapters(_MODELS, "kda", "chunk_kimi_delta_attention", ops.chunk_kda)

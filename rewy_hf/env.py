@@ -117,19 +117,19 @@ def _fla_import() -> dict[str, Any]:
     return {"ok": True, "error": None}
 
 
-def _backends() -> dict[str, dict[str, Any]]:
-    # Later work replaces the triton entry with real detection (CUDA present,
-    # kernels importable); keep the shape {usable, reason} stable for callers.
-    return {
-        "torch": {"usable": True, "reason": "pure PyTorch, runs on any device"},
-        "triton": {
-            "usable": False,
-            "reason": (
-                "ReWY Triton backward kernels are not implemented yet "
-                "(tracked in the Triton backend issues)"
-            ),
-        },
-    }
+def _backends(fla_ok: bool) -> dict[str, dict[str, Any]]:
+    """{usable, reason} per backend: the torch backend always; the triton
+    backend needs a CUDA device and an importable FLA (its forward kernels)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        triton = {"usable": False, "reason": "needs a CUDA device (none found)"}
+    elif not fla_ok:
+        triton = {"usable": False, "reason": "FLA could not be imported (its forward kernels are needed)"}
+    else:
+        triton = {"usable": True, "reason": "GDN and DeltaNet: FLA forward + ReWY backward kernel; KDA and GDN2 "
+                                            "have no Triton kernels yet and run on the torch backend"}
+    return {"torch": {"usable": True, "reason": "pure PyTorch, runs on any device"}, "triton": triton}
 
 
 def collect_env(import_fla: bool = True) -> dict[str, Any]:
@@ -139,6 +139,7 @@ def collect_env(import_fla: bool = True) -> dict[str, Any]:
     reports only what the package metadata says.
     """
     versions = {dist: package_version(dist) for dist in PACKAGES}
+    fla_import = _fla_import() if import_fla else None
     return {
         "rewy_hf": rewy_hf_version(),
         "python": {
@@ -149,10 +150,10 @@ def collect_env(import_fla: bool = True) -> dict[str, Any]:
         },
         "packages": versions,
         "fla_pin": _fla_pin(versions["flash-linear-attention"], versions["fla-core"]),
-        "fla_import": _fla_import() if import_fla else None,
+        "fla_import": fla_import,
         "cuda": _cuda_info(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-        "backends": _backends(),
+        "backends": _backends(fla_import["ok"] if fla_import else versions["flash-linear-attention"] is not None),
     }
 
 

@@ -101,6 +101,25 @@ def test_text_file_without_tokenizer_exits_2(tmp_path, capsys):
     assert code == 2 and "needs a tokenizer" in err
 
 
+def test_text_file_through_the_models_tokenizer(saved_qwen, tmp_path, capsys):
+    """A model directory with its own tokenizer: batches come from the text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(200)]
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir = tmp_path / "with_tokenizer"
+    shutil.copytree(saved_qwen, model_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(model_dir)
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(words[i % 200] for i in range(1000)))
+    report = tmp_path / "parity.json"
+    code, out, _ = _run(["--model", str(model_dir), "--text-file", str(text), "--json", str(report), *QUICK], capsys)
+    assert code == 0, out
+    assert json.loads(report.read_text())["optimized_backward_calls"] == 1
+
+
 def test_lora_parity(tmp_path, capsys):
     report = tmp_path / "parity.json"
     code, out, _ = _run(["--model", "tiny-qwen3.5", "--lora", "--json", str(report), *QUICK], capsys)
