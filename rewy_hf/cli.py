@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "env": "rewy_hf.env",
     "demo": "rewy_hf.demo",
     "parity": "rewy_hf.parity_command",
+    "verify": "rewy_hf.verify_command",
     "run": "rewy_hf.run_command",
 }
 

@@ -47,6 +47,10 @@ def format_result(result: ParityResult, *, model: str, dtype: str, device: str) 
     if failing:
         lines.append("\nworst offenders:")
         lines += [f"  {r.name}: rel err {r.rel_err:.2e}, cosine {r.cosine:.6f}" for r in failing[:5]]
+    tiny = [r for r in result.params if r.tiny]
+    if tiny:
+        lines.append(f"\n{len(tiny)} gradient(s) below 1e-4 of the largest were judged against that floor "
+                     f"(e.g. {tiny[0].name})")
     n = len(result.params)
     lines.append("")
     if result.ok:

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 FAULT_ENV = "REWY_HF_TEST_FAULT"
-_warned = False
+_warned: set[str] = set()   # specs already announced in this process
 
 
 def grad_fault(op: str) -> float | None:
@@ -25,11 +25,10 @@ def grad_fault(op: str) -> float | None:
     factor, _, only_op = rest.partition("@")
     if kind != "grad_scale" or (only_op and only_op != op):
         return None
-    global _warned
-    if not _warned:
+    if spec not in _warned:
         warnings.warn(f"{FAULT_ENV}={spec} is set: rewy-hf is deliberately corrupting gradients (test hook).",
                       RuntimeWarning, stacklevel=2)
-        _warned = True
+        _warned.add(spec)
     return float(factor)
 
 
