@@ -62,7 +62,7 @@ def main() -> None:
         "FLA prepare_wy_repr_bwd": t(lambda: prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=A, dw=w, du=dv2)),
     }
     for nw in (4, 8):
-        for ns in (1, 2, 3):
+        for ns in (1, 2):
             rows[f"rewy local kernel w{nw} s{ns}"] = t(lambda: rewy_gdn_bwd_local(
                 q, k, v, v_new, w, u, g, beta, A, h, dh, do, dv2, scale=scale, num_warps=nw, num_stages=ns))
     print(f"GDN backward stages at B={B} T={T} H={H} K={K} V={V} (bf16, median ms)")

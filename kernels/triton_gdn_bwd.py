@@ -39,6 +39,8 @@ def rewy_gdn_bwd_local_kernel(
 ):
     # Plain pointer arithmetic with masks (no block pointers): the same code
     # runs on the GPU and under the interpreter of every Triton version we use.
+    # Three passes over V, each consumed before the next begins, so at most a
+    # few [BT, K] tiles are live at once (one fused pass spills registers at K = 128).
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -50,6 +52,8 @@ def rewy_gdn_bwd_local_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = valid[:, None] & m_k[None, :]
+    state = (((i_b * NT + i_t) * HV + i_hv) * K * V).to(tl.int64)
+    row_v = (tok * HV + i_hv)[:, None] * V
 
     if USE_G:
         b_g = tl.load(g + tok * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
@@ -61,40 +65,31 @@ def rewy_gdn_bwd_local_kernel(
     b_beta = tl.load(beta + tok * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
     b_A = tl.load(A + (tok * HV + i_hv)[:, None] * BT + o_i[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
 
-    state = (((i_b * NT + i_t) * HV + i_hv) * K * V).to(tl.int64)
+    # Pass 1: dW = -dVn h^T, dAqk = dO Vn^T, and Residual WY's value half
+    # (dY = A^T dVn -> dv, dbeta; -dY U^T -> dL).
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dkc = tl.zeros([BT, BK], dtype=tl.float32)
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = valid[:, None] & m_v[None, :]
-        off_tv = (tok * HV + i_hv)[:, None] * V + o_v[None, :]
-        off_kv = state + o_k[:, None] * V + o_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
+        m_tv = valid[:, None] & (o_v < V)[None, :]
+        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        off_tv = row_v + o_v[None, :]
+        b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        b_dw += tl.dot(b_dvn, tl.trans(b_h))
         b_do = tl.load(do + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_h = tl.load(h + off_kv, mask=m_kv, other=0.0).to(tl.float32)
-        b_dh = tl.load(dh + off_kv, mask=m_kv, other=0.0).to(tl.float32)
-        b_dw += tl.dot(b_dvn, tl.trans(b_h))
-        b_dqg += tl.dot(b_do, tl.trans(b_h))
         b_dAqk += tl.dot(b_do, tl.trans(b_vn))
-        b_dkc += tl.dot(b_vn, tl.trans(b_dh))
-        b_dgc += tl.sum(b_h * b_dh, axis=1)
-        # Residual WY, value half: dY = A^T dU with dU = dVn.
         b_dy = tl.dot(tl.trans(b_A), b_dvn)
         b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_dbeta += tl.sum(b_dy * b_v, axis=1)
         tl.store(dv + off_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_u = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_dL += tl.dot(b_dy, tl.trans(b_u))
 
-    # Residual WY, key half: dX = A^T dW (dW = -dVn h^T), dL = -(dX W^T + dY U^T).
+    # Residual WY, key half: dX = A^T dW, dL = -(dX W^T + dY U^T).
     off_wk = (tok * HV + i_hv)[:, None] * K + o_k[None, :]
     b_w = tl.load(w + off_wk, mask=m_tk, other=0.0).to(tl.float32)
     b_dx = -tl.dot(tl.trans(b_A), b_dw)
@@ -112,28 +107,51 @@ def rewy_gdn_bwd_local_kernel(
     b_eg = tl.where(valid, tl.exp2(b_g), 0.0)
     b_ekc = tl.where(valid, tl.exp2(b_g_last - b_g), 0.0)
 
-    # Gram Elimination: the key Gram's row/column gradients from one P.
+    # Gram Elimination: the key Gram's row/column gradients from one P, and
+    # the output Gram's from P2; the gate terms come from the same sums.
     b_P = b_dL * gam
-    b_ra = tl.dot(b_P, b_k)                                   # wrt a = beta * k (rows)
-    b_rc = tl.dot(tl.trans(b_P * b_beta[:, None]), b_k)       # wrt k (columns)
+    b_da = b_dx * b_eg[:, None] + tl.dot(b_P, b_k)             # wrt a = beta * k
+    b_dkg = tl.dot(tl.trans(b_P * b_beta[:, None]), b_k)       # wrt k (columns of L)
     b_P2 = b_dAqk * gam_incl * scale
-    b_rq = tl.dot(b_P2, b_k)
-    b_rk = tl.dot(tl.trans(b_P2), b_q)
+    b_dkg += tl.dot(tl.trans(b_P2), b_q)
+    b_dq = tl.dot(b_P2, b_k)
+    b_dbeta += tl.sum(b_da * b_k, axis=1)
+    b_dG = tl.sum(b_k * b_beta[:, None] * b_da - b_k * b_dkg, axis=1)
 
-    b_a = b_k * b_beta[:, None]
-    b_da = b_dx * b_eg[:, None] + b_ra
-    b_dq = b_rq + scale * b_dqg * b_eg[:, None]
-    b_dkg = b_rc + b_rk
+    # Pass 2: d(q e^G) = dO h^T, finishing dq.
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = valid[:, None] & (o_v < V)[None, :]
+        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + row_v + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        b_dqg += tl.dot(b_do, tl.trans(b_h))
+    b_dq += scale * b_dqg * b_eg[:, None]
+    tl.store(dq + off_wk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dG += tl.sum(b_q * b_dq, axis=1)
+
+    # Pass 3: d(k e^{G_C - G}) = Vn dh^T and the decay term sum(h * dh), finishing dk.
+    b_dkc = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgc = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = valid[:, None] & (o_v < V)[None, :]
+        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        b_vn = tl.load(v_new + row_v + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        off_kv = state + o_k[:, None] * V + o_v[None, :]
+        b_dh = tl.load(dh + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_dkc += tl.dot(b_vn, tl.trans(b_dh))
+        if USE_G:
+            b_h = tl.load(h + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+            b_dgc += tl.sum(b_h * b_dh, axis=1)
     b_kc = b_k * b_ekc[:, None]
     b_dk = b_dkg + b_dkc * b_ekc[:, None] + b_da * b_beta[:, None]
-    b_dbeta += tl.sum(b_da * b_k, axis=1)
-
-    tl.store(dq + off_wk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + off_wk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(db + tok * HV + i_hv, b_dbeta.to(db.dtype.element_ty), mask=valid)
 
     if USE_G:
-        b_dG = tl.sum(b_a * b_da + b_q * b_dq - b_k * b_dkg - b_kc * b_dkc, axis=1)
+        b_dG -= tl.sum(b_kc * b_dkc, axis=1)
         b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_kc)
         b_dG = tl.where(valid, b_dG, 0.0)
         b_dgo = tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC
@@ -157,7 +175,7 @@ def rewy_gdn_bwd_local(q, k, v, v_new, w, u, g, beta, A, h, dh, do, dv2, scale: 
     HV, V = v.shape[2], v.shape[3]
     BT = A.shape[-1]
     BK = triton.next_power_of_2(K)
-    BV = min(64, triton.next_power_of_2(V))
+    BV = min(128, triton.next_power_of_2(V))
     if BK > 256:
         raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
