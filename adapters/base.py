@@ -25,7 +25,10 @@ class Adapter:
     layer_classes: tuple[str, ...]
     site: str
     call: Callable
-    check: Callable[[nn.Module], str | None] = field(default=lambda layer: None)
+    check: Callable[[nn.Module], str | None] = field(default=None)
+
+    def unsupported_reason(self, layer: nn.Module) -> str | None:
+        return None if self.check is None else self.check(layer)
 
     @property
     def site_module(self) -> str:
@@ -41,10 +44,15 @@ def qualified_class_names(layer: nn.Module) -> list[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in type(layer).__mro__]
 
 
-def keyword_call(op: Callable) -> Callable:
-    """Adapter ``call`` for sites whose signature already is FLA's: pass through."""
+class KeywordCall:
+    """Adapter ``call`` for sites whose signature already is FLA's: pass through.
+    (A class, not a closure, so patched models can be pickled.)"""
 
-    def call(args, kwargs, *, backend, policy):
-        return op(*args, backend=backend, policy=policy, **kwargs)
+    def __init__(self, op: Callable):
+        self.op = op
 
-    return call
+    def __call__(self, args, kwargs, *, backend, policy):
+        return self.op(*args, backend=backend, policy=policy, **kwargs)
+
+
+keyword_call = KeywordCall

@@ -27,15 +27,21 @@ _POSITIONAL = ("g", "beta", "chunk_size", "initial_state", "output_final_state",
 _PASSED_ON = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens")
 
 
-def hf_core_call(op: Callable) -> Callable:
-    def call(args, kwargs, *, backend, policy):
+class HFCoreCall:
+    """Maps a transformers core call onto a rewy op (a class, so it pickles)."""
+
+    def __init__(self, op: Callable):
+        self.op = op
+
+    def __call__(self, args, kwargs, *, backend, policy):
         query, key, value, *rest = args
         bound = dict(zip(_POSITIONAL, rest))
         bound.update(kwargs)
         passed = {name: bound[name] for name in _PASSED_ON if bound.get(name) is not None}
-        return op(query, key, value, bound["g"], bound["beta"], backend=backend, policy=policy, **passed)
+        return self.op(query, key, value, bound["g"], bound["beta"], backend=backend, policy=policy, **passed)
 
-    return call
+
+hf_core_call = HFCoreCall
 
 
 def torch_reference(module, attr: str) -> Callable:

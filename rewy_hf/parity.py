@@ -192,17 +192,20 @@ def run_parity(
     backend: str = "auto",
     policy: str = "recompute",
     check_update: bool = True,
+    reference_cores: bool | None = None,
     progress=None,
 ) -> ParityResult:
     """Compare ``model`` patched vs unpatched on ``batches`` of token ids.
 
     ``model`` itself becomes the patched side; an unpatched deep copy is the
-    reference. ``progress`` is an optional callable(step) for progress bars.
+    reference. ``reference_cores`` makes the unpatched side run the reference
+    cores instead of its original ones (default: on CPU only, where the
+    originals cannot run). ``progress`` is an optional callable(step).
     """
     reference_model = copy.deepcopy(model)
     unpatch_model(reference_model)          # in case the caller had patched it already
     device = next(model.parameters()).device
-    on_cpu = device.type != "cuda"
+    use_reference = device.type != "cuda" if reference_cores is None else reference_cores
     result = ParityResult(tolerance=tolerance)
     result.patch_report = patch_model(model, backend=backend, policy=policy).to_dict()
     reset_dispatch_report()
@@ -210,7 +213,7 @@ def run_parity(
     last_grads = None
     for step, input_ids in enumerate(batches):
         input_ids = input_ids.to(device)
-        loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=on_cpu)
+        loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference)
         loss_p, ms_p, grads_p = _step(model, input_ids, reference=False)
         result.losses.append((loss_u, loss_p))
         result.backward_ms["unpatched"].append(ms_u)

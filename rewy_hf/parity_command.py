@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="relative gradient tolerance (default per dtype: float32 1e-3, bfloat16 1e-1)")
     parser.add_argument("--loss-tolerance", type=float, default=None, help="relative loss tolerance")
     parser.add_argument("--no-update", action="store_true", help="skip the optimizer-step comparison")
+    parser.add_argument("--reference", choices=("auto", "original", "torch"), default="auto",
+                        help="what the unpatched side runs: its original core ('original'), the plain-torch / "
+                             "float64 reference core ('torch'), or 'auto' = original on CUDA, torch on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -70,9 +73,13 @@ def run(args: argparse.Namespace) -> int:
         batches = _batches(args, model, loaded.tokenizer)
         with progress_bar(args.steps, f"parity {args.model}") as advance:
             result = run_parity(model, batches, tolerance=tol, backend=args.backend, policy=args.policy,
-                                check_update=not args.no_update, progress=advance)
+                                check_update=not args.no_update, progress=advance,
+                                reference_cores=None if args.reference == "auto" else args.reference == "torch")
     except (ModelLoadError, UnsupportedConfigError, ValueError) as exc:
         return could_not_run(str(exc))
+    except Exception as exc:  # e.g. the original core refusing to run on this GPU (FLA's Hopper guard)
+        hint = "" if args.reference == "torch" else "; try --reference torch"
+        return could_not_run(f"{type(exc).__name__}: {exc}{hint}")
 
     if result.optimized_backward_calls == 0:
         return could_not_run(

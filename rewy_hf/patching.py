@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import threading
-import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,6 +56,43 @@ class LayerPatch:
 
     def call_core(self, original: Callable, args: tuple, kwargs: dict):
         return route(self, original, args, kwargs)
+
+
+class PatchedForward:
+    """The forward bound into a patched layer's ``__dict__``.
+
+    A small class rather than a bound method so that ``torch.save`` /
+    ``copy.deepcopy`` of a patched model rebuild it around the copied layer
+    (a bound method would be re-fetched by name and lose the patch).
+    """
+
+    __name__ = "forward"
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        return _patched_forward(self.layer, *args, **kwargs)
+
+    def __reduce__(self):
+        return (PatchedForward, (self.layer,))
+
+    # Look like the bound forward it wraps, for code that inspects forwards
+    # (signature checks for accepted keyword arguments, hooks that wrap them).
+    @property
+    def __self__(self) -> nn.Module:
+        return self.layer
+
+    @property
+    def __wrapped__(self):
+        state = self.layer.__dict__.get(_STATE_ATTR)
+        if state is not None and state.previous_forward is not None:
+            return state.previous_forward
+        return type(self.layer).forward.__get__(self.layer)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
 
 
 def _patched_forward(self: nn.Module, *args, **kwargs):
@@ -143,14 +180,14 @@ def patch_model(
             if looks_like_delta_rule(layer):
                 report.skipped.append(SkippedLayer(name, _layer_class(layer), "no rewy adapter for this layer class"))
             continue
-        reason = adapter.check(layer)
+        reason = adapter.unsupported_reason(layer)
         if reason is not None:
             report.skipped.append(SkippedLayer(name, _layer_class(layer), reason))
             continue
         _install_dispatcher(adapter, layer)
         layer.__dict__[_STATE_ATTR] = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback,
                                                  layer.__dict__.get("forward"))
-        layer.forward = types.MethodType(_patched_forward, layer)
+        layer.forward = PatchedForward(layer)
         report.patched.append(PatchedLayer(name, _layer_class(layer), adapter.op, backend, policy))
     if strict and not report.patched:
         raise UnsupportedConfigError(

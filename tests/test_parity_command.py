@@ -120,6 +120,22 @@ def test_text_file_through_the_models_tokenizer(saved_qwen, tmp_path, capsys):
     assert json.loads(report.read_text())["optimized_backward_calls"] == 1
 
 
+def test_crash_on_the_unpatched_side_exits_2_with_the_reason(capsys, monkeypatch):
+    """An original core that refuses to run (as FLA's GDN backward does on some
+    GPUs) is reported as "could not run", with a hint, not a traceback."""
+    import rewy_hf.reference_cores as rc
+
+    def refusing(adapter, original):
+        def core(*args, **kwargs):
+            raise RuntimeError("this core refuses to run here")
+        return core
+
+    monkeypatch.setattr(rc, "reference_for", refusing)
+    code, _, err = _run(["--model", "tiny-qwen3.5", *QUICK], capsys)
+    assert code == 2
+    assert "RuntimeError: this core refuses to run here; try --reference torch" in err
+
+
 def test_lora_parity(tmp_path, capsys):
     report = tmp_path / "parity.json"
     code, out, _ = _run(["--model", "tiny-qwen3.5", "--lora", "--json", str(report), *QUICK], capsys)
