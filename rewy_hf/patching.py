@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -99,7 +100,11 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     state: LayerPatch = self.__dict__[_STATE_ATTR]
     # A deep copy (or any clone made without patch_model) carries the patch
     # state but was never registered; make sure its site still dispatches.
-    _install_dispatcher(state.adapter, self)
+    # Checked without the lock: on every forward after the first it is a
+    # dict lookup and a set membership test.
+    registered = _SITE_LAYERS.get(state.adapter.site)
+    if registered is None or self not in registered or not _site_dispatches(state.adapter):
+        _install_dispatcher(state.adapter, self)
     token = ACTIVE_LAYER.set(state)
     try:
         if state.previous_forward is not None:
@@ -107,6 +112,11 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
     finally:
         ACTIVE_LAYER.reset(token)
+
+
+def _site_dispatches(adapter: Adapter) -> bool:
+    module = sys.modules.get(adapter.site_module)
+    return module is not None and isinstance(getattr(module, adapter.site_attr, None), CoreDispatcher)
 
 
 def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:

@@ -57,24 +57,42 @@ def reference_for(adapter: Adapter, original: Callable) -> Callable:
 
 
 @contextlib.contextmanager
+def replaced_core(module, attr: str, core: Callable):
+    """Make ``core`` what an *unpatched* layer reaches through ``module.attr``.
+
+    Without a rewy dispatcher the module-level name is set; under one, the
+    dispatcher's ``original`` is, so patched instances keep routing to rewy.
+    On exit the saved original is put back wherever the site then stands,
+    also when a patch or unpatch happened inside the block.
+    """
+    current = getattr(module, attr)
+    saved = current.original if isinstance(current, CoreDispatcher) else current
+
+    def install(fn: Callable) -> None:
+        now = getattr(module, attr)
+        if isinstance(now, CoreDispatcher):
+            now.original = fn
+        else:
+            setattr(module, attr, fn)
+
+    install(core)
+    try:
+        yield core
+    finally:
+        install(saved)
+
+
+@contextlib.contextmanager
 def use_reference_cores(model: nn.Module):
     """Point each core site used by ``model`` at its reference for the block."""
     adapters = {a.site: a for a in (find_adapter(m) for m in model.modules()) if a is not None}
-    restore = []
-    try:
-        for site, adapter in adapters.items():
+    with contextlib.ExitStack() as stack:
+        for adapter in adapters.values():
             module = importlib.import_module(adapter.site_module)
             current = getattr(module, adapter.site_attr)
-            if isinstance(current, CoreDispatcher):
-                restore.append((current, "original", current.original))
-                current.original = reference_for(adapter, current.original)
-            else:
-                restore.append((module, adapter.site_attr, current))
-                setattr(module, adapter.site_attr, reference_for(adapter, current))
+            original = current.original if isinstance(current, CoreDispatcher) else current
+            stack.enter_context(replaced_core(module, adapter.site_attr, reference_for(adapter, original)))
         yield
-    finally:
-        for obj, attr, value in reversed(restore):
-            setattr(obj, attr, value)
 
 
 def needs_reference_cores(model: nn.Module) -> bool:

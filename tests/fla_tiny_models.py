@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewy_hf.dispatch import CoreDispatcher
+from rewy_hf.reference_cores import replaced_core
 from rewy_hf.kernels import reference
 
 VOCAB = 128
@@ -159,21 +159,11 @@ def reference_core(naive, calls: list):
 
 @contextlib.contextmanager
 def reference_site(module_name: str, attr: str, naive, calls: list):
-    """Replace one module-level core name by ``reference_core(naive)`` for the block.
-
-    If ``patch_model`` installed a CoreDispatcher there, its ``original`` is
-    swapped instead (unpatched models reach the reference, patched ones still
-    reach rewy)."""
-    module = importlib.import_module(module_name)
-    current = getattr(module, attr)
-    ref = reference_core(naive, calls)
-    obj, name = (current, "original") if isinstance(current, CoreDispatcher) else (module, attr)
-    saved = getattr(obj, name)
-    setattr(obj, name, ref)
-    try:
+    """Replace one module-level core name by ``reference_core(naive)`` for the block
+    (rewy's ``replaced_core``: under a CoreDispatcher its ``original`` is swapped,
+    so unpatched models reach the reference and patched ones still reach rewy)."""
+    with replaced_core(importlib.import_module(module_name), attr, reference_core(naive, calls)):
         yield calls
-    finally:
-        setattr(obj, name, saved)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rewy_hf.adapters.transformers_common import torch_reference
-from rewy_hf.dispatch import CoreDispatcher
+from rewy_hf.reference_cores import replaced_core
 
 SEED = 0
 VOCAB = 128
@@ -193,34 +193,13 @@ def _is_causal_lm(model, family) -> bool:
     return type(model).__name__.endswith("ForCausalLM") or hasattr(model, "lm_head")
 
 
-def _plain(fn: Callable) -> Callable:
-    return fn.original if isinstance(fn, CoreDispatcher) else fn
-
-
 @contextlib.contextmanager
 def core_replaced(family, core: Callable):
-    """Make ``core`` the function an unpatched layer of ``family`` calls, for a block.
-
-    Without a rewy dispatcher the module global is set; under one, its
-    ``original`` is, so patched instances keep routing to rewy. Restores
-    whatever was there on exit, also when patch/unpatch happened inside.
-    """
+    """Make ``core`` the function an unpatched layer of ``family`` calls, for a block
+    (rewy's ``replaced_core``: dispatcher-aware, restores on exit)."""
     fam = family_of(family)
-    module, attr = fam.modeling, fam.site_attr
-    saved = _plain(getattr(module, attr))
-
-    def _set(fn):
-        cur = getattr(module, attr)
-        if isinstance(cur, CoreDispatcher):
-            cur.original = fn
-        else:
-            setattr(module, attr, fn)
-
-    _set(core)
-    try:
-        yield core
-    finally:
-        _set(saved)
+    with replaced_core(fam.modeling, fam.site_attr, core) as fn:
+        yield fn
 
 
 @contextlib.contextmanager
