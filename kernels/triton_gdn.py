@@ -42,7 +42,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         w, u, A = f["intra"](k=k, v=v, g=g2, beta=beta, chunk_size=64)
         h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True, chunk_size=64)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64)
-        saved = (w, u, h, v_new) if policy == "full" else ()
+        saved = (w, h, v_new) if policy == "full" else ()
         ctx.save_for_backward(q, k, v, g2, beta, A, h0, *saved)
         ctx.meta = (scale, policy, g is not None, h0 is not None)
         return o.to(v.dtype), ht
@@ -54,14 +54,14 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         f = _fla()
         do = do.contiguous()
         if policy == "full":
-            w, u, h, v_new = saved
+            w, h, v_new = saved
         else:
             w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2)
             h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False, chunk_size=64)
         dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64)
         dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
                                     dht=None if dht is None else dht.contiguous(), scale=scale, chunk_size=64)
-        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, w, u, g2, beta, A, h, dh, do, dv2, scale=scale)
+        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale)
         B, T, H, K = q.shape
         group = v.shape[2] // H
         if group > 1:                       # GVA: each key head serves `group` value heads

@@ -330,12 +330,13 @@ def train(args) -> RunResult:
         state_dict = accelerator.get_state_dict(model) if fsdp else None
         accelerator.unwrap_model(model).save_pretrained(partial, state_dict=state_dict, is_main_process=main_proc,
                                                         safe_serialization=True)
+        per_rank = _gather_dispatch()
         if main_proc:
             tokenizer.save_pretrained(partial)
             ckpt.write_state(partial, {"step": step, "tokens_seen": tokens_seen, "config": run_config})
             ckpt.commit(partial, final)
             ckpt.prune(out_dir, args.keep_checkpoints)
-            _write_dispatch_report(out_dir, patch_report)
+            _write_dispatch_report(out_dir, patch_report, per_rank)
         accelerator.wait_for_everyone()
         result.checkpoints.append(final)
 
@@ -374,6 +375,8 @@ def train(args) -> RunResult:
         record = {"step": done, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens_seen": tokens_seen,
                   "epoch": round(sampler.epoch((done) * args.grad_accum), 4)}
+        if accelerator.device.type == "cuda":
+            record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         result.losses.append(step_loss)
         result.final_step = done
         if metrics is not None:
@@ -393,8 +396,9 @@ def train(args) -> RunResult:
 
     if result.final_step >= args.max_steps:
         result.final_model_dir, result.adapter_dir = _save_final(accelerator, model, tokenizer, out_dir, args.lora)
+    per_rank = _gather_dispatch()
     if main_proc:
-        _write_dispatch_report(out_dir, patch_report)
+        _write_dispatch_report(out_dir, patch_report, per_rank)
         records = read_metrics(out_dir / "metrics.jsonl")
         renderer = plot_loss(records, out_dir / "loss_curve.png") if records else None
         say(f"\noutputs in {out_dir.resolve()}:")
@@ -453,12 +457,21 @@ def _save_final(accelerator, model, tokenizer, out_dir: Path, lora: bool):
     return final, adapter
 
 
-def _write_dispatch_report(out_dir: Path, patch_report) -> None:
+def _gather_dispatch() -> list:
+    """Every rank's own dispatch counts (a collective: all ranks call it). Each process
+    patches and dispatches on its own, so one rank silently running the original
+    backward would not show in rank 0's counts."""
+    from accelerate.utils import gather_object
+
     import rewy_hf
 
+    return gather_object([rewy_hf.dispatch_report()])
+
+
+def _write_dispatch_report(out_dir: Path, patch_report, per_rank: list) -> None:
     (out_dir / "dispatch_report.json").write_text(json.dumps(
         {"patch_report": patch_report.to_dict() if patch_report else None,
-         "dispatch": rewy_hf.dispatch_report()}, indent=1) + "\n")
+         "dispatch": per_rank[0], "dispatch_per_rank": per_rank}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None, default_model: str = DEFAULT_MODEL, prog: str | None = None) -> int:

@@ -1,0 +1,12 @@
+# Source this on the lent GPU machine (see ../shared/gpu.md): installs the
+# carried FLA wheels into /tmp/site, puts rewy_hf (with its kernels/ and
+# adapters/ subpackages) on PYTHONPATH, and restores a carried Triton cache.
+set -e
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core*.whl .whl/flash_linear*.whl
+mkdir -p /tmp/pkg/rewy_hf
+cp -r rewy_hf/. /tmp/pkg/rewy_hf/
+cp -r kernels /tmp/pkg/rewy_hf/kernels
+cp -r adapters /tmp/pkg/rewy_hf/adapters
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 REPO=$PWD
+if [ -f .triton-cache/cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache/cache.tgz -C ~/.triton; fi
+set +e
