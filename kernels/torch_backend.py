@@ -49,7 +49,10 @@ def delta_rule_core(
         if state_v_first:
             h0 = h0.transpose(-1, -2)
         h0 = h0.contiguous()
-    o, ht = ReWYChunkFunction.apply(*chunked, h0, scale, policy)
+    # Autocast (mixed-precision training) would run the chunk math's products in bf16 and
+    # break the float32 contract (on CUDA the triangular solve refuses bf16 outright).
+    with torch.autocast(q.device.type, enabled=False):
+        o, ht = ReWYChunkFunction.apply(*chunked, h0, scale, policy)
     o = layout.from_chunks(o).to(v.dtype)
     if not output_final_state:
         return o, None

@@ -58,6 +58,12 @@ class ReWYChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        # backward() may be called inside an autocast region; the math stays in its own dtype.
+        with torch.autocast(do.device.type, enabled=False):
+            return ReWYChunkFunction._backward(ctx, do, dht)
+
+    @staticmethod
+    def _backward(ctx, do, dht):
         scale, policy, has_g, has_h0 = ctx.meta
         q, k, v, g, b, w, state0, A, *extra = ctx.saved_tensors
         x = ChunkInputs(q, k, v, g, b, w, scale=scale)
