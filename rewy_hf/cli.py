@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "parity": "rewy_hf.parity_command",
     "verify": "rewy_hf.verify_command",
     "run": "rewy_hf.run_command",
+    "bench": "rewy_hf.bench_command",
 }
 
 

@@ -1,5 +1,9 @@
 """Loading a causal LM for the CLI: a preset, a local directory or a hub id.
 
+Presets are the names in ``presets.PRESETS`` and ``gdn2-<size>`` for every
+size in ``models.gdn2.GDN2_PRESETS`` (``gdn2-tiny`` ... ``gdn2-1b``), built
+with random weights from a fixed seed.
+
 Hub ids go through the real ``from_pretrained`` path, so they resolve from the
 local Hugging Face cache and work offline with ``HF_HUB_OFFLINE=1``.
 """
@@ -33,10 +37,32 @@ def _register_model_types() -> None:
     from .models import gdn2  # noqa: F401
 
 
+GDN2_PREFIX = "gdn2-"
+
+
+def preset_names() -> list[str]:
+    from .models.gdn2 import GDN2_PRESETS
+
+    return list(PRESETS) + [GDN2_PREFIX + n for n in GDN2_PRESETS]
+
+
+def _build_gdn2(name: str, seed: int) -> nn.Module:
+    from .models.gdn2 import GDN2_PRESETS, GDN2ForCausalLM, gdn2_config
+
+    if name not in GDN2_PRESETS:
+        raise ModelLoadError(f"unknown GDN2 preset {GDN2_PREFIX + name!r}; GDN2 presets are "
+                             f"{', '.join(GDN2_PREFIX + n for n in GDN2_PRESETS)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GDN2ForCausalLM(gdn2_config(name))
+
+
 def load_causal_lm(spec: str, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
                    device: str = "cpu", trust_remote_code: bool = False, seed: int = 0) -> LoadedModel:
     if spec in PRESETS:
         model, tokenizer, source = build_preset(spec, seed=seed), None, "preset"
+    elif spec.startswith(GDN2_PREFIX) and not os.path.isdir(spec):
+        model, tokenizer, source = _build_gdn2(spec[len(GDN2_PREFIX):], seed), None, "preset"
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +73,7 @@ def load_causal_lm(spec: str, *, revision: str | None = None, dtype: torch.dtype
                                                          trust_remote_code=trust_remote_code)
         except Exception as exc:  # the loader's own reason is the useful part
             hint = "" if source == "local" else (
-                f" (not a preset either: presets are {', '.join(PRESETS)})")
+                f" (not a preset either: presets are {', '.join(preset_names())})")
             raise ModelLoadError(f"could not load {spec!r}{hint}: {type(exc).__name__}: {exc}") from exc
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec, revision=revision, trust_remote_code=trust_remote_code)

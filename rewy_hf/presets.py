@@ -1,5 +1,7 @@
-"""Small random models built from config with a fixed seed, for commands that
-must work anywhere with no download (``--model tiny-qwen3.5`` ...)."""
+"""Random models built from config with a fixed seed, for commands that must
+work anywhere with no download (``--model tiny-qwen3.5`` ...): tiny ones for
+CPU checks, and ``qwen3.5-1b`` for `rewy-hf bench --model` on a GPU (its GDN2
+counterpart is ``gdn2-1b``, from ``models.gdn2.GDN2_PRESETS``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,15 @@ _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attenti
 _GDN = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 _MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+# ~1B Qwen3.5-like hybrid for model-level benchmarks: the width, depth and FFN of
+# the GDN2 1b preset (2048 / 20 / 4096, 16 x 128 delta-rule heads) with
+# Qwen3.5's 3:1 linear/full attention layout (5 full-attention layers), and
+# GDN2's 32000-token vocabulary rather than Qwen3.5's 248320, so that the two
+# presets' step times differ by their mixers, not by a 1B-parameter embedding.
+# 1,023,802,208 parameters.
+_QWEN35_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096, num_hidden_layers=20,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16)
 _FLA = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256, fuse_norm=False, fuse_swiglu=False,
             fuse_cross_entropy=False, use_short_conv=False)
 
@@ -61,6 +72,7 @@ PRESETS: dict[str, Callable[[], nn.Module]] = {
                          num_v_heads=4, expand_v=1.0),
     "tiny-fla-kda": _fla("KDAConfig", "KDAForCausalLM", num_heads=4, head_dim=16),
     "tiny-fla-gdn2": _gdn2(num_heads=4, head_dim=16),
+    "qwen3.5-1b": _hf("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_QWEN35_1B),
 }
 
 

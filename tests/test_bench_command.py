@@ -1,0 +1,256 @@
+"""`rewy-hf bench` on CPU: options and shapes, the op-level comparison against the
+reference path (times, errors, JSON, plot), a broken core failing the check,
+and the model-level training step; GPU tests run FLA as the baseline."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rewy_hf import cli
+from rewy_hf.bench_config import CustomShape, Shape, check_T, parse_shape, resolve_shapes, suite_file
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--device", "cpu", "--shapes", "1,64,1,16,16", "--reps", "1", "--warmup", "0"]
+
+
+def _bench(argv, capsys):
+    code = cli.main(["bench", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- options and shapes -------------------------------------------------------------------------
+
+def test_cli_parses_op_level_options():
+    args = cli.build_parser().parse_args(
+        ["bench", "--op", "gdn", "kda", "--policy", "both", "--boundary", "B", "--shapes", "1,64,2", "2,128,4,32,16",
+         "--shapes", "suite", "--lift-gdn-guard", "--json", "x.json", "--plot", "x.png", "--reps", "7"])
+    assert args.command == "bench" and args.model is None
+    assert args.op == ["gdn", "kda"] and args.policy == ["both"] and args.boundary == ["B"]
+    assert args.shapes == [CustomShape(1, 64, 2), CustomShape(2, 128, 4, 32, 16), "suite"]
+    assert args.lift_gdn_guard and args.reps == 7 and args.json == "x.json" and args.plot == "x.png"
+
+
+def test_custom_shapes_resolve_per_device():
+    shapes, origin = resolve_shapes([CustomShape(2, 4096, 16)], "cuda")
+    assert shapes == [Shape(2, 4096, 16, 128, 128)] and "custom" in origin
+    shapes, _ = resolve_shapes([CustomShape(1, 64, 1), CustomShape(1, 64, 1, 16, 32)], "cpu")
+    assert shapes == [Shape(1, 64, 1, 64, 64), Shape(1, 64, 1, 16, 32)]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("2,64", "has 2 value(s)"),
+    ("1,2,3,4", "has 4 value(s)"),
+    ("2,x,3", "not a list of integers"),
+    ("2,0,3", "T=0 must be positive"),
+])
+def test_bad_shapes_name_the_problem_and_the_fix(text, problem, capsys):
+    with pytest.raises(argparse.ArgumentTypeError, match="B,T,H") as info:
+        parse_shape(text)
+    assert problem in str(info.value) and "--shapes 2,4096,16" in str(info.value)
+    code, _, err = _bench(["--shapes", text], capsys)
+    assert code == 2 and problem in err
+
+
+def test_suite_is_shipped_and_matches_the_benchmarks_copy():
+    shipped = suite_file()
+    assert shipped == json.loads((REPO_ROOT / "benchmarks" / "bench_shapes.json").read_text())
+    shapes, origin = resolve_shapes(None, "cuda")
+    assert len(shapes) == 6 and all(s.K == s.V == 128 for s in shapes) and "six-shape suite" in origin
+    cpu_shapes, cpu_origin = resolve_shapes(["suite"], "cpu")
+    assert cpu_shapes == [Shape(1, 512, 2, 64, 64)] and "CPU suite" in cpu_origin
+
+
+def test_check_shape_reduction():
+    big = Shape(1, 32768, 32, 128, 128)
+    assert check_T(big, 2**19) == 16384                          # same B, H; B*T*H now within the budget
+    assert check_T(Shape(8, 2048, 16, 128, 128), 2**19) == 2048   # within the budget: checked as timed
+    assert check_T(Shape(4, 100, 4, 8, 8), 64) == 64              # never below one chunk
+
+
+# --- op level on CPU ----------------------------------------------------------------------------
+
+def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench([*TINY, "--json", str(report)], capsys)
+    assert code == 0, out
+    assert "not against FLA" in out and "geometric mean" in out
+    data = json.loads(report.read_text())
+    assert {"kind", "device", "device_name", "versions", "baseline", "settings", "rows", "geomean", "ok",
+            "exit_code", "complete"} <= set(data)
+    assert data["ok"] is True and data["exit_code"] == 0 and data["complete"] is True and data["device"] == "cpu"
+    assert "NOT against FLA" in data["baseline"]
+    assert {"torch", "triton", "flash-linear-attention", "rewy-hf"} <= set(data["versions"])
+    assert data["settings"]["ops"] == ["delta_rule", "gdn", "kda", "gdn2"]
+    assert data["settings"]["policies"] == ["recompute", "full"] and data["settings"]["boundaries"] == ["B", "FB"]
+    rows = data["rows"]
+    assert sorted((r["op"], r["policy"]) for r in rows) == sorted(
+        (op, p) for op in ("delta_rule", "gdn", "kda", "gdn2") for p in ("recompute", "full"))
+    for r in rows:
+        assert r["ok"] is True and r["rewy_backend"] == "torch"
+        for side in ("baseline", "rewy"):
+            for b in ("B", "FB"):
+                assert r[f"{side}_{b}_ms"] > 0
+        assert r["speedup_B"] > 0 and r["speedup_FB"] > 0
+        # float32 chunked vs float64 truth: far inside the bound, and the per-gradient errors add up to the max
+        assert r["err_rewy"] < 1e-4 and r["err_rewy"] == max(r["err_rewy_per_grad"].values())
+        assert r["err_baseline"] < 1e-6
+        assert r["check_T"] == 64 and r["check_reduced"] is False
+    assert len(data["geomean"]) == 4 * 2 * 2
+    assert all(g["speedup"] > 0 and g["shapes"] == 1 for g in data["geomean"])
+    # The tables can be printed again from the JSON alone (e.g. after a GPU run without matplotlib).
+    code, again, _ = _bench(["--from-json", str(report)], capsys)
+    assert code == 0 and again.count("geometric mean") == 8 and "gdn2, rewy policy full" in again
+
+
+def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
+    # A spec of its own: rewy warns once per spec and process, other tests expect their own warning.
+    monkeypatch.setenv("REWY_HF_TEST_FAULT", "grad_scale=1.07@kda")
+    report = tmp_path / "bench.json"
+    with pytest.warns(RuntimeWarning, match="deliberately corrupting"):
+        code, out, _ = _bench([*TINY, "--op", "kda", "gdn", "--policy", "full", "--boundary", "B",
+                               "--json", str(report)], capsys)
+    assert code == 1
+    assert "FAIL" in out and "failed: kda full" in out
+    rows = {r["op"]: r for r in json.loads(report.read_text())["rows"]}
+    assert rows["kda"]["ok"] is False and rows["kda"]["err_rewy"] == pytest.approx(0.07, rel=1e-3)
+    assert rows["gdn"]["ok"] is True, "the fault is scoped to the kda op"
+
+
+def test_reduced_check_is_stated(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench(["--device", "cpu", "--shapes", "1,256,1,16,16", "--reps", "1", "--warmup", "0",
+                           "--op", "gdn", "--policy", "recompute", "--boundary", "FB", "--check-max-tokens", "128",
+                           "--json", str(report)], capsys)
+    assert code == 0, out
+    (row,) = json.loads(report.read_text())["rows"]
+    assert row["check_T"] == 128 and row["check_reduced"] is True and row["T"] == 256
+    assert "reduced T" in out
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "speedup.png"
+    code, out, _ = _bench([*TINY, "--op", "gdn2", "kda", "--policy", "recompute", "--plot", str(png)], capsys)
+    assert code == 0, out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_without_matplotlib_fails_before_timing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` raise ImportError
+    report = tmp_path / "bench.json"
+    code, out, err = _bench([*TINY, "--plot", str(tmp_path / "x.png"), "--json", str(report)], capsys)
+    assert code == 2
+    assert "pip install matplotlib" in err
+    assert not report.exists() and "geometric mean" not in out
+
+
+def test_progress_without_tqdm_prints_flushed_lines(capsys, monkeypatch):
+    from rewy_hf.bench_output import progress
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with progress(2, "bench") as bar:
+        bar.step("gdn 1,64,1")
+        bar.write("a result line")
+    out = capsys.readouterr()
+    assert "[1/2] bench: gdn 1,64,1" in out.err and "a result line" in out.out
+
+
+# --- model level --------------------------------------------------------------------------------
+
+def test_model_level_on_a_tiny_preset(tmp_path, capsys):
+    report = tmp_path / "model.json"
+    code, out, _ = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--steps", "2", "--warmup", "0",
+                           "--seq-len", "80", "--json", str(report)], capsys)
+    assert code == 0, out
+    assert "patched layers: 1" in out and "speedup" in out and "reference cores" in out
+    data = json.loads(report.read_text())
+    assert data["kind"] == "model" and data["ok"] is True and data["settings"]["dtype"] == "fp32"
+    assert data["patched_layers"] == 1
+    assert data["optimized_backward_calls"] == 2, "one patched layer, two timed patched steps"
+    assert data["dispatch"]["ops"]["gated_delta_rule"]["optimized_backward_calls"] == 2
+    for side in ("unpatched", "patched"):
+        assert len(data[side]["step_ms"]) == 2 and data[side]["median_step_ms"] > 0
+        assert data[side]["tokens_per_s"] > 0
+    # Same weights, optimizer state and batch every step: both sides see the same loss, every step.
+    assert data["loss_rel_diff"] < 1e-5
+    assert data["unpatched"]["loss"][0] == pytest.approx(data["unpatched"]["loss"][1], rel=1e-6)
+    code, again, _ = _bench(["--from-json", str(report)], capsys)
+    assert code == 0 and "patched layers: 1" in again
+
+
+def test_model_level_refuses_op_level_options(capsys):
+    code, _, err = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--shapes", "1,64,1"], capsys)
+    assert code == 2 and "--shapes" in err and "op-level" in err
+    code, _, err = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--policy", "both"], capsys)
+    assert code == 2 and "one --policy" in err
+
+
+def test_model_level_unknown_model_lists_presets(capsys):
+    # A path-like name fails the hub id check at once; a bare name would wait on the network.
+    code, _, err = _bench(["--model", "./no-such-model", "--device", "cpu"], capsys)
+    assert code == 2
+    assert "qwen3.5-1b" in err and "gdn2-1b" in err
+
+
+def test_bench_presets():
+    from rewy_hf.model_loading import ModelLoadError, load_causal_lm
+    from rewy_hf.presets import PRESETS
+
+    with torch.device("meta"):
+        model = PRESETS["qwen3.5-1b"]()
+    assert sum(p.numel() for p in model.parameters()) == 1_023_802_208
+    assert model.config.layer_types.count("full_attention") == 5
+    assert load_causal_lm("gdn2-tiny").model.config.model_type == "gdn2"
+    with pytest.raises(ModelLoadError, match="gdn2-1b"):
+        load_causal_lm("gdn2-huge")
+
+
+def test_ops_gpu_script_forwards_to_the_command():
+    spec = importlib.util.spec_from_file_location("ops_gpu", REPO_ROOT / "benchmarks" / "ops_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = module.translate(["--ops", "gdn", "--shapes", "0", "2", "--lift-gdn-guard", "--json", "o.json",
+                             "--plot", "o.png"])
+    assert argv == ["bench", "--device", "cuda", "--op", "gdn", "--policy", "recompute", "--backend", "auto",
+                    "--shapes", "8,2048,16", "2,8192,16", "--lift-gdn-guard", "--json", "o.json", "--plot", "o.png"]
+    cli.build_parser().parse_args(argv)   # and the command accepts it
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_op_level_against_fla(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "2", "--warmup", "1",
+                           "--op", "kda", "gdn2", "delta_rule", "--lift-gdn-guard", "--json", str(report)], capsys)
+    data = json.loads(report.read_text())
+    assert code == 0, out
+    assert data["baseline"].startswith("FLA") and data["settings"]["qkv_dtype"] == "bfloat16"
+    for r in data["rows"]:
+        assert r["ok"] and r["err_baseline"] is not None and r["err_rewy"] < 2e-2
+        assert r["baseline_peak_mb"] > 0 and r["rewy_peak_mb"] > 0
+        assert all(r[f"{s}_{b}_ms"] > 0 for s in ("baseline", "rewy") for b in ("B", "FB"))
+
+
+@pytest.mark.gpu
+def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
+                           "--policy", "recompute", "--lift-gdn-guard", "--json", str(report)], capsys)
+    data = json.loads(report.read_text())
+    assert code == 0, out
+    (row,) = data["rows"]
+    active = data["settings"]["gdn_guard"]["was_active"]
+    assert row["baseline_timing_only"] is active
+    assert (row["err_baseline"] is None) is active
+    assert math.isfinite(row["speedup_B"])
