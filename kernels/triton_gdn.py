@@ -9,7 +9,9 @@ recurrence dh / dv2), then rewy's own kernel for everything ReWY rewrites
 kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
 
 Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new;
-``full`` saves them. Inputs arrive activated (l2norm, gate, beta) and in the
+``full`` saves w, h and v_new (u is not needed: the ReWY kernel reads neither
+w nor u, and the reverse state recurrence needs only w). ``cu_seqlens``
+(packed sequences) goes to every FLA stage and to our kernel. Inputs arrive activated (l2norm, gate, beta) and in the
 layout [B, T, H, D]; the state is [N, HV, K, V].
 """
 
@@ -27,56 +29,65 @@ def _fla():
     from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
 
     return dict(fwd_h=chunk_gated_delta_rule_fwd_h, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
                 dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra,
-                recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum)
+                recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum, chunk_indices=prepare_chunk_indices)
 
 
 class ReWYTritonGDNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str):
+    def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str, cu_seqlens):
         f = _fla()
-        g2 = None if g is None else f["cumsum"](g.float(), chunk_size=64, scale=RCP_LN2)
-        w, u, A = f["intra"](k=k, v=v, g=g2, beta=beta, chunk_size=64)
-        h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True, chunk_size=64)
-        o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64)
+        # Every FLA stage takes the same packing arguments; chunk_indices is built once here.
+        pk = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens,
+                                                chunk_indices=f["chunk_indices"](cu_seqlens, 64))
+        g2 = None if g is None else f["cumsum"](g.float(), chunk_size=64, scale=RCP_LN2, **pk)
+        w, u, A = f["intra"](k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
+        h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True, chunk_size=64, **pk)
+        o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64, **pk)
         saved = (w, h, v_new) if policy == "full" else ()
-        ctx.save_for_backward(q, k, v, g2, beta, A, h0, *saved)
-        ctx.meta = (scale, policy, g is not None, h0 is not None)
+        ctx.save_for_backward(q, k, v, g2, beta, A, h0, *pk.values(), *saved)
+        ctx.meta = (scale, policy, g is not None, h0 is not None, cu_seqlens is not None)
         return o.to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        scale, policy, has_g, has_h0 = ctx.meta
-        q, k, v, g2, beta, A, h0, *saved = ctx.saved_tensors
+        scale, policy, has_g, has_h0, varlen = ctx.meta
+        q, k, v, g2, beta, A, h0, *rest = ctx.saved_tensors
+        pk = dict(cu_seqlens=rest[0], chunk_indices=rest[1]) if varlen else {}
+        saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
         if policy == "full":
             w, h, v_new = saved
         else:
-            w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2)
-            h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False, chunk_size=64)
-        dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64)
+            w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2, **pk)
+            h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False,
+                                     chunk_size=64, **pk)
+        dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
-                                    dht=None if dht is None else dht.contiguous(), scale=scale, chunk_size=64)
-        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale)
+                                    dht=None if dht is None else dht.contiguous(), scale=scale, chunk_size=64, **pk)
+        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         B, T, H, K = q.shape
         group = v.shape[2] // H
         if group > 1:                       # GVA: each key head serves `group` value heads
             dq, dk = dq.view(B, T, H, group, K).sum(3), dk.view(B, T, H, group, K).sum(3)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),
-                dh0 if has_h0 else None, None, None)
+                dh0 if has_h0 else None, None, None, None)
 
 
-def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy):
-    """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward."""
+def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
+                    cu_seqlens=None):
+    """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward.
+    ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA."""
     h0 = None
     if initial_state is not None:
         h0 = (initial_state.transpose(-1, -2) if state_v_first else initial_state).float().contiguous()
     o, ht = ReWYTritonGDNFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                        None if g is None else g.contiguous(), beta.contiguous(), h0, scale, policy)
+                                        None if g is None else g.contiguous(), beta.contiguous(), h0, scale, policy,
+                                        cu_seqlens)
     if not output_final_state:
         return o, None
     return o, (ht.transpose(-1, -2) if state_v_first else ht)

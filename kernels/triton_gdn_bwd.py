@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-            for bv in (64, 128) for nw in (4, 8) for ns in (1, 2, 3)]
+# Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
+# time is paid per config.
+_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=2) for bv in (64, 128) for nw in (4, 8)]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -42,37 +43,51 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "USE_G"],
+@triton.autotune(configs=_CONFIGS, key=["K", "V", "BT", "USE_G"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def rewy_gdn_bwd_local_kernel(
     q, k, v, v_new, g, beta, A, h, dh, do, dv2,
     dq, dk, dv, dg, db,
+    cu_seqlens, chunk_indices,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # Plain pointer arithmetic with masks (no block pointers): the same code
     # runs on the GPU and under the interpreter of every Triton version we use.
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     B = tl.num_programs(2) // HV
-    NT = tl.cdiv(T, BT)
+    if IS_VARLEN:
+        # Packed sequences (B = 1): program i_c is chunk i_t of sequence i_n, and the
+        # chunk states are stored in that same global chunk order.
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        chunk = i_c
+    else:
+        i_t = i_c
+        bos = i_b * T
+        T_seq = T
+        chunk = i_b * tl.cdiv(T, BT) + i_t
     o_i = tl.arange(0, BT)
     rows = i_t * BT + o_i
-    valid = rows < T
-    tok = (i_b * T + rows).to(tl.int64)          # flat token index
+    valid = rows < T_seq
+    flat = bos + rows                             # token index in [B * T]
+    tok = flat.to(tl.int64)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = valid[:, None] & m_k[None, :]
-    state = (((i_b * NT + i_t) * HV + i_hv) * K * V).to(tl.int64)
+    state = ((chunk * HV + i_hv) * K * V).to(tl.int64)
     row_v = (tok * HV + i_hv)[:, None] * V
     first = i_k == 0                              # writes the key-independent outputs
 
     if USE_G:
         b_g = tl.load(g + tok * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-        last = (i_b * T + tl.minimum(T, i_t * BT + BT) - 1).to(tl.int64)
+        last = (bos + tl.minimum(T_seq, i_t * BT + BT) - 1).to(tl.int64)
         b_g_last = tl.load(g + last * HV + i_hv).to(tl.float32)
     else:
         b_g = tl.zeros([BT], dtype=tl.float32)
@@ -143,7 +158,7 @@ def rewy_gdn_bwd_local_kernel(
     tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     b_dbeta += tl.sum(b_da * b_k, axis=1)
-    part = ((i_k * B + i_b) * T + rows).to(tl.int64) * HV + i_hv   # this key block's share
+    part = (i_k * B * T + flat).to(tl.int64) * HV + i_hv   # this key block's share
     tl.store(db + part, b_dbeta, mask=valid)
 
     if USE_G:
@@ -153,13 +168,16 @@ def rewy_gdn_bwd_local_kernel(
         tl.store(dg + part, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
 
 
-def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float):
+def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
+                       cu_seqlens=None, chunk_indices=None):
     """Chunk-local ReWY backward in FLA's layout.
 
     q, k: [B, T, H, K]; v, v_new, do, dv2: [B, T, HV, V]; g (log2-unit chunk
     cumsum, or None for DeltaNet), beta: [B, T, HV]; A: [B, T, HV, 64];
     h, dh: [B, NT, HV, K, V] (states entering each chunk and the gradients of
-    the states leaving it). dq and dk come back per value head
+    the states leaving it). With ``cu_seqlens`` (B = 1, packed sequences),
+    ``chunk_indices`` is FLA's [NT_total, 2] table of (sequence, chunk) and h, dh
+    are [1, NT_total, HV, K, V]. dq and dk come back per value head
     ([B, T, HV, K]); the caller sums them over each key head's group (GVA).
     """
     q, k, v, v_new, beta, A, h, dh, do, dv2 = (
@@ -172,15 +190,22 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float)
         raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
     BK = min(64, max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
+    # Gradients leave in the input dtype (accumulation is float32 in-kernel) unless the
+    # caller must still sum value heads into key heads (GVA): fp32 copies cost peak memory.
+    dqk_dtype = q.dtype if HV == H else torch.float32
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=dqk_dtype)
     dk = torch.empty_like(dq)
-    dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=torch.float32)
+    dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     dg = torch.empty(NK, B, T, HV, device=q.device, dtype=torch.float32) if g is not None else None
     db = torch.empty(NK, B, T, HV, device=q.device, dtype=torch.float32)
-    grid = (NK, triton.cdiv(T, BT), B * HV)
+    varlen = cu_seqlens is not None
+    if varlen and (B != 1 or chunk_indices is None):
+        raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
+    grid = (NK, chunk_indices.shape[0] if varlen else triton.cdiv(T, BT), B * HV)
     rewy_gdn_bwd_local_kernel[grid](
         q, k, v, v_new, g if g is not None else beta, beta, A, h, dh, do, dv2,
         dq, dk, dv_, dg if dg is not None else db, db,
-        scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None,
+        cu_seqlens if varlen else beta, chunk_indices if varlen else beta,
+        scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
     )
     return dq, dk, dv_, (dg.sum(0) if NK > 1 else dg[0]) if dg is not None else None, db.sum(0) if NK > 1 else db[0]

@@ -1,0 +1,521 @@
+"""Triton kernels: the local ReWY backward of KDA and GDN2 (vector gates).
+
+Two kernels replace FLA 0.6.0's ``chunk_kda_bwd_kernel_wy_dqkg_fused`` and
+``chunk_kda_bwd_kernel_intra`` (and their GDN2 twins). They take what FLA's
+sequential stages produce: the states ``h`` entering each chunk, the
+gradients ``dh`` of the states leaving it, ``v_new`` = Vn and its full
+gradient ``dv2`` = dVn (``chunk_gated_delta_rule_bwd_dhu``), and
+``dAqk`` = scale * causal(dO Vn^T) (``chunk_kda_bwd_dAv``).
+
+Symbols (per chunk of BT = 64 tokens, design.md section 3): G the
+chunk-local cumulative log-gates (FLA keeps them in log2 units, so e^G is
+``exp2(g)``), a = b*k the erase-weighted keys, X = a e^G, Y = w*v, the
+strictly lower gated key Gram L, A = (I + L)^{-1} (FLA's ``Akk``),
+W = A X, U = A Y, Vn = U - W h.
+
+1. ``rewy_kda_bwd_wy_kernel``, grid (chunks, batch x value heads, NK + 1).
+   Programs 0..NK-1 each own a block of BK key channels: over the value axis
+   they form dW = -dVn h^T, d(q e^G) = dO h^T, d(k e^{G_C-G}) = Vn dh^T and the
+   decay term sum_v h*dh, then Residual WY's dX = A^T dW, and write the
+   inter-chunk parts of dq, dk, the gate gradient (before its cumulative sum)
+   and the erase-gate gradient. Program NK owns the value side:
+   dY = A^T dVn (giving dv and the write-gate gradient) and
+       dL = -dY Vn^T.
+   That last line is Residual WY collapsed one step further: Residual WY
+   gives dL = -(dX W^T + dY U^T); with dW = -dVn h^T, dX = -dY h^T, so
+   dX W^T + dY U^T = dY (U - W h)^T = dY Vn^T. No contraction over K is
+   needed for dL, and W and U are never read. Three products in all:
+   dY, dL and dX.
+2. ``rewy_kda_bwd_intra_kernel``, grid (chunks, batch x value heads): the
+   gated-Gram backward of L (rows a = b*k, columns k) and of Aqk (rows q,
+   columns k) by Matrix Intra, in 16-row sub-blocks, plus the assembly of the
+   final dq, dk, db and the gate gradient with its reverse cumulative sum
+   inside the chunk (Gram Elimination: dG = a*Ra + q*Rq - k*Rc, from the
+   row/column gradients the key gradient needs anyway; L is never rebuilt).
+
+Matrix Intra and the gate bound. For a sub-block I of 16 rows and columns j
+in an earlier sub-block, e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j} with r
+the first row of I (row side) or the last row of the column block (column
+side). With non-positive log-gates (every FLA gate activation) both factors
+are <= 1, so every off-diagonal block is one tensor-core ``tl.dot`` of
+bounded operands; a factor that underflows belongs to an entry that is
+itself below 2^-126. The four 16 x 16 diagonal blocks use, per key channel,
+the midpoint m of the block's cumulative gates as reference: both factors
+lie in [2^{-s/2}, 2^{s/2}] where s = max - min of the block's cumulative
+log2-gate. The tensor-core diagonal path is taken when s <= ``SPAN_LIMIT``
+(120 in log2 units = 83 nats over the block's 15 gate steps; FLA's
+``safe_gate`` range lower_bound >= -5 gives at most 75 nats, and
+log-sigmoid gates far less). A block beyond it takes an exact elementwise
+path whose exponents are masked to the causal part before ``exp2``, so the
+kernel is correct for any non-positive gates; the bound only decides speed.
+
+Layout: FLA's [B, T, heads, D] token layout, ``cu_seqlens`` varlen through
+FLA's ``chunk_indices``, states [B, NT, HV, K, V] (or [.., V, K] with
+``state_v_first``). Plain pointer arithmetic with masks throughout (no block
+pointers), so the same code runs under Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BT_CHUNK = 64
+BC_SUB = 16
+# Largest per-channel spread (log2 units) of a 16-row block's cumulative gate
+# for which the diagonal block is done with tensor cores; see module docstring.
+SPAN_LIMIT = 120.0
+# Input precision of the fp32 Matrix Intra contractions on the GPU ("tf32",
+# "tf32x3" or "ieee"); FLA uses tf32 for the same off-diagonal products.
+INTRA_PRECISION = os.environ.get("REWY_KDA_INTRA_PRECISION", "tf32")
+
+
+def _alloc(shape, device, dtype=torch.float32):
+    """Output allocation (tests patch this to NaN-filled buffers)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+@triton.jit
+def _exp2_where(m, x):
+    """exp2(x) where m, else 0, with the exponent masked first (no inf in dead lanes)."""
+    return tl.exp2(tl.where(m, x, float("-inf")))
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+        for bv in (32, 64)
+        for nw in (4, 8)
+        for ns in (2, 3)
+    ],
+    key=["T", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
+)
+@triton.jit(do_not_specialize=["T"])
+def rewy_kda_bwd_wy_kernel(
+    q, k, v, v_new, g, beta, wg, A, h, dh, do, dv2,
+    dq, dk, dv, dG, db, dw, dL,
+    cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        i_tg = i_t.to(tl.int64)
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        i_tg = (i_b * tl.cdiv(T, BT) + i_t).to(tl.int64)
+        bos = i_b.to(tl.int64) * T
+
+    # Scalar 64-bit bases at the chunk's first token; 32-bit offsets inside the tile
+    # (int64 offset tiles cost twice the registers).
+    tok0 = bos + i_t * BT
+    row_hv = tok0 * HV + i_hv
+    v += row_hv * V
+    v_new += row_hv * V
+    do += row_hv * V
+    dv2 += row_hv * V
+    dv += row_hv * V
+    A += row_hv * BT
+    dL += row_hv * BT
+    g += row_hv * K
+    dq += row_hv * K
+    dk += row_hv * K
+    dG += row_hv * K
+    q += (tok0 * H + i_h) * K
+    k += (tok0 * H + i_h) * K
+    if VEC:
+        beta += row_hv * K
+        db += row_hv * K
+        wg += row_hv * V
+        dw += row_hv * V
+    else:
+        beta += row_hv
+        db += row_hv * (NK + 1)
+    h += (i_tg * HV + i_hv) * K * V
+    dh += (i_tg * HV + i_hv) * K * V
+
+    o_r = tl.arange(0, BT)
+    m_t = (i_t * BT + o_r) < T
+    last = tl.minimum(T - i_t * BT, BT) - 1          # last valid row of the chunk
+    m_AT = m_t[None, :] & m_t[:, None]
+
+    if i_k < NK:
+        # ---- key side: one block of BK key channels ----
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)    # dVn h^T  (= -dW)
+        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)   # dO h^T
+        b_dkc = tl.zeros([BT, BK], dtype=tl.float32)   # Vn dh^T
+        b_dgc = tl.zeros([BK], dtype=tl.float32)       # sum_v h * dh
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            off_tv = o_r[:, None] * (HV * V) + o_v[None, :]
+            if STATE_V_FIRST:
+                off_h = o_v[:, None] * K + o_k[None, :]
+            else:
+                off_h = o_v[:, None] + o_k[None, :] * V
+            m_vk = m_v[:, None] & m_k[None, :]
+            b_h = tl.load(h + off_h, mask=m_vk, other=0.0)           # [BV, BK]
+            b_dh = tl.load(dh + off_h, mask=m_vk, other=0.0)
+            b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0)
+            b_dw += tl.dot(b_dvn, b_h.to(b_dvn.dtype))
+            b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
+            b_dqg += tl.dot(b_do, b_h.to(b_do.dtype))
+            b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
+            b_dkc += tl.dot(b_vn, b_dh.to(b_vn.dtype))
+            b_dgc += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
+
+        off_qk = o_r[:, None] * (H * K) + o_k[None, :]
+        off_k = o_r[:, None] * (HV * K) + o_k[None, :]
+        b_g = tl.load(g + off_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_e = _exp2_where(m_tk, b_g)                   # e^G
+        # dq (inter-chunk part), from o = scale (q e^G) h.
+        b_dq = scale * b_dqg * b_e
+        tl.store(dq + off_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_q = tl.load(q + off_qk, mask=m_tk, other=0.0).to(tl.float32)
+        # Gate terms before the cumulative sum: +operand*gradient for every
+        # e^{+G} factor, - for e^{-G}; G_C collects the state decay and the k e^{G_C} rows.
+        b_dG = b_q * b_dq
+        # Residual WY, key half: dX = A^T dW = -A^T (dVn h^T); A^T read transposed.
+        b_AT = tl.load(A + o_r[None, :] * (HV * BT) + o_r[:, None], mask=m_AT, other=0.0)
+        b_dxe = -tl.dot(b_AT, b_dw.to(b_AT.dtype)) * b_e   # gradient wrt a = b*k through X = a e^G
+        b_k = tl.load(k + off_qk, mask=m_tk, other=0.0).to(tl.float32)
+        if VEC:
+            b_b = tl.load(beta + off_k, mask=m_tk, other=0.0).to(tl.float32)
+            tl.store(db + off_k, (b_k * b_dxe).to(db.dtype.element_ty), mask=m_tk)
+        else:
+            b_b = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)[:, None]
+            tl.store(db + o_r * (HV * (NK + 1)) + i_k, tl.sum(b_k * b_dxe, axis=1).to(db.dtype.element_ty),
+                     mask=m_t)
+        b_dk = b_b * b_dxe
+        b_dG += b_b * b_k * b_dxe
+        b_gc = tl.load(g + last * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_dkc = b_dkc * _exp2_where(m_tk, b_gc[None, :] - b_g)      # d(k e^{G_C-G}) * e^{G_C-G}
+        b_dk += b_dkc
+        tl.store(dk + off_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        b_kdkc = b_k * b_dkc
+        b_dGC = b_dgc * tl.exp2(b_gc) + tl.sum(b_kdkc, axis=0)
+        b_dG += tl.where((o_r == last)[:, None], b_dGC[None, :], 0.0) - b_kdkc
+        tl.store(dG + off_k, b_dG.to(dG.dtype.element_ty), mask=m_tk)
+    else:
+        # ---- value side: dY = A^T dVn, dv, the write-gate gradient, dL = -dY Vn^T ----
+        b_AT = tl.load(A + o_r[None, :] * (HV * BT) + o_r[:, None], mask=m_AT, other=0.0)
+        b_dL = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dbv = tl.zeros([BT], dtype=tl.float32)
+        if not VEC:
+            b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            off_tv = o_r[:, None] * (HV * V) + o_v[None, :]
+            b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0)
+            b_dy = tl.dot(b_AT, b_dvn.to(b_AT.dtype))
+            b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+            if VEC:
+                b_w = tl.load(wg + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+                tl.store(dv + off_tv, (b_dy * b_w).to(dv.dtype.element_ty), mask=m_tv)
+                tl.store(dw + off_tv, (b_dy * b_v).to(dw.dtype.element_ty), mask=m_tv)
+            else:
+                tl.store(dv + off_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+                b_dbv += tl.sum(b_dy * b_v, axis=1)
+            b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
+            b_dL += tl.dot(b_dy.to(b_vn.dtype), tl.trans(b_vn))
+        m_L = (o_r[:, None] > o_r[None, :]) & m_AT
+        b_dL = tl.where(m_L, -b_dL, 0.0)
+        tl.store(dL + o_r[:, None] * (HV * BT) + o_r[None, :], b_dL.to(dL.dtype.element_ty), mask=m_t[:, None])
+        if not VEC:
+            tl.store(db + o_r * (HV * (NK + 1)) + NK, b_dbv.to(db.dtype.element_ty), mask=m_t)
+
+
+@triton.autotune(
+    configs=[triton.Config({}, num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2)],
+    key=["T", "H", "HV", "K", "BK", "VEC", "NDB"],
+    # the kernel updates its partial inputs in place: benchmarking configs must not accumulate
+    restore_value=["dq", "dk", "dG", "dbp"],
+)
+@triton.jit(do_not_specialize=["T"])
+def rewy_kda_bwd_intra_kernel(
+    q, k, g, beta, dAqk, dL, dq, dk, dG, dbp,
+    dq_o, dk_o, dg_o, db_o,
+    cu_seqlens, chunk_indices, T, span_limit,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, VEC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+
+    # Scalar 64-bit bases at the chunk's first token; 32-bit offsets inside it.
+    tok0 = bos + i_t * BT
+    row_hv = tok0 * HV + i_hv
+    q += (tok0 * H + i_h) * K
+    k += (tok0 * H + i_h) * K
+    g += row_hv * K
+    dq += row_hv * K
+    dk += row_hv * K
+    dG += row_hv * K
+    dq_o += row_hv * K
+    dk_o += row_hv * K
+    dg_o += row_hv * K
+    dAqk += row_hv * BT
+    dL += row_hv * BT
+    if VEC:
+        beta += row_hv * K
+        dbp += row_hv * K
+        db_o += row_hv * K
+    else:
+        beta += row_hv
+        dbp += row_hv * NDB
+        db_o += row_hv
+    n_valid = T - i_t * BT                          # valid rows in this chunk (may exceed BT)
+
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    carry = tl.zeros([BK], dtype=tl.float32)       # sum of the gate terms of later rows
+    # Last sub-block first, so the reverse cumulative sum can carry across blocks.
+    # A runtime loop (not unrolled): unrolling the four blocks and their inner
+    # loops multiplies live registers.
+    for ii in range(0, NC):
+        I = NC - 1 - ii
+        if I * BC < n_valid:
+            r_i = I * BC + o_c                      # rows of block I within the chunk
+            m_i = r_i < n_valid
+            m_ik = m_i[:, None] & m_k[None, :]
+            off_k = r_i[:, None] * (HV * K) + o_k[None, :]
+            b_g = tl.load(g + off_k, mask=m_ik, other=0.0).to(tl.float32)
+            b_Rq = tl.zeros([BC, BK], dtype=tl.float32)   # d/dq of Aqk (scale inside dAqk)
+            b_Ra = tl.zeros([BC, BK], dtype=tl.float32)   # d/da of L, a = b*k (rows)
+            b_Rc = tl.zeros([BC, BK], dtype=tl.float32)   # d/dk as the column factor of L and Aqk
+
+            # Row side, columns of earlier blocks: reference = first row r of block I.
+            if I > 0:
+                b_gr = tl.load(g + (I * BC) * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+                acc_q = tl.zeros([BC, BK], dtype=tl.float32)
+                acc_a = tl.zeros([BC, BK], dtype=tl.float32)
+                for J in range(0, I):
+                    r_j = J * BC + o_c                  # all before r, so all valid
+                    b_kj = tl.load(k + r_j[:, None] * (H * K) + o_k[None, :], mask=m_k[None, :],
+                                   other=0.0).to(tl.float32)
+                    b_gj = tl.load(g + r_j[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :],
+                                   other=0.0).to(tl.float32)
+                    b_kf = b_kj * tl.exp2(b_gr[None, :] - b_gj)                      # e^{G_r - G_j} <= 1
+                    off_blk = r_i[:, None] * (HV * BT) + r_j[None, :]
+                    b_dAq = tl.load(dAqk + off_blk, mask=m_i[:, None], other=0.0).to(tl.float32)
+                    acc_q += tl.dot(b_dAq, b_kf, input_precision=PREC)
+                    b_dLb = tl.load(dL + off_blk, mask=m_i[:, None], other=0.0).to(tl.float32)
+                    acc_a += tl.dot(b_dLb, b_kf, input_precision=PREC)
+                b_er = _exp2_where(m_ik, b_g - b_gr[None, :])                # e^{G_i - G_r} <= 1
+                b_Rq += acc_q * b_er
+                b_Ra += acc_a * b_er
+
+            # Column side, rows of later blocks: reference = last valid row e of block I.
+            if I < NC - 1:
+                e = tl.minimum(I * BC + BC, n_valid) - 1
+                b_ge = tl.load(g + e * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+                acc_c = tl.zeros([BC, BK], dtype=tl.float32)
+                for J in range(I + 1, NC):
+                    r_j = J * BC + o_c
+                    m_j = r_j < n_valid
+                    m_jk = m_j[:, None] & m_k[None, :]
+                    off_qkj = r_j[:, None] * (H * K) + o_k[None, :]
+                    off_kj = r_j[:, None] * (HV * K) + o_k[None, :]
+                    b_gj = tl.load(g + off_kj, mask=m_jk, other=0.0).to(tl.float32)
+                    b_f = _exp2_where(m_jk, b_gj - b_ge[None, :])           # e^{G_j - G_e} <= 1
+                    # dM[rows of J, columns of I], read transposed: [BC (cols of I), BC (rows of J)]
+                    off_t = r_j[None, :] * (HV * BT) + r_i[:, None]
+                    b_qj = tl.load(q + off_qkj, mask=m_jk, other=0.0).to(tl.float32)
+                    b_dAqT = tl.load(dAqk + off_t, mask=m_j[None, :], other=0.0).to(tl.float32)
+                    acc_c += tl.dot(b_dAqT, b_qj * b_f, input_precision=PREC)
+                    b_kj = tl.load(k + off_qkj, mask=m_jk, other=0.0).to(tl.float32)
+                    if VEC:
+                        b_bj = tl.load(beta + off_kj, mask=m_jk, other=0.0).to(tl.float32)
+                    else:
+                        b_bj = tl.load(beta + r_j * HV, mask=m_j, other=0.0).to(tl.float32)[:, None]
+                    b_dLT = tl.load(dL + off_t, mask=m_j[None, :], other=0.0).to(tl.float32)
+                    acc_c += tl.dot(b_dLT, b_bj * b_kj * b_f, input_precision=PREC)
+                b_Rc += acc_c * _exp2_where(m_ik, b_ge[None, :] - b_g)      # e^{G_e - G_i} <= 1
+
+            # Diagonal block (causal inside): midpoint reference when the block's
+            # gate spread allows, else the exact elementwise path.
+            off_qk = r_i[:, None] * (H * K) + o_k[None, :]
+            b_q = tl.load(q + off_qk, mask=m_ik, other=0.0).to(tl.float32)
+            b_k = tl.load(k + off_qk, mask=m_ik, other=0.0).to(tl.float32)
+            if VEC:
+                b_b = tl.load(beta + off_k, mask=m_ik, other=0.0).to(tl.float32)
+            else:
+                b_b = tl.load(beta + r_i * HV, mask=m_i, other=0.0).to(tl.float32)[:, None]
+            off_d = r_i[:, None] * (HV * BT) + r_i[None, :]
+            m_ii = m_i[:, None] & m_i[None, :]
+            b_dAqd = tl.load(dAqk + off_d, mask=m_i[:, None], other=0.0).to(tl.float32)
+            b_dAqd = tl.where((o_c[:, None] >= o_c[None, :]) & m_ii, b_dAqd, 0.0)
+            b_dLd = tl.load(dL + off_d, mask=m_i[:, None], other=0.0).to(tl.float32)
+            b_dLd = tl.where((o_c[:, None] > o_c[None, :]) & m_ii, b_dLd, 0.0)
+            g_hi = tl.max(tl.where(m_ik, b_g, float("-inf")), axis=0)
+            g_lo = tl.min(tl.where(m_ik, b_g, float("inf")), axis=0)
+            span = tl.max(tl.where(m_k, g_hi - g_lo, 0.0), axis=0)
+            if span <= span_limit:
+                mid = tl.where(m_k, 0.5 * (g_hi + g_lo), 0.0)
+                b_ep = _exp2_where(m_ik, b_g - mid[None, :])    # in [2^{-s/2}, 2^{s/2}]
+                b_en = _exp2_where(m_ik, mid[None, :] - b_g)
+                b_kn = b_k * b_en
+                b_Rq += tl.dot(b_dAqd, b_kn, input_precision=PREC) * b_ep
+                b_Ra += tl.dot(b_dLd, b_kn, input_precision=PREC) * b_ep
+                b_Rc += (tl.dot(tl.trans(b_dLd), b_b * b_k * b_ep, input_precision=PREC)
+                         + tl.dot(tl.trans(b_dAqd), b_q * b_ep, input_precision=PREC)) * b_en
+            else:
+                for t in range(0, tl.minimum(BC, n_valid - I * BC)):
+                    r_t = I * BC + t
+                    b_kt = tl.load(k + r_t * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    b_qt = tl.load(q + r_t * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    b_gt = tl.load(g + r_t * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    if VEC:
+                        b_bt = tl.load(beta + r_t * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    else:
+                        b_bt = tl.load(beta + r_t * HV).to(tl.float32)
+                    col_q = tl.load(dAqk + r_i * (HV * BT) + r_t, mask=m_i, other=0.0).to(tl.float32)
+                    col_l = tl.load(dL + r_i * (HV * BT) + r_t, mask=m_i, other=0.0).to(tl.float32)
+                    row_q = tl.load(dAqk + r_t * (HV * BT) + r_i).to(tl.float32)
+                    row_l = tl.load(dL + r_t * (HV * BT) + r_i).to(tl.float32)
+                    # rows i >= t: e^{G_i - G_t} <= 1
+                    m_lo = m_i & (o_c >= t)
+                    b_x = _exp2_where(m_lo[:, None] & m_k[None, :], b_g - b_gt[None, :])
+                    b_Rq += tl.where(m_lo, col_q, 0.0)[:, None] * b_kt[None, :] * b_x
+                    b_Ra += tl.where(m_lo & (o_c > t), col_l, 0.0)[:, None] * b_kt[None, :] * b_x
+                    # columns j <= t: e^{G_t - G_j} <= 1
+                    m_up = m_i & (o_c <= t)
+                    b_y = _exp2_where(m_up[:, None] & m_k[None, :], b_gt[None, :] - b_g)
+                    b_Rc += (tl.where(m_up & (o_c < t), row_l, 0.0)[:, None] * (b_bt * b_kt)[None, :]
+                             + tl.where(m_up, row_q, 0.0)[:, None] * b_qt[None, :]) * b_y
+
+            # Assemble: the inter-chunk parts from the WY kernel plus the Gram terms.
+            b_dq = tl.load(dq + off_k, mask=m_ik, other=0.0) + b_Rq
+            tl.store(dq_o + off_k, b_dq.to(dq_o.dtype.element_ty), mask=m_ik)
+            b_dk = tl.load(dk + off_k, mask=m_ik, other=0.0) + b_b * b_Ra + b_Rc
+            tl.store(dk_o + off_k, b_dk.to(dk_o.dtype.element_ty), mask=m_ik)
+            b_dG = tl.load(dG + off_k, mask=m_ik, other=0.0) + b_b * b_k * b_Ra + b_q * b_Rq - b_k * b_Rc
+            b_dG = tl.where(m_ik, b_dG, 0.0)
+            b_dg = tl.cumsum(b_dG, axis=0, reverse=True) + carry[None, :]
+            carry += tl.sum(b_dG, axis=0)
+            tl.store(dg_o + off_k, b_dg.to(dg_o.dtype.element_ty), mask=m_ik)
+            if VEC:
+                b_db = tl.load(dbp + off_k, mask=m_ik, other=0.0) + b_k * b_Ra
+                tl.store(db_o + off_k, b_db.to(db_o.dtype.element_ty), mask=m_ik)
+            else:
+                b_db = tl.sum(b_k * b_Ra, axis=1)
+                for s in tl.static_range(NDB):
+                    b_db += tl.load(dbp + r_i * (HV * NDB) + s, mask=m_i, other=0.0)
+                tl.store(db_o + r_i * HV, b_db.to(db_o.dtype.element_ty), mask=m_i)
+
+
+def _varlen(cu_seqlens, chunk_indices, T: int, B: int):
+    if cu_seqlens is None:
+        return triton.cdiv(T, BT_CHUNK), None
+    if chunk_indices is None:
+        from fla.ops.utils import prepare_chunk_indices
+
+        chunk_indices = prepare_chunk_indices(cu_seqlens, BT_CHUNK)
+    return len(chunk_indices), chunk_indices
+
+
+def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_gate=None,
+                    state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
+    """Stage 1 (see module docstring). Shapes: q, k [B, T, H, K]; v, v_new, do,
+    dv2 [B, T, HV, V]; g (log2 chunk cumsum) [B, T, HV, K]; beta [B, T, HV]
+    (KDA) or the erase gate b [B, T, HV, K] with ``w_gate`` [B, T, HV, V]
+    (GDN2); A [B, T, HV, 64]; h, dh [B, NT, HV, K, V] (or [.., V, K]).
+
+    Returns the partials (dq, dk, dG) [B, T, HV, K] fp32, dv, dw (None for KDA),
+    the erase-gate partials (KDA: [B, T, HV, NK + 1], slot NK from the value
+    side; GDN2: [B, T, HV, K]) and dL [B, T, HV, 64] fp32 (strictly lower).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = A.shape[-1]
+    if BT != BT_CHUNK:
+        raise ValueError(f"chunk size {BT} != {BT_CHUNK}")
+    vec = w_gate is not None
+    BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
+    NK = triton.cdiv(K, BK)
+    NT, chunk_indices = _varlen(cu_seqlens, chunk_indices, T, B)
+    dev = q.device
+    dq, dk, dG = (_alloc((B, T, HV, K), dev) for _ in range(3))
+    dv = _alloc((B, T, HV, V), dev)
+    dw = _alloc((B, T, HV, V), dev) if vec else None
+    db = _alloc((B, T, HV, K), dev) if vec else _alloc((B, T, HV, NK + 1), dev)
+    dL = _alloc((B, T, HV, BT), dev)
+    grid = (NT, B * HV, NK + 1)
+    rewy_kda_bwd_wy_kernel[grid](
+        q, k, v, v_new, g, beta, w_gate if vec else beta, A, h, dh, do, dv2,
+        dq, dk, dv, dG, db, dw if vec else dv, dL,
+        cu_seqlens, chunk_indices, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
+        IS_VARLEN=cu_seqlens is not None,
+    )
+    return dq, dk, dG, dv, dw, db, dL
+
+
+def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=None, chunk_indices=None,
+                       inplace: bool = True, span_limit: float = SPAN_LIMIT):
+    """Stage 2 (see module docstring): adds the Matrix Intra terms to the
+    partials of stage 1 and returns the final (dq, dk, dg, db), dq and dk per
+    value head. dg is with respect to the natural-log per-token gate (the
+    reverse cumulative sum is done here). ``inplace`` writes dq, dk, dg over
+    the partial buffers (and the GDN2 db over its partial)."""
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    vec = beta.dim() == 4
+    BT = dAqk.shape[-1]
+    BK = max(16, triton.next_power_of_2(K))
+    NT, chunk_indices = _varlen(cu_seqlens, chunk_indices, T, B)
+    dev = q.device
+    if inplace:
+        dq_o, dk_o, dg_o = dq, dk, dG
+        db_o = db_part if vec else _alloc((B, T, HV), dev)
+    else:
+        dq_o, dk_o, dg_o = (_alloc((B, T, HV, K), dev) for _ in range(3))
+        db_o = _alloc((B, T, HV, K), dev) if vec else _alloc((B, T, HV), dev)
+    rewy_kda_bwd_intra_kernel[(NT, B * HV)](
+        q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
+        dq_o, dk_o, dg_o, db_o,
+        cu_seqlens, chunk_indices, T, float(span_limit),
+        H=H, HV=HV, K=K, BT=BT, BC=BC_SUB, BK=BK, NC=BT // BC_SUB, NDB=1 if vec else db_part.shape[-1],
+        VEC=vec, IS_VARLEN=cu_seqlens is not None, PREC=INTRA_PRECISION,
+    )
+    return dq_o, dk_o, dg_o, db_o
+
+
+def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float, w_gate=None,
+                 state_v_first: bool = False, cu_seqlens=None, chunk_indices=None):
+    """Both stages. Returns (dq, dk, dv, dg, db, dw) in fp32, dq and dk per value
+    head ([B, T, HV, K]; the caller sums GVA groups), dw None for KDA."""
+    args = [t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, dh, do, dv2)]
+    q, k, v, v_new, g, beta, A, h, dh, do, dv2 = args
+    w_gate = None if w_gate is None else w_gate.contiguous()
+    if cu_seqlens is not None and chunk_indices is None:
+        _, chunk_indices = _varlen(cu_seqlens, None, q.shape[1], q.shape[0])
+    dq, dk, dG, dv, dw, db, dL = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
+                                                  state_v_first, cu_seqlens, chunk_indices)
+    dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
+                                        chunk_indices)
+    return dq, dk, dv, dg, db, dw
