@@ -2,7 +2,8 @@
 
 Times, at one shape, each stage FLA's backward runs (w/u recompute, state
 recurrence, local dv, reverse state recurrence, ``chunk_bwd_dqkwg``,
-``prepare_wy_repr_bwd``) and rewy's fused local kernel (autotuned), so the per-kernel gap is visible. FLA's
+``prepare_wy_repr_bwd``) and rewy's fused local kernel (autotuned) and, where B x H leaves SMs idle,
+rewy's sequence-parallel state recurrences, so the per-kernel gap is visible. FLA's
 ``chunk_bwd_dqkwg`` guard for Triton < 3.7.1 on Hopper is lifted: its time is
 measured, its output is not used.
 
@@ -34,6 +35,7 @@ def main() -> None:
     from fla.ops.utils import chunk_local_cumsum
 
     from rewy_hf.kernels.triton_gdn_bwd import rewy_gdn_bwd_local
+    from rewy_hf.kernels.triton_state_scan import segments_for, state_backward, state_forward
 
     chunk_o.TRITON_ABOVE_3_7_1 = True
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
@@ -62,6 +64,12 @@ def main() -> None:
     }
     rows["rewy local kernel (autotuned)"] = t(lambda: rewy_gdn_bwd_local(
         q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale=scale))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ns = segments_for(B, H, T, V, sms)
+    if ns > 1:
+        rows[f"rewy sequence-parallel fwd_h (NS={ns})"] = t(lambda: state_forward(k, w, u, g, None, ns))
+        rows[f"rewy sequence-parallel bwd_dhu (NS={ns})"] = t(lambda: state_backward(q, k, w, do, dv, g, None,
+                                                                                      scale, ns))
     best = rewy_gdn_bwd_local.__globals__["rewy_gdn_bwd_local_kernel"].best_config
     print(f"rewy kernel best config: {best}")
     print(f"GDN backward stages at B={B} T={T} H={H} K={K} V={V} (bf16, median ms)")

@@ -11,15 +11,20 @@ kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
 Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new;
 ``full`` saves w, h and v_new (u is not needed: the ReWY kernel reads neither
 w nor u, and the reverse state recurrence needs only w). ``cu_seqlens``
-(packed sequences) goes to every FLA stage and to our kernel. Inputs arrive activated (l2norm, gate, beta) and in the
+(packed sequences) goes to every FLA stage and to our kernel. With
+REWY_HF_SEQUENCE_PARALLEL set, the two state recurrences run split along the
+sequence (triton_state_scan.py) instead of FLA's sequential kernels. Inputs arrive activated (l2norm, gate, beta) and in the
 layout [B, T, H, D]; the state is [N, HV, K, V].
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .triton_gdn_bwd import rewy_gdn_bwd_local
+from .triton_state_scan import segments_for, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
 
@@ -36,6 +41,28 @@ def _fla():
                 recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum, chunk_indices=prepare_chunk_indices)
 
 
+SEQUENCE_PARALLEL_ENV = "REWY_HF_SEQUENCE_PARALLEL"
+
+
+def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens) -> int:
+    """Segments for the sequence-parallel state recurrences (1 = FLA's sequential kernels).
+
+    Opt-in through REWY_HF_SEQUENCE_PARALLEL: ``auto`` splits where the sequential
+    kernels would leave most SMs idle (triton_state_scan.segments_for), an integer
+    forces that many segments. Off by default until its GPU timing is in
+    docs/performance.md."""
+    mode = os.environ.get(SEQUENCE_PARALLEL_ENV, "off").strip().lower()
+    if mode in ("", "0", "off") or cu_seqlens is not None:
+        return 1
+    B, T, HV, V = v.shape
+    if mode == "auto":
+        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 132
+        return segments_for(B, HV, T, V, sms)
+    if mode.isdigit() and int(mode) >= 1:
+        return int(mode)
+    raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode!r} is not understood; use off, auto or a segment count")
+
+
 class ReWYTritonGDNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str, cu_seqlens):
@@ -45,16 +72,21 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                                 chunk_indices=f["chunk_indices"](cu_seqlens, 64))
         g2 = None if g is None else f["cumsum"](g.float(), chunk_size=64, scale=RCP_LN2, **pk)
         w, u, A = f["intra"](k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
-        h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True, chunk_size=64, **pk)
+        ns = sequence_segments(k, v, cu_seqlens)
+        if ns > 1:
+            h, v_new, ht = state_forward(k, w, u, g2, h0, ns)
+        else:
+            h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True,
+                                      chunk_size=64, **pk)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64, **pk)
         saved = (w, h, v_new) if policy == "full" else ()
         ctx.save_for_backward(q, k, v, g2, beta, A, h0, *pk.values(), *saved)
-        ctx.meta = (scale, policy, g is not None, h0 is not None, cu_seqlens is not None)
+        ctx.meta = (scale, policy, g is not None, h0 is not None, cu_seqlens is not None, ns)
         return o.to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        scale, policy, has_g, has_h0, varlen = ctx.meta
+        scale, policy, has_g, has_h0, varlen, ns = ctx.meta
         q, k, v, g2, beta, A, h0, *rest = ctx.saved_tensors
         pk = dict(cu_seqlens=rest[0], chunk_indices=rest[1]) if varlen else {}
         saved = rest[2:] if varlen else rest
@@ -64,11 +96,18 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
             w, h, v_new = saved
         else:
             w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2, **pk)
-            h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False,
-                                     chunk_size=64, **pk)
+            if ns > 1:
+                h, v_new, _ = state_forward(k, w, u, g2, h0, ns)
+            else:
+                h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False,
+                                         chunk_size=64, **pk)
         dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
-        dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
-                                    dht=None if dht is None else dht.contiguous(), scale=scale, chunk_size=64, **pk)
+        dht = None if dht is None else dht.contiguous()
+        if ns > 1:
+            dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
+        else:
+            dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0, dht=dht, scale=scale,
+                                        chunk_size=64, **pk)
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         B, T, H, K = q.shape
         group = v.shape[2] // H

@@ -100,3 +100,46 @@ def test_triton_packed_sequences(op, policy):
     ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     errs = [_rel(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
+
+
+def test_sequence_parallel_recurrences_match_fla():
+    """The split state recurrences against FLA's sequential kernels on the same inputs."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    from rewy_hf.kernels.triton_state_scan import state_backward, state_forward
+
+    B, T, H, K, V = 1, 4096, 2, 128, 128
+    args, kw = _inputs("gdn", B, T, H, H, K, V, h0=True, seed=5)
+    q, k, v, g, beta = args
+    g2 = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta.bfloat16(), chunk_size=64)
+    h0 = kw["initial_state"].float()
+    h_ref, vn_ref, ht_ref = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0,
+                                                         output_final_state=True, chunk_size=64)
+    h, vn, ht = state_forward(k, w, u, g2, h0, NS=8)
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(B, H, K, V, device="cuda")
+    dv = chunk_bwd_dv_local(q=q, k=k, do=do, g=g2, scale=K ** -0.5, chunk_size=64)
+    dh_ref, dh0_ref, dv2_ref = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv, g=g2, h0=h0, dht=dht,
+                                                              scale=K ** -0.5, chunk_size=64)
+    dh, dh0, dv2 = state_backward(q, k, w, do, dv, g2, dht, K ** -0.5, NS=8)
+    errs = {n: _rel(a, b) for n, a, b in [("h", h, h_ref), ("v_new", vn, vn_ref), ("ht", ht, ht_ref),
+                                          ("dh", dh, dh_ref), ("dh0", dh0, dh0_ref), ("dv2", dv2, dv2_ref)]}
+    assert max(errs.values()) <= 1e-2, errs
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_sequence_parallel_op_matches_fp32_reference(monkeypatch, policy):
+    monkeypatch.setenv("REWY_HF_SEQUENCE_PARALLEL", "5")
+    B, T, H, K, V = 1, 2000, 2, 128, 128
+    args, kw = _inputs("gdn", B, T, H, H, K, V, h0=True, seed=6)
+    do = torch.randn(B, T, H, V, device="cuda")
+    dht = torch.randn(B, H, K, V, device="cuda")
+    f = rewy_hf.chunk_gated_delta_rule
+    ref = _grads(lambda *a, **k: f(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = _grads(lambda *a, **k: f(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
+    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    assert max(errs) <= BF16_TOL, errs
