@@ -21,6 +21,9 @@ short middle one:
 3. ``segment`` again, started from the true boundary states, writing what
    FLA's kernels write: h (or dh) per chunk and v_new (or dv2) per token.
 
+Per-key gates (KDA, GDN2) take the same path with ``gk``: the state decays
+row by row and k, q arrive pre-gated, as FLA passes them.
+
 Work is about three times the sequential recurrence (phase 1 carries K extra
 columns), spread over NS times more programs. The caller uses it only when
 the sequential form would leave the GPU mostly idle (see ``segments_for``).
@@ -40,7 +43,7 @@ def _segment_kernel(
     scale, T, NT, L,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-    USE_G: tl.constexpr, AUGMENTED: tl.constexpr, REVERSE: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, AUGMENTED: tl.constexpr, REVERSE: tl.constexpr,
 ):
     """One segment of the forward (REVERSE=False) or backward (REVERSE=True)
     recurrence for one column block of the state.
@@ -52,6 +55,9 @@ def _segment_kernel(
     states and the per-token v_new (forward) or dh and dv2 (backward).
     Backward reads w where the forward reads w, dv (FLA's local dv) where the
     forward reads u, and q, do for the output term.
+    USE_GK (KDA, GDN2): g is the per-key log2 gate cumsum [B, T, HV, K] and, as
+    in FLA, k and q arrive already gated (kg = k e^{G_C - G}, qg = q e^{G}); the
+    state decays row by row by e^{G_C}.
     """
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -87,11 +93,14 @@ def _segment_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(k + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_w = tl.load(w + (tok * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        last = (i_b * T + tl.minimum(T, i_t * BT + BT) - 1).to(tl.int64)
         if USE_G:
             b_g = tl.load(g + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-            last = (i_b * T + tl.minimum(T, i_t * BT + BT) - 1).to(tl.int64)
             b_gl = tl.load(g + last * HV + i_hv).to(tl.float32)
             b_kdecay = tl.where(m_t, tl.exp2(b_gl - b_g), 0.0)
+        elif USE_GK:
+            b_gl = tl.exp2(tl.load(g + (last * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
+            b_kdecay = tl.where(m_t, 1.0, 0.0)
         else:
             b_gl = 0.0
             b_kdecay = tl.where(m_t, 1.0, 0.0)
@@ -113,7 +122,7 @@ def _segment_kernel(
             b_q = tl.load(q + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
             if USE_G:
                 b_q = b_q * tl.exp2(b_g)[:, None]
-            b_s = b_s * tl.exp2(b_gl)
+            b_s = b_s * b_gl if USE_GK else b_s * tl.exp2(b_gl)
             b_s += scale * tl.dot(tl.trans(b_q.to(b_k.dtype)), b_do.to(b_k.dtype))
             b_s -= tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
         else:
@@ -122,7 +131,7 @@ def _segment_kernel(
             if not AUGMENTED:
                 tl.store(vn_out + off_tv, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
             b_vn = b_vn * b_kdecay[:, None]
-            b_s = b_s * tl.exp2(b_gl) + tl.dot(tl.trans(b_k), b_vn.to(b_k.dtype))
+            b_s = (b_s * b_gl if USE_GK else b_s * tl.exp2(b_gl)) + tl.dot(tl.trans(b_k), b_vn.to(b_k.dtype))
 
     if AUGMENTED:
         off_pz = (((i_b * NS + i_s) * HV + i_hv) * K * (K + V)).to(tl.int64)
@@ -173,7 +182,7 @@ def segments_for(B: int, HV: int, T: int, V: int, sm_count: int, BT: int = 64) -
     return max(1, min(ns, NT // 8))
 
 
-def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like):
+def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, per_key_gate: bool):
     BT = 64
     NT = triton.cdiv(T, BT)
     L = triton.cdiv(NT, NS)
@@ -186,7 +195,8 @@ def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like):
     f32 = torch.float32
     pz = torch.empty(B, NS, HV, K, K + V, device=dev, dtype=f32)
     common = dict(H=fn_args["k"].shape[2], HV=HV, K=K, V=V, BT=BT, BK=BK, BC=BC,
-                  USE_G=fn_args["g"] is not None, REVERSE=reverse)
+                  USE_G=fn_args["g"] is not None and not per_key_gate,
+                  USE_GK=fn_args["g"] is not None and per_key_gate, REVERSE=reverse)
     args = [fn_args[n] if fn_args[n] is not None else fn_args["k"] for n in ("k", "w", "u", "g", "q", "do")]
     _segment_kernel[(triton.cdiv(K + V, BC), NS, B * HV)](
         *args, pz, pz, pz, pz, fn_args["scale"], T, NT, L, AUGMENTED=True, **common)
@@ -203,27 +213,35 @@ def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like):
     return h, vn, s_final
 
 
-def state_forward(k, w, u, g, initial_state, NS: int):
+def state_forward(k, w, u, g, initial_state, NS: int, gk=None):
     """FLA's ``chunk_gated_delta_rule_fwd_h`` (h, v_new, final state), sequence-parallel.
 
     k: [B, T, H, K]; w: [B, T, HV, K]; u: [B, T, HV, V]; g: [B, T, HV] log2 chunk
-    cumsum or None; initial_state: [B, HV, K, V] fp32 or None."""
+    cumsum or None; initial_state: [B, HV, K, V] fp32 or None. For per-key gates
+    pass gk ([B, T, HV, K] log2 cumsum) instead of g, and k already gated (kg)."""
+    if g is not None and gk is not None:
+        raise ValueError("pass either the scalar gate g or the per-key gate gk, not both")
+    g = gk if gk is not None else g
     B, T, HV, K = w.shape
     V = u.shape[-1]
     fn_args = dict(k=k.contiguous(), w=w.contiguous(), u=u.contiguous(),
                    g=None if g is None else g.contiguous(), q=None, do=None, scale=1.0)
     s0 = None if initial_state is None else initial_state.float().contiguous()
-    return _launch(B, T, HV, K, V, NS, fn_args, False, k.dtype, s0, u)
+    return _launch(B, T, HV, K, V, NS, fn_args, False, k.dtype, s0, u, gk is not None)
 
 
-def state_backward(q, k, w, do, dv, g, dht, scale: float, NS: int):
+def state_backward(q, k, w, do, dv, g, dht, scale: float, NS: int, gk=None):
     """FLA's ``chunk_gated_delta_rule_bwd_dhu`` (dh, dh0, dv2), sequence-parallel.
 
-    dh[c] is the gradient of the state leaving chunk c; dh0 that of the initial state."""
+    dh[c] is the gradient of the state leaving chunk c; dh0 that of the initial state.
+    Per-key gates: gk instead of g, with q and k already gated (qg, kg), as in FLA."""
+    if g is not None and gk is not None:
+        raise ValueError("pass either the scalar gate g or the per-key gate gk, not both")
+    g = gk if gk is not None else g
     B, T, HV, K = w.shape
     V = do.shape[-1]
     fn_args = dict(k=k.contiguous(), w=w.contiguous(), u=dv.contiguous(),
                    g=None if g is None else g.contiguous(), q=q.contiguous(), do=do.contiguous(), scale=scale)
     s0 = None if dht is None else dht.float().contiguous()
-    dh, dv2, dh0 = _launch(B, T, HV, K, V, NS, fn_args, True, q.dtype, s0, dv)
+    dh, dv2, dh0 = _launch(B, T, HV, K, V, NS, fn_args, True, q.dtype, s0, dv, gk is not None)
     return dh, dh0, dv2

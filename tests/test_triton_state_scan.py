@@ -35,7 +35,8 @@ def _case(kind, N, H, HV, K, V, T, seed, with_h0):
     qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
     q, k = qk() * valid, qk() * valid
     v = torch.randn(*shape, V, generator=gen) * valid
-    g = F.logsigmoid(torch.randn(*shape, 1, generator=gen)) * valid if kind == "gdn" else torch.zeros(*shape, 1)
+    gate_dim = {"gdn": 1, "kda": K}.get(kind)
+    g = F.logsigmoid(torch.randn(*shape, gate_dim, generator=gen)) * valid if gate_dim else torch.zeros(*shape, 1)
     b = torch.rand(*shape, 1, generator=gen) * valid
     x = ChunkInputs(q, k, v, g, b, None, scale=K ** -0.5)
     h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3 if with_h0 else None
@@ -48,7 +49,11 @@ def _case(kind, N, H, HV, K, V, T, seed, with_h0):
     Kd = K
     inputs = dict(q=fla(x.q)[:, :, ::HV // H].contiguous(), k=fla(x.k)[:, :, ::HV // H].contiguous(),
                   w=fla(s.WU[..., :Kd]), u=fla(s.WU[..., Kd:]), do=fla(do), dv=fla(dv_local),
-                  g=fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None, h0=h0, dht=dht, scale=x.scale)
+                  g=fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None, gk=None,
+                  h0=h0, dht=dht, scale=x.scale)
+    if kind == "kda":
+        # FLA's KDA passes per-key gates with q and k already gated, one per value head.
+        inputs.update(q=fla(x.q * gt.eG), k=fla(x.k * gt.eKc), gk=fla(gt.G) / math.log(2))
     ref = dict(h=s.Hs.permute(1, 0, 2, 3, 4), v_new=fla(s.Vn), ht=ht,
                dh=dHnext.permute(1, 0, 2, 3, 4), dv2=fla(dVn), dh0=dh0)
     return inputs, ref
@@ -63,12 +68,15 @@ def _rel(a, b):
     ("gdn", 512, 64, 32, 8, False),      # one chunk per segment
     ("gdn", 300, 96, 16, 1, True),       # a single segment is the sequential recurrence
     ("delta_rule", 450, 32, 48, 4, True),
+    ("kda", 600, 32, 16, 3, True),
+    ("kda", 300, 64, 32, 2, False),
 ])
 def test_forward_and_backward_match_torch_states(kind, T, K, V, NS, with_h0):
     N, H, HV = 2, 1, 2
     x, ref = _case(kind, N, H, HV, K, V, T, seed=T + K, with_h0=with_h0)
-    h, v_new, ht = state_forward(x["k"], x["w"], x["u"], x["g"], x["h0"], NS=NS)
-    dh, dh0, dv2 = state_backward(x["q"], x["k"], x["w"], x["do"], x["dv"], x["g"], x["dht"], x["scale"], NS=NS)
+    h, v_new, ht = state_forward(x["k"], x["w"], x["u"], x["g"], x["h0"], NS=NS, gk=x["gk"])
+    dh, dh0, dv2 = state_backward(x["q"], x["k"], x["w"], x["do"], x["dv"], x["g"], x["dht"], x["scale"], NS=NS,
+                                  gk=x["gk"])
     errors = {"h": _rel(h, ref["h"]), "v_new": _rel(v_new, ref["v_new"]), "ht": _rel(ht, ref["ht"]),
               "dh": _rel(dh, ref["dh"]), "dv2": _rel(dv2, ref["dv2"])}
     if with_h0:
