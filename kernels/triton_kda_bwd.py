@@ -26,12 +26,23 @@ W = A X, U = A Y, Vn = U - W h.
    dX W^T + dY U^T = dY (U - W h)^T = dY Vn^T. No contraction over K is
    needed for dL, and W and U are never read. Three products in all:
    dY, dL and dX.
-2. ``rewy_kda_bwd_intra_kernel``, grid (chunks, batch x value heads): the
-   gated-Gram backward of L (rows a = b*k, columns k) and of Aqk (rows q,
-   columns k) by Matrix Intra, in 16-row sub-blocks, plus the assembly of the
-   final dq, dk, db and the gate gradient with its reverse cumulative sum
-   inside the chunk (Gram Elimination: dG = a*Ra + q*Rq - k*Rc, from the
+   KDA's erase gate is a scalar per token, so its gradient is a sum over K:
+   each K block writes its partial into its own slot of a [.., NK + 1]
+   buffer (slot NK from the value side); nothing is reduced with atomics.
+2. ``rewy_kda_bwd_intra_kernel``, grid (chunks, batch x value heads, K
+   blocks): the gated-Gram backward of L (rows a = b*k, columns k) and of
+   Aqk (rows q, columns k) by Matrix Intra, over the chunk's four 16-row
+   sub-blocks (last first), plus the assembly of the final dq, dk, db and the
+   gate gradient with its reverse cumulative sum inside the chunk, carried
+   across sub-blocks (Gram Elimination: dG = a*Ra + q*Rq - k*Rc, from the
    row/column gradients the key gradient needs anyway; L is never rebuilt).
+   It updates the WY kernel's partials in place. With one K block it also
+   folds KDA's db slots into the final db; with several, each adds its share
+   to its slot and the caller sums the slots (one small reduction).
+
+Registers: the compiled kernels are register-heavy (the WY kernel keeps three
+[64, BK] accumulators over the value loop, as FLA's does), so both autotuners
+also try ``maxnreg`` caps that trade a few spills for occupancy.
 
 Matrix Intra and the gate bound. For a sub-block I of 16 rows and columns j
 in an earlier sub-block, e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j} with r
@@ -86,10 +97,11 @@ def _exp2_where(m, x):
 
 @triton.autotune(
     configs=[
-        triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for bv in (32, 64)
-        for nw in (4, 8)
+        # 4 warps spill heavily at K = V = 128 (three [64, 64] fp32 accumulators)
+        triton.Config({"BV": bv}, num_warps=8, num_stages=ns, maxnreg=r)
+        for bv in (64, 32)
         for ns in (2, 3)
+        for r in (None, 168)
     ],
     key=["T", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
 )
@@ -240,8 +252,8 @@ def rewy_kda_bwd_wy_kernel(
 
 
 @triton.autotune(
-    configs=[triton.Config({}, num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2)],
-    key=["T", "H", "HV", "K", "BK", "VEC", "NDB"],
+    configs=[triton.Config({}, num_warps=nw, num_stages=1, maxnreg=r) for nw in (4, 8) for r in (None, 128)],
+    key=["T", "H", "HV", "K", "BK", "VEC", "NDB", "NKI"],
     # the kernel updates its partial inputs in place: benchmarking configs must not accumulate
     restore_value=["dq", "dk", "dG", "dbp"],
 )
@@ -251,10 +263,10 @@ def rewy_kda_bwd_intra_kernel(
     dq_o, dk_o, dg_o, db_o,
     cu_seqlens, chunk_indices, T, span_limit,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, VEC: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
+    BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, NKI: tl.constexpr, VEC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -286,11 +298,14 @@ def rewy_kda_bwd_intra_kernel(
     else:
         beta += row_hv
         dbp += row_hv * NDB
-        db_o += row_hv
+        if NKI == 1:
+            db_o += row_hv
+        else:
+            db_o += row_hv * NDB
     n_valid = T - i_t * BT                          # valid rows in this chunk (may exceed BT)
 
     o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     carry = tl.zeros([BK], dtype=tl.float32)       # sum of the gate terms of later rows
     # Last sub-block first, so the reverse cumulative sum can carry across blocks.
@@ -421,11 +436,16 @@ def rewy_kda_bwd_intra_kernel(
             if VEC:
                 b_db = tl.load(dbp + off_k, mask=m_ik, other=0.0) + b_k * b_Ra
                 tl.store(db_o + off_k, b_db.to(db_o.dtype.element_ty), mask=m_ik)
-            else:
+            elif NKI == 1:
+                # the only K block: fold in every partial slot and write the final db
                 b_db = tl.sum(b_k * b_Ra, axis=1)
                 for s in tl.static_range(NDB):
                     b_db += tl.load(dbp + r_i * (HV * NDB) + s, mask=m_i, other=0.0)
                 tl.store(db_o + r_i * HV, b_db.to(db_o.dtype.element_ty), mask=m_i)
+            else:
+                # K split: add this block's share to slot i_k (summed by the caller)
+                b_db = tl.sum(b_k * b_Ra, axis=1) + tl.load(dbp + r_i * (HV * NDB) + i_k, mask=m_i, other=0.0)
+                tl.store(db_o + r_i * (HV * NDB) + i_k, b_db.to(db_o.dtype.element_ty), mask=m_i)
 
 
 def _varlen(cu_seqlens, chunk_indices, T: int, B: int):
@@ -445,7 +465,8 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     (KDA) or the erase gate b [B, T, HV, K] with ``w_gate`` [B, T, HV, V]
     (GDN2); A [B, T, HV, 64]; h, dh [B, NT, HV, K, V] (or [.., V, K]).
 
-    Returns the partials (dq, dk, dG) [B, T, HV, K] fp32, dv, dw (None for KDA),
+    Returns the partials (dq, dk, dG) [B, T, HV, K] fp32, the final dv and dw
+    (None for KDA) in v's and w_gate's dtype,
     the erase-gate partials (KDA: [B, T, HV, NK + 1], slot NK from the value
     side; GDN2: [B, T, HV, K]) and dL [B, T, HV, 64] fp32 (strictly lower).
     """
@@ -460,8 +481,8 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     NT, chunk_indices = _varlen(cu_seqlens, chunk_indices, T, B)
     dev = q.device
     dq, dk, dG = (_alloc((B, T, HV, K), dev) for _ in range(3))
-    dv = _alloc((B, T, HV, V), dev)
-    dw = _alloc((B, T, HV, V), dev) if vec else None
+    dv = _alloc((B, T, HV, V), dev, v.dtype)                        # final: written in the input dtype
+    dw = _alloc((B, T, HV, V), dev, w_gate.dtype) if vec else None
     db = _alloc((B, T, HV, K), dev) if vec else _alloc((B, T, HV, NK + 1), dev)
     dL = _alloc((B, T, HV, BT), dev)
     grid = (NT, B * HV, NK + 1)
@@ -476,46 +497,60 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
 
 
 def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=None, chunk_indices=None,
-                       inplace: bool = True, span_limit: float = SPAN_LIMIT):
+                       inplace: bool = True, span_limit: float = SPAN_LIMIT, block_k: int | None = None):
     """Stage 2 (see module docstring): adds the Matrix Intra terms to the
     partials of stage 1 and returns the final (dq, dk, dg, db), dq and dk per
     value head. dg is with respect to the natural-log per-token gate (the
     reverse cumulative sum is done here). ``inplace`` writes dq, dk, dg over
-    the partial buffers (and the GDN2 db over its partial)."""
+    the partial buffers (and db over its partials). The grid splits K into
+    blocks of ``block_k`` (default 64); with several blocks, KDA's db partial
+    slots are updated in place and summed here."""
     B, T, H, K = q.shape
     HV = g.shape[2]
     vec = beta.dim() == 4
     BT = dAqk.shape[-1]
-    BK = max(16, triton.next_power_of_2(K))
+    BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
+    NKI = triton.cdiv(K, BK)
+    NDB = 1 if vec else db_part.shape[-1]
+    if not vec and NKI > NDB:
+        raise ValueError(f"{NKI} key blocks need at least as many db partial slots, got {NDB}")
     NT, chunk_indices = _varlen(cu_seqlens, chunk_indices, T, B)
     dev = q.device
     if inplace:
         dq_o, dk_o, dg_o = dq, dk, dG
-        db_o = db_part if vec else _alloc((B, T, HV), dev)
     else:
         dq_o, dk_o, dg_o = (_alloc((B, T, HV, K), dev) for _ in range(3))
-        db_o = _alloc((B, T, HV, K), dev) if vec else _alloc((B, T, HV), dev)
-    rewy_kda_bwd_intra_kernel[(NT, B * HV)](
+    if vec:
+        db_o = db_part if inplace else _alloc((B, T, HV, K), dev)
+    elif NKI == 1:
+        db_o = _alloc((B, T, HV), dev)
+    else:
+        db_part = db_part if inplace else db_part.clone()
+        db_o = db_part
+    rewy_kda_bwd_intra_kernel[(NT, B * HV, NKI)](
         q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
         dq_o, dk_o, dg_o, db_o,
         cu_seqlens, chunk_indices, T, float(span_limit),
-        H=H, HV=HV, K=K, BT=BT, BC=BC_SUB, BK=BK, NC=BT // BC_SUB, NDB=1 if vec else db_part.shape[-1],
+        H=H, HV=HV, K=K, BT=BT, BC=BC_SUB, BK=BK, NC=BT // BC_SUB, NDB=NDB, NKI=NKI,
         VEC=vec, IS_VARLEN=cu_seqlens is not None, PREC=INTRA_PRECISION,
     )
+    if not vec and NKI > 1:
+        db_o = db_o.sum(-1)
     return dq_o, dk_o, dg_o, db_o
 
 
 def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float, w_gate=None,
-                 state_v_first: bool = False, cu_seqlens=None, chunk_indices=None):
-    """Both stages. Returns (dq, dk, dv, dg, db, dw) in fp32, dq and dk per value
-    head ([B, T, HV, K]; the caller sums GVA groups), dw None for KDA."""
+                 state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
+    """Both stages. Returns (dq, dk, dv, dg, db, dw): dq, dk, dg, db in fp32, dq
+    and dk per value head ([B, T, HV, K]; the caller sums GVA groups); dv, dw
+    in the dtypes of v and w_gate (dw None for KDA)."""
     args = [t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, dh, do, dv2)]
     q, k, v, v_new, g, beta, A, h, dh, do, dv2 = args
     w_gate = None if w_gate is None else w_gate.contiguous()
     if cu_seqlens is not None and chunk_indices is None:
         _, chunk_indices = _varlen(cu_seqlens, None, q.shape[1], q.shape[0])
     dq, dk, dG, dv, dw, db, dL = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
-                                                  state_v_first, cu_seqlens, chunk_indices)
+                                                  state_v_first, cu_seqlens, chunk_indices, block_k)
     dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
-                                        chunk_indices)
+                                        chunk_indices, block_k=block_k)
     return dq, dk, dv, dg, db, dw

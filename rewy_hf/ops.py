@@ -105,10 +105,28 @@ def triton_gdn_core(*args):
     return core(*args)
 
 
+def triton_kda_core(*args, **kwargs):
+    from .kernels.triton_kda import triton_kda_core as core
+
+    return core(*args, **kwargs)
+
+
+def triton_gdn2_core(*args, **kwargs):
+    from .kernels.triton_kda import triton_gdn2_core as core
+
+    return core(*args, **kwargs)
+
+
+def _check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        raise UnsupportedConfigError(
+            f"{op} on the Triton backend needs q, k and v in one dtype (FLA's kernels do), got {dtypes}; "
+            "cast them to one dtype or use backend='torch'.")
+
+
 def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
     """Why the Triton backend cannot serve this call, or None if it can."""
-    if op not in ("chunk_delta_rule", "chunk_gated_delta_rule"):
-        return f"the ReWY Triton kernels for {op} are not implemented yet"
     if q.dtype == torch.float64:
         return "float64 inputs (Triton has no float64 matrix product)"
     if q.shape[-1] > 256:
@@ -116,10 +134,13 @@ def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
     return None
 
 
-def _triton_not_default(cu_seqlens) -> str | None:
+def _triton_not_default(op: str, cu_seqlens) -> str | None:
     """Paths the Triton backend has but ``auto`` does not pick yet: they pass the
-    interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_triton_gdn.py).
-    ``backend="triton"`` still takes them."""
+    interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_*.py,
+    benchmarks/kda_gpu_check.py). ``backend="triton"`` still takes them."""
+    if op in ("chunk_kda", "chunk_gdn2"):
+        return (f"the {op} Triton backward is not yet verified on a GPU "
+                "(pass backend='triton' to use it)")
     if cu_seqlens is not None:
         return "`cu_seqlens` packing on the Triton backend is not yet verified on a GPU (pass backend='triton' to use it)"
     return None
@@ -132,7 +153,7 @@ def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backen
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
     reason = _triton_unsupported(op, q, cu_seqlens)
     if backend == "auto" and reason is None:
-        reason = _triton_not_default(cu_seqlens)
+        reason = _triton_not_default(op, cu_seqlens)
     chosen = resolve_backend(backend, q.device, reason)
     if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
         _WARNED_TORCH_ON_GPU.add(op)
@@ -275,7 +296,7 @@ def chunk_kda(
     extras = pop_fla_extras("chunk_kda", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
-    (B, T, H, K, HV, V), scale, policy, _ = _common(
+    (B, T, H, K, HV, V), scale, policy, chosen = _common(
         "chunk_kda", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva=True
     )
     check_tensor("g", g, 4)
@@ -284,8 +305,13 @@ def chunk_kda(
     check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
     check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), HV, K)
-    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if chosen == "triton":
+        _check_same_dtype("chunk_kda", q=q, k=k, v=v)
+        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
+        return triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
+                               safe_gate=safe_gate, cu_seqlens=cu_seqlens)
+    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, g, beta.unsqueeze(-1), None, scale, initial_state,
                            output_final_state, cu_seqlens, state_v_first, policy)
 
@@ -326,7 +352,7 @@ def chunk_gdn2(
     extras = pop_fla_extras("chunk_gdn2", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
-    (B, T, H, K, HV, V), scale, policy, _ = _common(
+    (B, T, H, K, HV, V), scale, policy, chosen = _common(
         "chunk_gdn2", q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva=False
     )
     for name, x, shape, meaning in (("g", g, (B, T, H, K), "[B, T, H, K]"), ("b", b, (B, T, H, K), "[B, T, H, K]"),
@@ -335,6 +361,11 @@ def chunk_gdn2(
         check_shape(name, x, shape, meaning)
     check_finite(q=q, k=k, v=v, g=g, b=b, w=w, initial_state=initial_state)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), H, K)
+    if chosen == "triton":
+        _check_same_dtype("chunk_gdn2", q=q, k=k, v=v)
+        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
+        return triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy,
+                                safe_gate=safe_gate, cu_seqlens=cu_seqlens)
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens,
                            state_v_first, policy)

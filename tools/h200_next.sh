@@ -9,7 +9,7 @@ O=${OUT:-gpu_out}; mkdir -p $O
 case "$1" in
 tests)
   (cd tests && timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu -x \
-      test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_torch_backend.py > $O/gpu_tests.log 2>&1)
+      test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
 stages)
   timeout 260 python3 benchmarks/gdn_bwd_stages.py --B 2 --T 8192 --H 16 > $O/stages_2_8192.log 2>&1

@@ -1,0 +1,352 @@
+"""The ReWY Triton kernels for KDA / GDN2, under TRITON_INTERPRET=1 on CPU.
+
+Each kernel is fed the torch backend's own intermediates (A, the chunk states
+and their gradients, Vn and dVn, and for the intra kernel the partial
+gradients and dL), moved to FLA's token layout with the gates as FLA keeps
+them (chunk-local cumulative sums in log2 units), and must reproduce the torch
+backend's stage outputs to float32 accuracy:
+
+- the WY kernel: dL (Residual WY, against ``residual_wy_backward``), dv, the
+  write-gate gradient, and the inter-chunk partials of dq, dk, the gate and
+  the erase gate (against the same expressions in ``local_backward``);
+- the intra kernel (Matrix Intra): fed the torch partials, dL and dAqk, the
+  final dq, dk, dg, db must equal ``local_backward``'s; and chained after the
+  WY kernel, the same.
+
+Every output buffer starts as NaN, so an output the kernels fail to write
+cannot pass. bfloat16 is not used: the interpreter's tl.dot is wrong for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_hf.kernels import triton_kda_bwd as tk
+from rewy_hf.kernels.chunk_backward import local_backward, reverse_state_pass
+from rewy_hf.kernels.chunk_forward import ChunkInputs
+from rewy_hf.kernels.layout import ChunkLayout
+from rewy_hf.kernels.residual_wy import residual_wy_backward
+from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
+
+C = CHUNK_SIZE
+LN2 = math.log(2.0)
+# Logsigmoid gates: float32 rounding only. "mixed" and "bound" gates reach cumulative
+# log-gates of a few hundred nats, where the kernels' log2-unit gates (as FLA
+# stores them) and the torch backend's natural-log gates round differently by
+# |G| * 2^-24 in the exponent. Against a float64 reference the kernels' own
+# error there is 1e-5 to 3e-5 (the gate gradient; the same on the exact and
+# the tensor-core diagonal paths), and the float32 torch reference adds its share.
+TOL = {"logsigmoid": 1e-5, "mixed": 1e-4, "bound": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    monkeypatch.setattr(tk, "_alloc", lambda shape, device, dtype=torch.float32:
+                        torch.full(shape, float("nan"), device=device, dtype=dtype))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+class Case:
+    """Random inputs, the torch backend's forward/backward stages, and the FLA-layout views."""
+
+    def __init__(self, kind, lens, H, HV, K, V, gates="logsigmoid", varlen=False, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        N = len(lens)
+        NT = max(math.ceil(L / C) for L in lens)
+        self.kind, self.lens, self.H, self.HV, self.K, self.V = kind, lens, H, HV, K, V
+        pos = (torch.arange(NT).view(NT, 1, 1, 1, 1) * C + torch.arange(C).view(1, 1, 1, C, 1))
+        self.valid = (pos < torch.tensor(lens).view(1, N, 1, 1, 1)).float()      # [NT, N, 1, C, 1]
+        valid = self.valid
+        shape = (NT, N, HV, C)
+        qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
+        q, k = qk() * valid, qk() * valid
+        v = torch.randn(*shape, V, generator=gen) * valid
+        raw = torch.randn(*shape, K, generator=gen)
+        if gates == "logsigmoid":
+            g = F.logsigmoid(raw)
+        elif gates == "mixed":
+            # every other 16-row block decays hard (its diagonal block takes the
+            # exact path), the others softly (tensor-core path); cumulative
+            # gates reach a few hundred nats, where e^{-G} would overflow.
+            hard = ((torch.arange(C) // 16) % 2 == 0).view(1, 1, 1, C, 1)
+            g = torch.where(hard, -8.0 - 4.0 * torch.rand(*shape, K, generator=gen), F.logsigmoid(raw))
+        elif gates == "bound":
+            # at FLA's safe lower bound (-5 nats a step): the diagonal blocks'
+            # gate spread is about 103 in log2 units, near SPAN_LIMIT, and still
+            # takes the tensor-core path with factors up to 2^52.
+            g = -5.0 + 0.5 * torch.rand(*shape, K, generator=gen)
+        else:
+            raise ValueError(gates)
+        g = g * valid
+        if kind == "kda":
+            b = torch.rand(*shape, 1, generator=gen) * valid
+            w = None
+        else:
+            b = 2 * torch.rand(*shape, K, generator=gen) * valid
+            w = torch.rand(*shape, V, generator=gen) * valid
+        self.x = x = ChunkInputs(q, k, v, g, b, w, scale=K ** -0.5)
+        h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3
+        self.gt, self.s, _ = _forward_pass(x, h0)
+        self.do = torch.randn(*shape, V, generator=gen) * valid
+        dht = torch.randn(N, HV, K, V, generator=gen) * 0.3
+        self.dVn, self.dHnext, _ = reverse_state_pass(x, self.gt, self.s, self.do, dht)
+        self.ref = local_backward(x, self.gt, self.s, self.do, self.dVn, self.dHnext)
+
+        # FLA layout: [N, T, heads, D], or [1, sum(lens), heads, D] packed with cu_seqlens.
+        self.varlen = varlen
+        if varlen:
+            self.cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()))
+            self.layout = ChunkLayout(1, int(self.cu[-1]), C, self.cu, torch.device("cpu"))
+        else:
+            assert len(set(lens)) == 1
+            self.cu = None
+            self.layout = ChunkLayout(N, lens[0], C, None, torch.device("cpu"))
+        self.nchunks = [math.ceil(L / C) for L in lens]
+
+    def fla(self, t: torch.Tensor) -> torch.Tensor:
+        return self.layout.from_chunks(t).contiguous()
+
+    def to_chunks(self, t: torch.Tensor) -> torch.Tensor:
+        return self.layout.to_chunks(t)
+
+    def states(self, S: torch.Tensor, v_first: bool) -> torch.Tensor:
+        """[NT, N, HV, K, V] -> FLA's [N, NT, HV, K, V] (varlen: [1, sum NT_n, ...])."""
+        if v_first:
+            S = S.transpose(-1, -2)
+        if not self.varlen:
+            return S.permute(1, 0, 2, 3, 4).contiguous()
+        return torch.cat([S[:n, i] for i, n in enumerate(self.nchunks)]).unsqueeze(0).contiguous()
+
+    def kernel_inputs(self, v_first=False):
+        x, gt, s, fla = self.x, self.gt, self.s, self.fla
+        step = self.HV // self.H
+        return dict(
+            q=fla(x.q)[:, :, ::step].contiguous(), k=fla(x.k)[:, :, ::step].contiguous(), v=fla(x.v),
+            v_new=fla(s.Vn), g=fla(gt.G) / LN2, beta=fla(x.b)[..., 0].contiguous() if self.kind == "kda" else fla(x.b),
+            A=fla(s.A), h=self.states(s.Hs, v_first), dh=self.states(self.dHnext, v_first), do=fla(self.do),
+            dv2=fla(self.dVn), scale=x.scale, w_gate=None if x.w is None else fla(x.w),
+            state_v_first=v_first, cu_seqlens=self.cu)
+
+    def torch_partials(self):
+        """The WY stage's outputs as the torch backend computes them (chunk layout)."""
+        x, gt, s = self.x, self.gt, self.s
+        K = self.K
+        HsT = s.Hs.transpose(-1, -2)
+        dW = -(self.dVn @ HsT)
+        dXY, dL = residual_wy_backward(s.A, s.WU, torch.cat([dW, self.dVn], dim=-1))
+        dX, dY = dXY[..., :K], dXY[..., K:]
+        dq = x.scale * (self.do @ HsT) * gt.eG
+        dKc = s.Vn @ self.dHnext.transpose(-1, -2)
+        dxe = dX * gt.eG
+        Kc = x.k * gt.eKc
+        dk = dKc * gt.eKc + x.b * dxe
+        dG = x.b * x.k * dxe + x.q * dq - Kc * dKc
+        dGC = (s.Hs * self.dHnext).sum(-1).unsqueeze(-2) * gt.decay + (dKc * Kc).sum(-2, keepdim=True)
+        # FLA's convention: the chunk-end term sits on the last valid row, the
+        # reverse cumulative sum spreads it over the chunk.
+        nvalid = self.valid.sum(-2, keepdim=True)                       # [NT, N, 1, 1, 1]
+        last = (torch.arange(C).view(1, 1, 1, C, 1) == nvalid - 1).float()
+        dG = dG + last * dGC
+        wg = x.write_gate
+        out = dict(dq=dq, dk=dk, dG=dG, dv=dY * wg, dL=dL.tril(-1),
+                   dAqk=x.scale * (self.do @ s.Vn.transpose(-1, -2)).tril())
+        if self.kind == "kda":
+            out["db_k"] = (x.k * dxe).sum(-1, keepdim=True)
+            out["db_v"] = (dY * x.v).sum(-1, keepdim=True)
+        else:
+            out["db_k"] = x.k * dxe
+            out["dw"] = dY * x.v
+        return out
+
+    def check_final(self, dq, dk, dg, db, dv=None, dw=None):
+        rq, rk, rv, rg, rb, rw = self.ref
+        fla = self.fla
+        errors = {"dq": rel(dq, fla(rq)), "dk": rel(dk, fla(rk)), "dg": rel(dg, fla(rg)),
+                  "db": rel(db, fla(rb)[..., 0] if self.kind == "kda" else fla(rb))}
+        if dv is not None:
+            errors["dv"] = rel(dv, fla(rv))
+        if dw is not None:
+            errors["dw"] = rel(dw, fla(rw))
+        return errors
+
+
+CASES = {
+    # name: (kind, lens, H, HV, K, V, gates, varlen, state_v_first, block_k)
+    "kda_ragged_K32": ("kda", [130, 130], 2, 2, 32, 32, "logsigmoid", False, False, None),
+    "kda_gva_K64_split": ("kda", [130], 1, 2, 64, 64, "logsigmoid", False, True, 32),
+    "kda_mixed_decay": ("kda", [100], 2, 2, 32, 32, "mixed", False, False, None),
+    "kda_bound_gates": ("kda", [64], 1, 1, 32, 32, "bound", False, False, None),
+    "kda_varlen": ("kda", [70, 23, 128], 1, 2, 32, 32, "logsigmoid", True, False, None),
+    "gdn2_ragged_K64": ("gdn2", [130], 2, 2, 64, 64, "logsigmoid", False, True, 32),
+    "gdn2_mixed_varlen": ("gdn2", [40, 100], 1, 1, 32, 32, "mixed", True, False, None),
+}
+
+
+def _case(name):
+    kind, lens, H, HV, K, V, gates, varlen, v_first, block_k = CASES[name]
+    return Case(kind, lens, H, HV, K, V, gates, varlen, seed=sum(lens) + K), v_first, block_k
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_wy_kernel_matches_torch_stage(name):
+    case, v_first, block_k = _case(name)
+    inp = case.kernel_inputs(v_first)
+    dq, dk, dG, dv, dw, db, dL = tk.rewy_kda_bwd_wy(**inp, block_k=block_k)
+    ref = case.torch_partials()
+    fla = case.fla
+    errors = {"dq": rel(dq, fla(ref["dq"])), "dk": rel(dk, fla(ref["dk"])), "dv": rel(dv, fla(ref["dv"])),
+              "dL": rel(dL, fla(ref["dL"]))}
+    # The gate partial is compared after the in-chunk reverse cumulative sum
+    # (where the chunk-end term lands on the last valid row either way).
+    rc = lambda t: t.flip(-2).cumsum(-2).flip(-2)
+    errors["dG"] = rel(rc(case.to_chunks(dG)), rc(ref["dG"]))
+    if case.kind == "kda":
+        NK = db.shape[-1] - 1
+        errors["db_k"] = rel(db[..., :NK].sum(-1), fla(ref["db_k"])[..., 0])
+        errors["db_v"] = rel(db[..., NK], fla(ref["db_v"])[..., 0])
+        assert dw is None
+    else:
+        errors["db_k"] = rel(db, fla(ref["db_k"]))
+        errors["dw"] = rel(dw, fla(ref["dw"]))
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_intra_kernel_matches_torch_stage(name):
+    case, v_first, block_k = _case(name)
+    inp = case.kernel_inputs(v_first)
+    ref = case.torch_partials()
+    fla = case.fla
+    if case.kind == "kda":
+        db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], dim=-1)      # two partial slots
+    else:
+        db_part = fla(ref["db_k"])
+    dq, dk, dg, db = tk.rewy_kda_bwd_intra(
+        inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
+        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, block_k=block_k)
+    errors = case.check_final(dq, dk, dg, db)
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+@pytest.mark.parametrize("name", ["kda_gva_K64_split", "kda_mixed_decay", "gdn2_mixed_varlen"])
+def test_intra_exact_path_alone(name):
+    """span_limit < 0 sends every diagonal block down the exact elementwise path."""
+    case, v_first, _ = _case(name)
+    inp = case.kernel_inputs(v_first)
+    ref = case.torch_partials()
+    fla = case.fla
+    db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], -1) if case.kind == "kda" else fla(ref["db_k"])
+    out = tk.rewy_kda_bwd_intra(
+        inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
+        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, span_limit=-1.0)
+    errors = case.check_final(*out)
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+@pytest.mark.parametrize("name", ["kda_ragged_K32", "kda_gva_K64_split", "gdn2_ragged_K64", "kda_varlen"])
+def test_chained_kernels_match_torch_backward(name):
+    """WY kernel then intra kernel (in place), as the autograd Function runs them."""
+    case, v_first, block_k = _case(name)
+    inp = case.kernel_inputs(v_first)
+    dAqk = case.fla(case.torch_partials()["dAqk"])
+    dq, dk, dv, dg, db, dw = tk.rewy_kda_bwd(dAqk=dAqk, block_k=block_k, **inp)
+    errors = case.check_final(dq, dk, dg, db, dv=dv, dw=dw)
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+# ---------------------------------------------------------------------------
+# The autograd Function end to end. FLA's state recurrences (forward h and
+# the reverse dh pass) do not run under the interpreter, so they are replaced
+# by float32 torch loops with FLA's contract; everything else -- FLA's gate
+# cumsum, intra forward (A, Aqk, w, u, qg, kg), output, w/u recompute and
+# dAv stages, and our two kernels -- runs as it does on the GPU.
+# ---------------------------------------------------------------------------
+
+def _fla_chunks(B, T):
+    NT = math.ceil(T / C)
+    return [(b, b * NT + i, b * T + t0, b * T + min(t0 + C, T))
+            for b in range(B) for i, t0 in enumerate(range(0, T, C))]
+
+
+def _torch_fwd_h(k, w, u, gk, initial_state=None, output_final_state=False, state_v_first=False, cu_seqlens=None,
+                 **_):
+    """h[chunk] = state entering it; v_new = u - w h; S' = diag(2^{g_C}) S + kg^T v_new."""
+    assert cu_seqlens is None
+    B, T, HV, K = k.shape
+    V = u.shape[-1]
+    kf, wf, uf, gf = (x.reshape(B * T, HV, -1).float() for x in (k, w, u, gk))
+    chunks = _fla_chunks(B, T)
+    h, vn = torch.zeros(len(chunks), HV, K, V), torch.zeros(B * T, HV, V)
+    S = [torch.zeros(HV, K, V) if initial_state is None else
+         (initial_state[b].transpose(-1, -2) if state_v_first else initial_state[b]).float() for b in range(B)]
+    for b, i, s, e in chunks:
+        h[i] = S[b]
+        vn[s:e] = uf[s:e] - torch.einsum("thk,hkv->thv", wf[s:e], S[b])
+        S[b] = S[b] * torch.exp2(gf[e - 1]).unsqueeze(-1) + torch.einsum("thk,thv->hkv", kf[s:e], vn[s:e])
+    ht = torch.stack(S) if output_final_state else None
+    if state_v_first:
+        h, ht = h.transpose(-1, -2), None if ht is None else ht.transpose(-1, -2)
+    return h.reshape(B, -1, *h.shape[1:]).contiguous(), vn.view(B, T, HV, V), ht
+
+
+def _torch_bwd_dhu(q, k, w, do, dv, gk, h0=None, dht=None, scale=None, state_v_first=False, cu_seqlens=None, **_):
+    """dh[chunk] = gradient of the state leaving it; dv2 = dv + kg dh; dh0."""
+    assert cu_seqlens is None
+    B, T, HV, K = q.shape
+    V = do.shape[-1]
+    qf, kf, wf, gf = (x.reshape(B * T, HV, -1).float() for x in (q, k, w, gk))
+    dof, dvf = do.reshape(B * T, HV, V).float(), dv.reshape(B * T, HV, V).float()
+    chunks = _fla_chunks(B, T)
+    dh, dv2 = torch.zeros(len(chunks), HV, K, V), torch.zeros(B * T, HV, V)
+    dS = [torch.zeros(HV, K, V) if dht is None else
+          (dht[b].transpose(-1, -2) if state_v_first else dht[b]).float() for b in range(B)]
+    for b, i, s, e in reversed(chunks):
+        dh[i] = dS[b]
+        dv2[s:e] = dvf[s:e] + torch.einsum("thk,hkv->thv", kf[s:e], dS[b])
+        dS[b] = (dS[b] * torch.exp2(gf[e - 1]).unsqueeze(-1) + scale * torch.einsum("thk,thv->hkv", qf[s:e], dof[s:e])
+                 - torch.einsum("thk,thv->hkv", wf[s:e], dv2[s:e]))
+    dh0 = None if h0 is None else torch.stack(dS)
+    if state_v_first:
+        dh, dh0 = dh.transpose(-1, -2), None if dh0 is None else dh0.transpose(-1, -2)
+    return dh.reshape(B, -1, *dh.shape[1:]).contiguous(), dh0, dv2.view(B, T, HV, V)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_function_matches_torch_backend(policy, monkeypatch):
+    import rewy_hf
+    from rewy_hf.kernels import triton_kda
+
+    fla_stages = triton_kda._fla
+
+    def stages(kind):
+        f = fla_stages(kind)
+        f["fwd_h"], f["bwd_dhu"] = _torch_fwd_h, _torch_bwd_dhu
+        return f
+
+    monkeypatch.setattr(triton_kda, "_fla", stages)
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, HV, K, V = 1, 70, 1, 2, 32, 32          # GVA, ragged, state_v_first, initial state and dht
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HV, K, generator=gen))
+    beta = torch.rand(B, T, HV, generator=gen)
+    h0 = torch.randn(B, HV, V, K, generator=gen) * 0.3
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, V, K, generator=gen) * 0.3
+    ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, True, policy)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ours)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o_ref, ht_ref = rewy_hf.chunk_kda(*ref_in[:5], scale=K ** -0.5, initial_state=ref_in[5], output_final_state=True,
+                                      state_v_first=True, backend="torch", policy="full")
+    ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref_in)
+    errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
+    errors.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref)})
+    assert max(errors.values()) < 1e-5, errors
