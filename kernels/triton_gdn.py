@@ -19,12 +19,10 @@ layout [B, T, H, D]; the state is [N, HV, K, V].
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .triton_gdn_bwd import rewy_gdn_bwd_local
-from .triton_state_scan import segments_for, state_backward, state_forward
+from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
 
@@ -39,28 +37,6 @@ def _fla():
     return dict(fwd_h=chunk_gated_delta_rule_fwd_h, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
                 dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra,
                 recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum, chunk_indices=prepare_chunk_indices)
-
-
-SEQUENCE_PARALLEL_ENV = "REWY_HF_SEQUENCE_PARALLEL"
-
-
-def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens) -> int:
-    """Segments for the sequence-parallel state recurrences (1 = FLA's sequential kernels).
-
-    Opt-in through REWY_HF_SEQUENCE_PARALLEL: ``auto`` splits where the sequential
-    kernels would leave most SMs idle (triton_state_scan.segments_for), an integer
-    forces that many segments. Off by default until its GPU timing is in
-    docs/performance.md."""
-    mode = os.environ.get(SEQUENCE_PARALLEL_ENV, "off").strip().lower()
-    if mode in ("", "0", "off") or cu_seqlens is not None:
-        return 1
-    B, T, HV, V = v.shape
-    if mode == "auto":
-        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 132
-        return segments_for(B, HV, T, V, sms)
-    if mode.isdigit() and int(mode) >= 1:
-        return int(mode)
-    raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode!r} is not understood; use off, auto or a segment count")
 
 
 class ReWYTritonGDNFunction(torch.autograd.Function):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from .triton_kda_bwd import rewy_kda_bwd
+from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
 CHUNK = 64
@@ -83,19 +84,23 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         ci = None if cu_seqlens is None else f["chunk_indices"](cu_seqlens, CHUNK)
         g2 = f["cumsum"](g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=ci)
         w, u, qg, kg, Aqk, Akk = _intra(f, kind, q, k, v, g2, beta, w_gate, scale, cu_seqlens, ci, safe_gate, full)
-        h, v_new, ht = f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=True,
-                                  chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                                  chunk_indices=ci)
+        ns = sequence_segments(k, v, cu_seqlens, state_v_first)
+        if ns > 1:
+            h, v_new, ht = state_forward(kg, w, u, None, h0, ns, gk=g2)
+        else:
+            h, v_new, ht = f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=True,
+                                      chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                                      chunk_indices=ci)
         o = f["fwd_o"](q=q, v=v_new, g=g2, A=Aqk, h=h, scale=scale, state_v_first=state_v_first,
                        cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=ci)
         saved = (w, qg, kg, v_new, h) if full else ()
         ctx.save_for_backward(q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu_seqlens, ci, *saved)
-        ctx.meta = (kind, scale, policy, state_v_first, g.dtype)
+        ctx.meta = (kind, scale, policy, state_v_first, g.dtype, ns)
         return o.to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        kind, scale, policy, state_v_first, g_dtype = ctx.meta
+        kind, scale, policy, state_v_first, g_dtype, ns = ctx.meta
         q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu, ci, *saved = ctx.saved_tensors
         f = _fla(kind)
         do = torch.zeros(*v.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device) if do is None else do.contiguous()
@@ -103,15 +108,21 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
             w, qg, kg, v_new, h = saved
         else:
             w, u, qg, kg = _recompute(f, kind, q, k, v, g2, beta, w_gate, Akk, cu, ci)
-            h, v_new, _ = f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=False,
-                                     chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu,
-                                     chunk_indices=ci)
+            if ns > 1:
+                h, v_new, _ = state_forward(kg, w, u, None, h0, ns, gk=g2)
+            else:
+                h, v_new, _ = f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=False,
+                                         chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu,
+                                         chunk_indices=ci)
         dAqk, dv_local = f["dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
                                   chunk_size=CHUNK, chunk_indices=ci)
-        dh, dh0, dv2 = f["bwd_dhu"](q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0,
-                                    dht=None if dht is None else dht.contiguous(), scale=scale,
-                                    state_v_first=state_v_first, cu_seqlens=cu, chunk_size=CHUNK,
-                                    chunk_indices=ci)
+        dht = None if dht is None else dht.contiguous()
+        if ns > 1:      # the sequence-parallel recurrences (opt-in, see triton_state_scan.py)
+            dh, dh0, dv2 = state_backward(qg, kg, w, do, dv_local, None, dht, scale, ns, gk=g2)
+        else:
+            dh, dh0, dv2 = f["bwd_dhu"](q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0, dht=dht, scale=scale,
+                                        state_v_first=state_v_first, cu_seqlens=cu, chunk_size=CHUNK,
+                                        chunk_indices=ci)
         dq, dk, dv, dg, db, dw = rewy_kda_bwd(q, k, v, v_new, g2, beta, Akk, h, dh, do, dv2, dAqk, scale,
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,
                                               chunk_indices=ci)

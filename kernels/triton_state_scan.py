@@ -32,6 +32,8 @@ Gates are FLA's: chunk-local cumulative sums in log2 units.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -180,6 +182,29 @@ def segments_for(B: int, HV: int, T: int, V: int, sm_count: int, BT: int = 64) -
         return 1
     ns = triton.cdiv(2 * sm_count, busy)
     return max(1, min(ns, NT // 8))
+
+
+SEQUENCE_PARALLEL_ENV = "REWY_HF_SEQUENCE_PARALLEL"
+
+
+def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_first: bool = False) -> int:
+    """Segments for the sequence-parallel state recurrences (1 = FLA's sequential kernels).
+
+    Opt-in through REWY_HF_SEQUENCE_PARALLEL: ``auto`` splits where the sequential
+    kernels would leave most SMs idle (triton_state_scan.segments_for), an integer
+    forces that many segments. Packed sequences and the V-first state layout
+    keep the sequential kernels. Off by default until its GPU timing is in
+    docs/performance.md."""
+    mode = os.environ.get(SEQUENCE_PARALLEL_ENV, "off").strip().lower()
+    if mode in ("", "0", "off") or cu_seqlens is not None or state_v_first:
+        return 1
+    B, T, HV, V = v.shape
+    if mode == "auto":
+        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 132
+        return segments_for(B, HV, T, V, sms)
+    if mode.isdigit() and int(mode) >= 1:
+        return int(mode)
+    raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode!r} is not understood; use off, auto or a segment count")
 
 
 def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, per_key_gate: bool):

@@ -350,3 +350,43 @@ def test_function_matches_torch_backend(policy, monkeypatch):
     errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
     errors.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref)})
     assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_function_with_sequence_parallel_recurrences(policy, monkeypatch):
+    """REWY_HF_SEQUENCE_PARALLEL=2: both state recurrences run split along the sequence
+    (FLA's sequential ones are made to fail, so they cannot be what ran)."""
+    import rewy_hf
+    from rewy_hf.kernels import triton_kda
+
+    fla_stages = triton_kda._fla
+
+    def refuse(*_, **__):
+        raise AssertionError("FLA's sequential state recurrence ran")
+
+    def stages(kind):
+        f = fla_stages(kind)
+        f["fwd_h"], f["bwd_dhu"] = refuse, refuse
+        return f
+
+    monkeypatch.setattr(triton_kda, "_fla", stages)
+    monkeypatch.setenv("REWY_HF_SEQUENCE_PARALLEL", "2")
+    gen = torch.Generator().manual_seed(8)
+    B, T, H, K, V = 1, 300, 2, 32, 32                 # five chunks in two segments
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen) * 0.3
+    do, dht = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen) * 0.3
+    ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, False, policy)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ours)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o_ref, ht_ref = rewy_hf.chunk_kda(*ref_in[:5], scale=K ** -0.5, initial_state=ref_in[5], output_final_state=True,
+                                      backend="torch", policy="full")
+    ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref_in)
+    errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
+    errors.update({name: rel(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, ref)})
+    assert max(errors.values()) < 1e-5, errors

@@ -96,7 +96,7 @@ def test_segment_count(B, HV, T, V, expected):
 
 
 def test_sequence_parallel_switch(monkeypatch):
-    from rewy_hf.kernels.triton_gdn import SEQUENCE_PARALLEL_ENV, sequence_segments
+    from rewy_hf.kernels.triton_state_scan import SEQUENCE_PARALLEL_ENV, sequence_segments
 
     k, v = torch.empty(1, 16384, 16, 128), torch.empty(1, 16384, 16, 128)
     monkeypatch.delenv(SEQUENCE_PARALLEL_ENV, raising=False)
@@ -104,6 +104,7 @@ def test_sequence_parallel_switch(monkeypatch):
     monkeypatch.setenv(SEQUENCE_PARALLEL_ENV, "auto")
     assert sequence_segments(k, v, None) == 9
     assert sequence_segments(k, v, torch.tensor([0, 16384])) == 1  # packed sequences stay sequential
+    assert sequence_segments(k, v, None, state_v_first=True) == 1
     monkeypatch.setenv(SEQUENCE_PARALLEL_ENV, "6")
     assert sequence_segments(k, v, None) == 6
     monkeypatch.setenv(SEQUENCE_PARALLEL_ENV, "sometimes")
