@@ -207,6 +207,12 @@ def test_original_backend_needs_gpu(tmp_path, capsys):
     assert "GPU" in err and "--backend optimized" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")
+def test_triton_kernels_need_gpu(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--kernels", "triton")
+    assert "--kernels triton needs a CUDA GPU" in err and "--kernels auto" in err
+
+
 def test_resume_without_checkpoint(tmp_path, capsys):
     err = _bad(tmp_path, capsys, "--resume")
     assert "no complete checkpoint" in err

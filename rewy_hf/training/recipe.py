@@ -84,8 +84,11 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
     a("--lora-targets", default=None, help=f"comma-separated Linear names (default: those of {','.join(LORA_TARGETS)} "
       "present in the model)")
     a("--backend", choices=("optimized", "original"), default="optimized",
-      help="optimized: patch_model(backend='auto') before accelerator.prepare; original: unpatched (needs a GPU)")
+      help="optimized: patch_model(backend=--kernels) before accelerator.prepare; original: unpatched (needs a GPU)")
     a("--policy", choices=("recompute", "full"), default="recompute", help="rewy backward policy")
+    a("--kernels", choices=("auto", "torch", "triton"), default="auto",
+      help="rewy backend for --backend optimized: auto (GPU-verified Triton kernels where they exist, the torch "
+           "backend otherwise), torch, or triton (also the opt-in KDA / GDN2 Triton backward; CUDA only)")
     a("--fallback", choices=("error", "original"), default="error",
       help="calls rewy cannot serve: raise (error) or run the original core (default: error)")
     a("--output-dir", default="outputs/finetune", help="checkpoints, metrics.jsonl, loss_curve.png, "
@@ -231,6 +234,8 @@ def train(args) -> RunResult:
     if args.backend == "original" and not torch.cuda.is_available():
         raise RecipeError("--backend original runs FLA's own Triton kernels, which need a CUDA GPU; on CPU use "
                           "--backend optimized (the default), which runs rewy's kernels")
+    if args.kernels == "triton" and not torch.cuda.is_available():
+        raise RecipeError("--kernels triton needs a CUDA GPU; on CPU use --kernels auto (the default) or torch")
 
     accelerator = Accelerator(mixed_precision=_mixed_precision(args.mixed_precision),
                               step_scheduler_with_optimizer=False)
@@ -275,7 +280,7 @@ def train(args) -> RunResult:
     patch_report = None
     rewy_hf.reset_dispatch_report()
     if args.backend == "optimized":
-        patch_report = rewy_hf.patch_model(model, backend="auto", policy=args.policy, fallback=args.fallback)
+        patch_report = rewy_hf.patch_model(model, backend=args.kernels, policy=args.policy, fallback=args.fallback)
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
