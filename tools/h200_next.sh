@@ -4,6 +4,8 @@
 #   bash tools/h200_next.sh stages   # per-kernel times at (2,8192,16) and (1,16384,16), sequence-parallel rows
 #   bash tools/h200_next.sh gdn      # rewy-hf bench, GDN, six shapes, sequential vs sequence-parallel recurrences
 #   bash tools/h200_next.sh kda      # benchmarks/kda_gpu_check.py (KDA / GDN2 Triton backward)
+#   bash tools/h200_next.sh gdn2-1b  # the gdn2-1b recipe run with the GDN2 Triton backward (--kernels triton),
+#                                    # to compare with docs/runs/h200_2026-11-29/1b_orig.metrics.jsonl
 source tools/h200_env.sh
 O=${OUT:-gpu_out}; mkdir -p $O
 case "$1" in
@@ -24,6 +26,13 @@ gdn)
   tail -n 20 $O/bench_gdn*.log ;;
 kda)
   timeout 540 python3 benchmarks/kda_gpu_check.py > $O/kda.log 2>&1; tail -n 40 $O/kda.log ;;
-*) echo "usage: $0 tests|stages|gdn|kda"; exit 2 ;;
+gdn2-1b)
+  timeout 540 python3 recipes/finetune_gdn2.py --model gdn2-1b --seq-len 2048 --batch-size 4 --max-steps 30 \
+      --save-every 0 --data recipes/data/corpus.txt --no-progress --log-every 5 --warmup-steps 3 \
+      --backend optimized --kernels triton --output-dir /tmp/r1b_triton > $O/1b_triton.log 2>&1
+  cp /tmp/r1b_triton/metrics.jsonl $O/1b_triton.metrics.jsonl
+  cp /tmp/r1b_triton/dispatch_report.json $O/1b_triton.dispatch.json
+  tail -n 12 $O/1b_triton.log ;;
+*) echo "usage: $0 tests|stages|gdn|kda|gdn2-1b"; exit 2 ;;
 esac
 if [ -d ~/.triton/cache ]; then tar czf $O/cache.tgz -C ~/.triton cache; fi
