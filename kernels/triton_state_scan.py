@@ -230,7 +230,7 @@ def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, pe
     BV = 32 if BK > 64 else 64
     _scan_kernel[(triton.cdiv(V, BV), B * HV)](
         pz, s0 if s0 is not None else pz, starts, s_final, K=K, V=V, BK=BK, BV=BV,
-        HAS_S0=s0 is not None, REVERSE=reverse, NS=NS, HV=HV)
+        HAS_S0=s0 is not None, REVERSE=reverse, NS=NS, HV=HV, num_warps=8)   # P is a whole K x K fp32 tile
     h = torch.empty(B, NT, HV, K, V, device=dev, dtype=dtype_h)
     vn = torch.empty_like(vn_like)
     _segment_kernel[(triton.cdiv(V, BC), NS, B * HV)](

@@ -117,14 +117,6 @@ def triton_gdn2_core(*args, **kwargs):
     return core(*args, **kwargs)
 
 
-def _check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
-    dtypes = {name: t.dtype for name, t in tensors.items()}
-    if len(set(dtypes.values())) > 1:
-        raise UnsupportedConfigError(
-            f"{op} on the Triton backend needs q, k and v in one dtype (FLA's kernels do), got {dtypes}; "
-            "cast them to one dtype or use backend='torch'.")
-
-
 def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
     """Why the Triton backend cannot serve this call, or None if it can."""
     if q.dtype == torch.float64:
@@ -307,7 +299,6 @@ def chunk_kda(
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), HV, K)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if chosen == "triton":
-        _check_same_dtype("chunk_kda", q=q, k=k, v=v)
         q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
         return triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
                                safe_gate=safe_gate, cu_seqlens=cu_seqlens)
@@ -362,7 +353,6 @@ def chunk_gdn2(
     check_finite(q=q, k=k, v=v, g=g, b=b, w=w, initial_state=initial_state)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), H, K)
     if chosen == "triton":
-        _check_same_dtype("chunk_gdn2", q=q, k=k, v=v)
         q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
         return triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy,
                                 safe_gate=safe_gate, cu_seqlens=cu_seqlens)
