@@ -35,3 +35,5 @@ def test_saved_patched_model_reloads_patched():
     assert counts["forward_calls"] == 1 and counts["optimized_backward_calls"] == 1
     assert loss.item() == expected
     assert rewy_hf.unpatch_model(loaded) == 1 and not rewy_hf.is_patched(layer)
+    # The original stays patched until unpatched (or collected): leave no patched instance behind.
+    assert rewy_hf.unpatch_model(model) == 1
