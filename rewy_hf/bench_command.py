@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="bar chart of the speedups (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", default=None, metavar="OUT.md",
+                        help="also write the tables as Markdown (for docs/performance.md); works with --from-json")
     parser.add_argument("--from-json", default=None, metavar="RUN.json",
                         help="run nothing: print the tables of an earlier run's --json (and draw --plot from it), "
                              "e.g. on a machine with matplotlib after a GPU run without it; exits with its status")
@@ -203,6 +205,7 @@ def _run_ops(args, device: str, guard: dict) -> int:
     failed = [r for r in rows if not r.get("ok")]
     data.update(ok=not failed, exit_code=1 if failed else 0, complete=True)
     save(data)
+    _write_markdown(args, data)
     if args.plot:
         plot_op_speedups(rows, boundaries, args.plot,
                          f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")
@@ -245,7 +248,19 @@ def _render(args) -> int:
                              f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")
     if not data.get("complete", False):
         print("note: that run did not finish (complete: false); these are the rows it wrote")
+    _write_markdown(args, data)
     return int(data.get("exit_code", 1))
+
+
+def _write_markdown(args, data: dict) -> None:
+    if not getattr(args, "markdown", None):
+        return
+    from .bench_ops import baseline_label
+    from .bench_output import markdown_report
+
+    with open(args.markdown, "w", encoding="utf-8") as f:
+        f.write(markdown_report(data, baseline_label(data.get("device", "cuda"))))
+    print(f"Markdown: {args.markdown}")
 
 
 def defaults_for(device: str) -> dict:

@@ -81,6 +81,9 @@ def run_model(args, device: str, guard: dict) -> int:
     data.update(res)
     data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
     save(data)
+    from .bench_command import _write_markdown
+
+    _write_markdown(args, data)
     if args.plot:
         plot_model_steps(res, args.plot, f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {dtype_name}, "
                                          f"{data['device_name']}")

@@ -121,13 +121,16 @@ def geomeans(rows: list[dict], boundaries: list[str]) -> list[dict]:
     return out
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def _table(header: list[str], rows: list[list[str]], markdown: bool = False) -> list[str]:
+    if markdown:
+        md = lambda r: "| " + " | ".join(c or " " for c in r) + " |"  # noqa: E731
+        return [md(header), "|" + "---|" * len(header)] + [md(r) for r in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
 
 
-def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: str) -> str:
+def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: str, markdown: bool = False) -> str:
     """One table for one (op, policy): rows are shapes, then the geometric mean."""
     r0 = rows[0]
     timing_only = any(r.get("baseline_timing_only") for r in rows)
@@ -158,7 +161,7 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     backends = sorted({str(r.get("rewy_backend")) for r in rows if r.get("rewy_backend")})
     title = (f"{r0['op']}, rewy policy {r0['policy']} | {base}: {r0.get('baseline_policy') or '-'} | "
              f"rewy backend: {', '.join(backends) or '-'}")
-    lines = [title, *_table(header, body)]
+    lines = [f"#### {title}\n" if markdown else title, *_table(header, body, markdown)]
     notes = []
     if timing_only:
         notes.append(f"* {base}: {next(r['baseline_note'] for r in rows if r.get('baseline_timing_only'))}")
@@ -168,7 +171,29 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
         for key in ("rewy_error", "baseline_error", "baseline_check_error", "baseline_hint"):
             if r.get(key):
                 notes.append(f"{r['B']},{r['T']},{r['H']}: {key.replace('_', ' ')}: {r[key]}")
+    if markdown:
+        return "\n".join(lines + ([""] if notes else []) + [f"- {n}" for n in notes])
     return "\n".join(lines + [f"  {n}" for n in notes])
+
+
+def markdown_report(data: dict, base: str) -> str:
+    """A whole run (a live run's data or a --json file) as Markdown, for docs/performance.md."""
+    v = data.get("versions", {})
+    st = data.get("settings", {})
+    head = [f"Device: {data.get('device_name')}; " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + ".", ""]
+    if data.get("error"):
+        return "\n".join(head + [f"This run could not run: {data['error']}"]) + "\n"
+    if data.get("kind") == "model":
+        body = format_model_result(data, st.get("model", "?"), st, markdown=True)
+    else:
+        head += [f"Timing: {st.get('timing')}.", "", f"Check: {st.get('check')}.", ""]
+        rows = data.get("rows", [])
+        tables = [format_op_table([r for r in rows if (r["op"], r["policy"]) == key], st.get("boundaries", []),
+                                  base, data.get("device", "cuda"), markdown=True)
+                  for key in dict.fromkeys((r["op"], r["policy"]) for r in rows)]
+        body = "\n\n".join(tables)
+    tail = [] if data.get("complete", False) else ["", "(This run did not finish: these are the rows it wrote.)"]
+    return "\n".join(head + [body] + tail) + "\n"
 
 
 def format_row_line(r: dict, boundaries: list[str], base: str) -> str:
@@ -184,7 +209,7 @@ def format_row_line(r: dict, boundaries: list[str], base: str) -> str:
 
 # --- model-level --------------------------------------------------------------------------------
 
-def format_model_result(res: dict, spec: str, settings: dict) -> str:
+def format_model_result(res: dict, spec: str, settings: dict, markdown: bool = False) -> str:
     u, p = res["unpatched"], res["patched"]
     lines = [f"rewy-hf bench --model {spec}: one training step (forward + loss backward + AdamW step + zero_grad), "
              f"batch {settings['batch_size']} x {settings['seq_len']} tokens, {settings['dtype']}, "
@@ -193,7 +218,7 @@ def format_model_result(res: dict, spec: str, settings: dict) -> str:
     header = ["side", "median step ms", "tokens/s", "peak MB", "loss (1st step)"]
     rows = [[name, _ms(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", _mb(d["peak_mb"]), f"{d['loss'][0]:.5f}"]
             for name, d in (("unpatched", u), ("patched (rewy)", p))]
-    lines += _table(header, rows)
+    lines += _table(header, rows, markdown)
     lines.append(f"\nspeedup (unpatched / patched step time): {res['speedup']:.3f}x")
     lines.append(f"patched layers: {res['patched_layers']}; optimized backward calls in the timed steps: "
                  f"{res['optimized_backward_calls']}; fallbacks: {res['fallback_calls']}")

@@ -36,10 +36,12 @@ from .validation import POLICIES
 
 FALLBACKS = ("error", "original")
 _STATE_ATTR = "_rewy_patch"
-_SITES_LOCK = threading.Lock()
+# Reentrant: a layer collected by the garbage collector while this thread holds the
+# lock runs _site_collected (below) inside the critical section.
+_SITES_LOCK = threading.RLock()
 # Per core site, the layers currently patched for it (weakly held: a layer that
-# is garbage-collected stops counting). When the last one is unpatched the
-# module-level name is restored.
+# is garbage-collected stops counting). When the last one is unpatched, or
+# collected, the module-level name is restored.
 _SITE_LAYERS: dict[str, weakref.WeakSet] = {}
 
 
@@ -126,6 +128,21 @@ def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
         if not isinstance(current, CoreDispatcher):
             setattr(module, adapter.site_attr, CoreDispatcher(current, adapter.site))
         _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
+        # A patched model dropped without unpatch_model must not leave the dispatcher behind.
+        weakref.finalize(layer, _site_collected, adapter)
+
+
+def _site_collected(adapter: Adapter) -> None:
+    """Restore the site's original core once no live patched layer is registered there."""
+    with _SITES_LOCK:
+        layers = _SITE_LAYERS.get(adapter.site)
+        # Iterate rather than len(): the dying layer's entry may not be purged yet.
+        if layers is not None and next(iter(layers), None) is not None:
+            return
+        module = sys.modules.get(adapter.site_module)
+        current = None if module is None else getattr(module, adapter.site_attr, None)
+        if isinstance(current, CoreDispatcher):
+            setattr(module, adapter.site_attr, current.original)
 
 
 def _release_dispatcher(adapter: Adapter, layer: nn.Module) -> None:

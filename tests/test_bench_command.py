@@ -109,6 +109,14 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     # The tables can be printed again from the JSON alone (e.g. after a GPU run without matplotlib).
     code, again, _ = _bench(["--from-json", str(report)], capsys)
     assert code == 0 and again.count("geometric mean") == 8 and "gdn2, rewy policy full" in again
+    # ... and as Markdown for docs/performance.md: one pipe table per (op, policy), same numbers.
+    md = tmp_path / "bench.md"
+    code, _, _ = _bench(["--from-json", str(report), "--markdown", str(md)], capsys)
+    text = md.read_text()
+    assert code == 0 and text.count("#### ") == 8 and text.count("| geometric mean |") == 8
+    assert data["device_name"] in text and f"rewy-hf {data['versions']['rewy-hf']}" in text
+    r0 = rows[0]
+    assert f"| {r0['B']},{r0['T']},{r0['H']}," in text and f"{r0['speedup_B']:.2f}x" in text
 
 
 def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import json
 import os
 import re
@@ -178,10 +179,26 @@ def test_report_and_dispatch_counts(family):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ONE_PER_OP)
+def test_dropped_patched_model_releases_the_site(family):
+    """A patched model deleted without unpatch_model: once it is collected, the module-level
+    core is the original again (no dispatcher left on every later call)."""
+    gc.collect()
+    original = site_value(family)
+    assert not isinstance(original, CoreDispatcher), "a live patched instance from elsewhere"
+    a = H.build(family)
+    patch_model(a)
+    assert isinstance(site_value(family), CoreDispatcher)
+    del a
+    gc.collect()                 # patched layers hold themselves in a cycle (layer -> forward -> layer)
+    assert site_value(family) is original
+
+
+@pytest.mark.parametrize("family", ONE_PER_OP)
 def test_instance_scoping_and_unpatch(family):
     fam = H.FAMILIES[family]
+    gc.collect()                 # models dropped by earlier tests without unpatch release their site here
     original = site_value(family)
-    assert not isinstance(original, CoreDispatcher), "a previous test left a patched instance behind"
+    assert not isinstance(original, CoreDispatcher), "a previous test left a live patched instance behind"
     ids = H.input_ids(2, T)
     a = H.build(family)
     b = H.twin(a)
