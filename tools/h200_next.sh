@@ -20,9 +20,9 @@ stages)
 gdn)
   cd /tmp   # the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
   REWY_HF_SEQUENCE_PARALLEL=auto timeout 280 python3 -m rewy_hf bench --device cuda --op gdn --lift-gdn-guard \
-      --policy recompute --reps 3 --json $O/bench_gdn_sp.json > $O/bench_gdn_sp.log 2>&1
+      --policy recompute --reps 3 --json $O/bench_gdn_sp.json --markdown $O/bench_gdn_sp.md > $O/bench_gdn_sp.log 2>&1
   timeout 280 python3 -m rewy_hf bench --device cuda --op gdn --lift-gdn-guard --policy recompute --reps 3 \
-      --json $O/bench_gdn.json > $O/bench_gdn.log 2>&1
+      --json $O/bench_gdn.json --markdown $O/bench_gdn.md > $O/bench_gdn.log 2>&1
   tail -n 20 $O/bench_gdn*.log ;;
 kda)
   timeout 540 python3 benchmarks/kda_gpu_check.py > $O/kda.log 2>&1; tail -n 40 $O/kda.log ;;
