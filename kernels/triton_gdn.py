@@ -39,6 +39,13 @@ def _fla():
                 recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum, chunk_indices=prepare_chunk_indices)
 
 
+def _states(f, ns, k, w, u, g2, h0, pk, final: bool):
+    """h, v_new, final state: split along the sequence when ns > 1, else FLA's sequential kernel."""
+    if ns > 1:
+        return state_forward(k, w, u, g2, h0, ns)
+    return f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=final, chunk_size=64, **pk)
+
+
 class ReWYTritonGDNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str, cu_seqlens):
@@ -49,11 +56,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         g2 = None if g is None else f["cumsum"](g.float(), chunk_size=64, scale=RCP_LN2, **pk)
         w, u, A = f["intra"](k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
         ns = sequence_segments(k, v, cu_seqlens)
-        if ns > 1:
-            h, v_new, ht = state_forward(k, w, u, g2, h0, ns)
-        else:
-            h, v_new, ht = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=True,
-                                      chunk_size=64, **pk)
+        h, v_new, ht = _states(f, ns, k, w, u, g2, h0, pk, final=True)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64, **pk)
         saved = (w, h, v_new) if policy == "full" else ()
         ctx.save_for_backward(q, k, v, g2, beta, A, h0, *pk.values(), *saved)
@@ -72,11 +75,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
             w, h, v_new = saved
         else:
             w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2, **pk)
-            if ns > 1:
-                h, v_new, _ = state_forward(k, w, u, g2, h0, ns)
-            else:
-                h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False,
-                                         chunk_size=64, **pk)
+            h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
         dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
         if ns > 1:

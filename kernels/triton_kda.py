@@ -70,6 +70,14 @@ def _recompute(f, kind, q, k, v, g2, beta, w_gate, Akk, cu, ci):
     return f["recompute"](k=k, v=v, b=beta, w_gate=w_gate, A=Akk, q=q, gk=g2, cu_seqlens=cu, chunk_indices=ci)
 
 
+def _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final: bool):
+    """h, v_new, final state: split along the sequence when ns > 1, else FLA's sequential kernel."""
+    if ns > 1:
+        return state_forward(kg, w, u, None, h0, ns, gk=g2)
+    return f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=final, chunk_size=CHUNK,
+                      state_v_first=state_v_first, cu_seqlens=cu, chunk_indices=ci)
+
+
 class ReWYTritonKDAFunction(torch.autograd.Function):
     """o, ht = f(q, k, v, g, beta, w_gate, h0). KDA: beta [B, T, HV], w_gate None.
     GDN2: beta is the erase gate b [B, T, H, K], w_gate the write gate [B, T, H, V]."""
@@ -85,12 +93,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         g2 = f["cumsum"](g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=ci)
         w, u, qg, kg, Aqk, Akk = _intra(f, kind, q, k, v, g2, beta, w_gate, scale, cu_seqlens, ci, safe_gate, full)
         ns = sequence_segments(k, v, cu_seqlens, state_v_first)
-        if ns > 1:
-            h, v_new, ht = state_forward(kg, w, u, None, h0, ns, gk=g2)
-        else:
-            h, v_new, ht = f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=True,
-                                      chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                                      chunk_indices=ci)
+        h, v_new, ht = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu_seqlens, ci, final=True)
         o = f["fwd_o"](q=q, v=v_new, g=g2, A=Aqk, h=h, scale=scale, state_v_first=state_v_first,
                        cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=ci)
         saved = (w, qg, kg, v_new, h) if full else ()
@@ -108,12 +111,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
             w, qg, kg, v_new, h = saved
         else:
             w, u, qg, kg = _recompute(f, kind, q, k, v, g2, beta, w_gate, Akk, cu, ci)
-            if ns > 1:
-                h, v_new, _ = state_forward(kg, w, u, None, h0, ns, gk=g2)
-            else:
-                h, v_new, _ = f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=False,
-                                         chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu,
-                                         chunk_indices=ci)
+            h, v_new, _ = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final=False)
         dAqk, dv_local = f["dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
                                   chunk_size=CHUNK, chunk_indices=ci)
         dht = None if dht is None else dht.contiguous()

@@ -238,15 +238,19 @@ def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, pe
     return h, vn, s_final
 
 
+def _one_gate(g, gk):
+    if g is not None and gk is not None:
+        raise ValueError("pass either the scalar gate g or the per-key gate gk, not both")
+    return gk if gk is not None else g
+
+
 def state_forward(k, w, u, g, initial_state, NS: int, gk=None):
     """FLA's ``chunk_gated_delta_rule_fwd_h`` (h, v_new, final state), sequence-parallel.
 
     k: [B, T, H, K]; w: [B, T, HV, K]; u: [B, T, HV, V]; g: [B, T, HV] log2 chunk
     cumsum or None; initial_state: [B, HV, K, V] fp32 or None. For per-key gates
     pass gk ([B, T, HV, K] log2 cumsum) instead of g, and k already gated (kg)."""
-    if g is not None and gk is not None:
-        raise ValueError("pass either the scalar gate g or the per-key gate gk, not both")
-    g = gk if gk is not None else g
+    g = _one_gate(g, gk)
     B, T, HV, K = w.shape
     V = u.shape[-1]
     fn_args = dict(k=k.contiguous(), w=w.contiguous(), u=u.contiguous(),
@@ -260,9 +264,7 @@ def state_backward(q, k, w, do, dv, g, dht, scale: float, NS: int, gk=None):
 
     dh[c] is the gradient of the state leaving chunk c; dh0 that of the initial state.
     Per-key gates: gk instead of g, with q and k already gated (qg, kg), as in FLA."""
-    if g is not None and gk is not None:
-        raise ValueError("pass either the scalar gate g or the per-key gate gk, not both")
-    g = gk if gk is not None else g
+    g = _one_gate(g, gk)
     B, T, HV, K = w.shape
     V = do.shape[-1]
     fn_args = dict(k=k.contiguous(), w=w.contiguous(), u=dv.contiguous(),
