@@ -466,7 +466,9 @@ def _save_final(accelerator, model, tokenizer, out_dir: Path, lora: bool):
 
 def _slow_path_note(patch_report, kernels: str, device_type: str) -> str | None:
     """Say up front when --backend optimized will be slower than --backend original."""
-    slow = sorted({p.op for p in patch_report.patched if p.op in ("kda", "gdn2")})
+    from rewy_hf.ops import TRITON_OPT_IN_OPS
+
+    slow = sorted({p.op for p in patch_report.patched if f"chunk_{p.op}" in TRITON_OPT_IN_OPS})
     if device_type != "cuda" or kernels != "auto" or not slow:
         return None
     return (f"note: {', '.join(slow)} layers run rewy's torch backend on this GPU under --kernels auto: the same "
