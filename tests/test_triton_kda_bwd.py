@@ -318,8 +318,9 @@ def _torch_bwd_dhu(q, k, w, do, dv, gk, h0=None, dht=None, scale=None, state_v_f
     return dh.reshape(B, -1, *dh.shape[1:]).contiguous(), dh0, dv2.view(B, T, HV, V)
 
 
-@pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_matches_torch_backend(policy, monkeypatch):
+def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_first, policy, seed):
+    """The KDA Function (FLA's real forward stages in the interpreter, the two state
+    recurrences replaced by ``fwd_h`` / ``bwd_dhu``) against the torch backend."""
     import rewy_hf
     from rewy_hf.kernels import triton_kda
 
@@ -327,28 +328,36 @@ def test_function_matches_torch_backend(policy, monkeypatch):
 
     def stages(kind):
         f = fla_stages(kind)
-        f["fwd_h"], f["bwd_dhu"] = _torch_fwd_h, _torch_bwd_dhu
+        f["fwd_h"], f["bwd_dhu"] = fwd_h, bwd_dhu
         return f
 
     monkeypatch.setattr(triton_kda, "_fla", stages)
-    gen = torch.Generator().manual_seed(7)
-    B, T, H, HV, K, V = 1, 70, 1, 2, 32, 32          # GVA, ragged, state_v_first, initial state and dht
+    gen = torch.Generator().manual_seed(seed)
+    state = (B, HV, V, K) if state_v_first else (B, HV, K, V)
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     v = torch.randn(B, T, HV, V, generator=gen)
     g = F.logsigmoid(torch.randn(B, T, HV, K, generator=gen))
     beta = torch.rand(B, T, HV, generator=gen)
-    h0 = torch.randn(B, HV, V, K, generator=gen) * 0.3
-    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, V, K, generator=gen) * 0.3
+    h0 = torch.randn(*state, generator=gen) * 0.3
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(*state, generator=gen) * 0.3
     ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, True, policy)
+    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, state_v_first, policy)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ours)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
     o_ref, ht_ref = rewy_hf.chunk_kda(*ref_in[:5], scale=K ** -0.5, initial_state=ref_in[5], output_final_state=True,
-                                      state_v_first=True, backend="torch", policy="full")
+                                      state_v_first=state_v_first, backend="torch", policy="full")
     ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref_in)
     errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
     errors.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref)})
+    return errors
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_function_matches_torch_backend(policy, monkeypatch):
+    # GVA, ragged, state_v_first, initial state and dht
+    errors = _function_errors(monkeypatch, _torch_fwd_h, _torch_bwd_dhu, B=1, T=70, H=1, HV=2, K=32, V=32,
+                              state_v_first=True, policy=policy, seed=7)
     assert max(errors.values()) < 1e-5, errors
 
 
@@ -356,37 +365,11 @@ def test_function_matches_torch_backend(policy, monkeypatch):
 def test_function_with_sequence_parallel_recurrences(policy, monkeypatch):
     """REWY_HF_SEQUENCE_PARALLEL=2: both state recurrences run split along the sequence
     (FLA's sequential ones are made to fail, so they cannot be what ran)."""
-    import rewy_hf
-    from rewy_hf.kernels import triton_kda
-
-    fla_stages = triton_kda._fla
-
     def refuse(*_, **__):
         raise AssertionError("FLA's sequential state recurrence ran")
 
-    def stages(kind):
-        f = fla_stages(kind)
-        f["fwd_h"], f["bwd_dhu"] = refuse, refuse
-        return f
-
-    monkeypatch.setattr(triton_kda, "_fla", stages)
     monkeypatch.setenv("REWY_HF_SEQUENCE_PARALLEL", "2")
-    gen = torch.Generator().manual_seed(8)
-    B, T, H, K, V = 1, 300, 2, 32, 32                 # five chunks in two segments
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
-    beta = torch.rand(B, T, H, generator=gen)
-    h0 = torch.randn(B, H, K, V, generator=gen) * 0.3
-    do, dht = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen) * 0.3
-    ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, False, policy)
-    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ours)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-    o_ref, ht_ref = rewy_hf.chunk_kda(*ref_in[:5], scale=K ** -0.5, initial_state=ref_in[5], output_final_state=True,
-                                      backend="torch", policy="full")
-    ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref_in)
-    errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
-    errors.update({name: rel(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, ref)})
+    # five chunks in two segments
+    errors = _function_errors(monkeypatch, refuse, refuse, B=1, T=300, H=2, HV=2, K=32, V=32,
+                              state_v_first=False, policy=policy, seed=8)
     assert max(errors.values()) < 1e-5, errors
