@@ -43,6 +43,8 @@ _SITES_LOCK = threading.RLock()
 # is garbage-collected stops counting). When the last one is unpatched, or
 # collected, the module-level name is restored.
 _SITE_LAYERS: dict[str, weakref.WeakSet] = {}
+# Layers that already carry a finalizer releasing their site (see _site_collected).
+_WATCHED: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass
@@ -129,7 +131,10 @@ def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
             setattr(module, adapter.site_attr, CoreDispatcher(current, adapter.site))
         _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
         # A patched model dropped without unpatch_model must not leave the dispatcher behind.
-        weakref.finalize(layer, _site_collected, adapter)
+        # One finalizer per layer, however often it is patched and unpatched.
+        if layer not in _WATCHED:
+            _WATCHED.add(layer)
+            weakref.finalize(layer, _site_collected, adapter)
 
 
 def _site_collected(adapter: Adapter) -> None:
