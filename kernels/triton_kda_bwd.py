@@ -82,6 +82,14 @@ SPAN_LIMIT = 120.0
 # Input precision of the fp32 Matrix Intra contractions on the GPU ("tf32",
 # "tf32x3" or "ieee"); FLA uses tf32 for the same off-diagonal products.
 INTRA_PRECISION = os.environ.get("REWY_KDA_INTRA_PRECISION", "tf32")
+# The diagonal 16-row blocks carry the largest terms (e^{G_i - G_j} near 1),
+# which FLA computes elementwise in fp32; the gate gradient sums them with
+# cancellation, so their contractions may need more than tf32.
+DIAG_PRECISION = os.environ.get("REWY_KDA_DIAG_PRECISION", "tf32")
+# Operands of the two Residual WY products that take an fp32 partial (A^T dW
+# and dY Vn^T): "bf16" rounds the partial to bf16 like FLA's kernel does;
+# "tf32" / "tf32x3" / "ieee" keep it in fp32 with that input precision.
+WY_PRECISION = os.environ.get("REWY_KDA_WY_PRECISION", "bf16")
 
 
 def _alloc(shape, device, dtype=torch.float32):
@@ -112,7 +120,7 @@ def rewy_kda_bwd_wy_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
-    VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
+    VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, WPREC: tl.constexpr,
 ):
     i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -202,7 +210,10 @@ def rewy_kda_bwd_wy_kernel(
         b_dG = b_q * b_dq
         # Residual WY, key half: dX = A^T dW = -A^T (dVn h^T); A^T read transposed.
         b_AT = tl.load(A + o_r[None, :] * (HV * BT) + o_r[:, None], mask=m_AT, other=0.0)
-        b_dxe = -tl.dot(b_AT, b_dw.to(b_AT.dtype)) * b_e   # gradient wrt a = b*k through X = a e^G
+        if WPREC == "bf16":
+            b_dxe = -tl.dot(b_AT, b_dw.to(b_AT.dtype)) * b_e   # gradient wrt a = b*k through X = a e^G
+        else:
+            b_dxe = -tl.dot(b_AT.to(tl.float32), b_dw, input_precision=WPREC) * b_e
         b_k = tl.load(k + off_qk, mask=m_tk, other=0.0).to(tl.float32)
         if VEC:
             b_b = tl.load(beta + off_k, mask=m_tk, other=0.0).to(tl.float32)
@@ -243,7 +254,10 @@ def rewy_kda_bwd_wy_kernel(
                 tl.store(dv + off_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
                 b_dbv += tl.sum(b_dy * b_v, axis=1)
             b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
-            b_dL += tl.dot(b_dy.to(b_vn.dtype), tl.trans(b_vn))
+            if WPREC == "bf16":
+                b_dL += tl.dot(b_dy.to(b_vn.dtype), tl.trans(b_vn))
+            else:
+                b_dL += tl.dot(b_dy, tl.trans(b_vn.to(tl.float32)), input_precision=WPREC)
         m_L = (o_r[:, None] > o_r[None, :]) & m_AT
         b_dL = tl.where(m_L, -b_dL, 0.0)
         tl.store(dL + o_r[:, None] * (HV * BT) + o_r[None, :], b_dL.to(dL.dtype.element_ty), mask=m_t[:, None])
@@ -264,7 +278,7 @@ def rewy_kda_bwd_intra_kernel(
     cu_seqlens, chunk_indices, T, span_limit,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, NKI: tl.constexpr, VEC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
 ):
     i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -394,10 +408,10 @@ def rewy_kda_bwd_intra_kernel(
                 b_ep = _exp2_where(m_ik, b_g - mid[None, :])    # in [2^{-s/2}, 2^{s/2}]
                 b_en = _exp2_where(m_ik, mid[None, :] - b_g)
                 b_kn = b_k * b_en
-                b_Rq += tl.dot(b_dAqd, b_kn, input_precision=PREC) * b_ep
-                b_Ra += tl.dot(b_dLd, b_kn, input_precision=PREC) * b_ep
-                b_Rc += (tl.dot(tl.trans(b_dLd), b_b * b_k * b_ep, input_precision=PREC)
-                         + tl.dot(tl.trans(b_dAqd), b_q * b_ep, input_precision=PREC)) * b_en
+                b_Rq += tl.dot(b_dAqd, b_kn, input_precision=DPREC) * b_ep
+                b_Ra += tl.dot(b_dLd, b_kn, input_precision=DPREC) * b_ep
+                b_Rc += (tl.dot(tl.trans(b_dLd), b_b * b_k * b_ep, input_precision=DPREC)
+                         + tl.dot(tl.trans(b_dAqd), b_q * b_ep, input_precision=DPREC)) * b_en
             else:
                 for t in range(0, tl.minimum(BC, n_valid - I * BC)):
                     r_t = I * BC + t
@@ -491,7 +505,7 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
         dq, dk, dv, dG, db, dw if vec else dv, dL,
         cu_seqlens, chunk_indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
-        IS_VARLEN=cu_seqlens is not None,
+        IS_VARLEN=cu_seqlens is not None, WPREC=WY_PRECISION,
     )
     return dq, dk, dG, dv, dw, db, dL
 
@@ -533,6 +547,7 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
         cu_seqlens, chunk_indices, T, float(span_limit),
         H=H, HV=HV, K=K, BT=BT, BC=BC_SUB, BK=BK, NC=BT // BC_SUB, NDB=NDB, NKI=NKI,
         VEC=vec, IS_VARLEN=cu_seqlens is not None, PREC=INTRA_PRECISION,
+        DPREC=DIAG_PRECISION,
     )
     if not vec and NKI > 1:
         db_o = db_o.sum(-1)

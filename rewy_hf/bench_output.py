@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import platform
 import sys
 from typing import Callable
@@ -77,7 +78,9 @@ def environment(device: str) -> dict:
                          "fla-core": package_version("fla-core"), "rewy-hf": rewy_hf_version(),
                          "transformers": package_version("transformers"),
                          # FLA dispatches GDN to FlashQLA when it is installed: the baseline then is FlashQLA.
-                         "flash-qla": package_version("flash-qla"), "python": platform.python_version()}}
+                         "flash-qla": package_version("flash-qla"), "python": platform.python_version()},
+            # rewy's kernel switches (sequence-parallel recurrences, KDA precisions) change what is timed
+            "rewy_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("REWY_HF_", "REWY_KDA_"))}}
 
 
 def write_json(path: str, data: dict) -> None:

@@ -30,11 +30,15 @@ def enable_cpu_interpreter() -> bool:
             "environment (or call rewy_hf.cpu_triton.enable_cpu_interpreter() before importing fla)."
         )
     os.environ["TRITON_INTERPRET"] = "1"
-    _prune_autotuners()
+    first_config_only()
     return True
 
 
-def _prune_autotuners() -> None:
+def first_config_only() -> None:
+    """Cut every Triton autotuner defined from now on to its first config.
+    Also used by `rewy-hf verify` on CUDA, which checks correctness, not speed:
+    compiling one config per kernel instead of every candidate is what keeps a
+    cold first run to about a minute."""
     global _PRUNED
     if _PRUNED:
         return

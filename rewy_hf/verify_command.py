@@ -72,11 +72,13 @@ def _model_checks(device: str):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .cpu_triton import enable_cpu_interpreter
+    from .cpu_triton import enable_cpu_interpreter, first_config_only
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         enable_cpu_interpreter()
+    elif "fla" not in sys.modules:
+        first_config_only()
     groups = args.only or list(GROUPS)
     checks = {"env": _env_checks, "ops": _op_checks, "models": _model_checks}
     rows = []

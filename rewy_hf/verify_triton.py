@@ -17,15 +17,22 @@ BF16_TOL = 2e-2
 def _case(op: str, gen: torch.Generator):
     B, T, H, K, V = 2, 300, 4, 128, 128
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    u = lambda *s: torch.rand(*s, device="cuda", generator=gen)
     q, k, v = r(B, T, H, K).bfloat16(), F.normalize(r(B, T, H, K), dim=-1).bfloat16(), r(B, T, H, V).bfloat16()
-    beta = torch.rand(B, T, H, device="cuda", generator=gen)
-    gates = [] if op == "chunk_delta_rule" else [F.logsigmoid(r(B, T, H))]
-    return [q, k, v, *gates, beta], r(B, T, H, V)
+    if op == "chunk_delta_rule":
+        rest = [u(B, T, H)]
+    elif op == "chunk_gated_delta_rule":
+        rest = [F.logsigmoid(r(B, T, H)), u(B, T, H)]
+    elif op == "chunk_kda":
+        rest = [F.logsigmoid(r(B, T, H, K)), u(B, T, H)]
+    else:
+        rest = [F.logsigmoid(r(B, T, H, K)), u(B, T, H, K), u(B, T, H, V)]
+    return [q, k, v, *rest], r(B, T, H, V)
 
 
 def triton_checks():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for op in ("chunk_gated_delta_rule", "chunk_delta_rule"):
+    for op in ("chunk_gated_delta_rule", "chunk_delta_rule", "chunk_kda", "chunk_gdn2"):
         args, do = _case(op, gen)
         fn = getattr(ops, op)
         results = []

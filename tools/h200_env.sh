@@ -7,6 +7,8 @@ mkdir -p /tmp/pkg/rewy_hf
 cp -r rewy_hf/. /tmp/pkg/rewy_hf/
 cp -r kernels /tmp/pkg/rewy_hf/kernels
 cp -r adapters /tmp/pkg/rewy_hf/adapters
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 REPO=$PWD
+# TRITON_CACHE_AUTOTUNING keeps autotune choices in the cache too, so a carried
+# cache skips FLA's first-call autotuning as well as compilation.
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 REPO=$PWD TRITON_CACHE_AUTOTUNING=1
 if [ -f .triton-cache/cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache/cache.tgz -C ~/.triton; fi
 set +e

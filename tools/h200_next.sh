@@ -1,38 +1,73 @@
-# The next H200 session's measurements, one device call per mode (each under 10 minutes).
-# Carry .whl (and .triton-cache/cache.tgz if a previous call left one under 16 MB).
-#   bash tools/h200_next.sh tests    # every GPU test: Triton GDN (incl. packed, sequence-parallel), state scan, KDA
-#   bash tools/h200_next.sh stages   # per-kernel times at (2,8192,16) and (1,16384,16), sequence-parallel rows
-#   bash tools/h200_next.sh gdn      # rewy-hf bench, GDN, six shapes, sequential vs sequence-parallel recurrences
-#   bash tools/h200_next.sh kda      # benchmarks/kda_gpu_check.py (KDA / GDN2 Triton backward)
-#   bash tools/h200_next.sh gdn2-1b  # the gdn2-1b recipe run with the GDN2 Triton backward (--kernels triton),
-#                                    # to compare with docs/runs/h200_2026-11-29/1b_orig.metrics.jsonl
+# H200 measurements, one mode per queue entry; each device call stays under 10 minutes.
+# Carry .whl (and .triton-cache/cache.tgz when a previous call left one under 16 MB).
+#   bash tools/h200_next.sh tests        # every GPU test: Triton GDN (packed, sequence-parallel), state scan, KDA
+#   bash tools/h200_next.sh stages       # per-kernel GDN backward times at (2,8192,16) and (1,16384,16)
+#   bash tools/h200_next.sh verify       # rewy-hf verify --device cuda, timed (a cold machine, as a user has)
+#   bash tools/h200_next.sh bench-gdn    # rewy-hf bench: delta_rule + gdn, six shapes, both policies, B and FB
+#   bash tools/h200_next.sh bench-kda    # rewy-hf bench: kda + gdn2, Triton backward, same grid
+#   bash tools/h200_next.sh kda          # benchmarks/kda_gpu_check.py (checks, timing, per-kernel profile)
+#   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
+#   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
+#   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
+#   bash tools/h200_next.sh gdn2-1b      # the gdn2-1b recipe run with --kernels triton
+# Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
+# Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400).
 source tools/h200_env.sh
 O=${OUT:-gpu_out}; mkdir -p $O
+lim() { local v="T_${1//-/_}"; echo "${!v:-$2}"; }
+
+one() {
 case "$1" in
 tests)
-  (cd tests && timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu -x \
-      test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py > $O/gpu_tests.log 2>&1)
+  (cd tests && timeout $(lim tests 400) python3 -m pytest -q -p no:cacheprovider -m gpu \
+      test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
+      test_bench_command.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
 stages)
-  timeout 260 python3 benchmarks/gdn_bwd_stages.py --B 2 --T 8192 --H 16 > $O/stages_2_8192.log 2>&1
-  timeout 260 python3 benchmarks/gdn_bwd_stages.py --B 1 --T 16384 --H 16 > $O/stages_1_16384.log 2>&1
+  timeout $(lim stages 120) python3 benchmarks/gdn_bwd_stages.py --B 2 --T 8192 --H 16 > $O/stages_2_8192.log 2>&1
+  timeout $(lim stages 120) python3 benchmarks/gdn_bwd_stages.py --B 1 --T 16384 --H 16 > $O/stages_1_16384.log 2>&1
   tail -n 14 $O/stages_*.log ;;
-gdn)
-  cd /tmp   # the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
-  REWY_HF_SEQUENCE_PARALLEL=auto timeout 280 python3 -m rewy_hf bench --device cuda --op gdn --lift-gdn-guard \
-      --policy recompute --reps 3 --json $O/bench_gdn_sp.json --markdown $O/bench_gdn_sp.md > $O/bench_gdn_sp.log 2>&1
-  timeout 280 python3 -m rewy_hf bench --device cuda --op gdn --lift-gdn-guard --policy recompute --reps 3 \
-      --json $O/bench_gdn.json --markdown $O/bench_gdn.md > $O/bench_gdn.log 2>&1
-  tail -n 20 $O/bench_gdn*.log ;;
+verify)
+  (cd /tmp && /usr/bin/time -f "verify wall %e s" timeout $(lim verify 200) python3 -m rewy_hf verify --device cuda \
+      --json $O/verify.json > $O/verify.log 2>&1; echo "exit $?" >> $O/verify.log)
+  tail -n 30 $O/verify.log ;;
+bench-gdn|bench-kda)
+  if [ "$1" = bench-gdn ]; then set -- $1 "${OPS_GDN:-delta_rule gdn}"; else set -- $1 "${OPS_KDA:-kda gdn2}"; fi
+  if [ -f $O/kda_choice.env ]; then source $O/kda_choice.env; fi
+  # cd /tmp: the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
+  (cd /tmp && timeout $(lim $1 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
+      --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
+  tail -n 45 $O/$1.log ;;
+kda-prec)
+  timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
+  tail -n 20 $O/kda_prec.log ;;
 kda)
-  timeout 540 python3 benchmarks/kda_gpu_check.py > $O/kda.log 2>&1; tail -n 40 $O/kda.log ;;
+  timeout $(lim kda 540) python3 benchmarks/kda_gpu_check.py --budget $(( $(lim kda 540) - 40 )) > $O/kda.log 2>&1
+  tail -n 60 $O/kda.log ;;
+model-gdn2|model-qwen)
+  if [ "$1" = model-gdn2 ]; then m=gdn2-1b; else m=qwen3.5-1b; fi
+  (cd /tmp && timeout $(lim $1 400) python3 -m rewy_hf bench --device cuda --model $m --backend triton \
+      --seq-len 4096 --batch-size 1 --json $O/$1.json > $O/$1.log 2>&1)
+  tail -n 25 $O/$1.log ;;
 gdn2-1b)
-  timeout 540 python3 recipes/finetune_gdn2.py --model gdn2-1b --seq-len 2048 --batch-size 4 --max-steps 30 \
-      --save-every 0 --data recipes/data/corpus.txt --no-progress --log-every 5 --warmup-steps 3 \
+  timeout $(lim gdn2-1b 540) python3 recipes/finetune_gdn2.py --model gdn2-1b --seq-len 2048 --batch-size 4 \
+      --max-steps 30 --save-every 0 --data recipes/data/corpus.txt --no-progress --log-every 5 --warmup-steps 3 \
       --backend optimized --kernels triton --output-dir /tmp/r1b_triton > $O/1b_triton.log 2>&1
   cp /tmp/r1b_triton/metrics.jsonl $O/1b_triton.metrics.jsonl
   cp /tmp/r1b_triton/dispatch_report.json $O/1b_triton.dispatch.json
   tail -n 12 $O/1b_triton.log ;;
-*) echo "usage: $0 tests|stages|gdn|kda|gdn2-1b"; exit 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|model-gdn2|model-qwen|gdn2-1b"; return 2 ;;
 esac
+}
+
+queue() { for m in $1; do echo "== $m (GPU ${CUDA_VISIBLE_DEVICES:-all}, $(date +%T))"; one $m; done; }
+
+if [ "$1" = pair ]; then
+  CUDA_VISIBLE_DEVICES=0 queue "$2" > $O/queue0.txt 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 queue "$3" > $O/queue1.txt 2>&1 &
+  wait
+  cat $O/queue0.txt $O/queue1.txt
+else
+  queue "$*"
+fi
 if [ -d ~/.triton/cache ]; then tar czf $O/cache.tgz -C ~/.triton cache; fi
