@@ -3,7 +3,7 @@
 # adapters/ subpackages) on PYTHONPATH, and restores a carried Triton cache.
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core*.whl .whl/flash_linear*.whl
-mkdir -p /tmp/pkg/rewy_hf
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg/rewy_hf   # a warm machine keeps /tmp: never copy into an old tree
 cp -r rewy_hf/. /tmp/pkg/rewy_hf/
 cp -r kernels /tmp/pkg/rewy_hf/kernels
 cp -r adapters /tmp/pkg/rewy_hf/adapters
