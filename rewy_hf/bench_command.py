@@ -67,9 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", default=None, metavar="OUT.md",
                         help="also write the tables as Markdown (for docs/performance.md); works with --from-json")
-    parser.add_argument("--from-json", default=None, metavar="RUN.json",
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="RUN.json",
                         help="run nothing: print the tables of an earlier run's --json (and draw --plot from it), "
-                             "e.g. on a machine with matplotlib after a GPU run without it; exits with its status")
+                             "e.g. on a machine with matplotlib after a GPU run without it; exits with its status. "
+                             "Several op-level files of one setup are combined into one report")
 
     ops = parser.add_argument_group("op level")
     ops.add_argument("--op", nargs="+", action="extend", choices=(*OPS, "all"), default=None,
@@ -217,8 +218,7 @@ def _run_ops(args, device: str, guard: dict) -> int:
 
 
 def _render(args) -> int:
-    import json
-
+    from .bench_merge import MergeError, merge_runs
     from .bench_ops import baseline_label
     from .bench_output import (format_model_result, format_op_table, plot_model_steps, plot_op_speedups,
                                plot_unavailable)
@@ -226,12 +226,9 @@ def _render(args) -> int:
     if args.plot and (reason := plot_unavailable()):
         return _could_not_run(reason)
     try:
-        with open(args.from_json, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        return _could_not_run(f"--from-json {args.from_json}: {exc}; pass the file an earlier run wrote with --json")
-    if data.get("kind") not in ("ops", "model") or "settings" not in data:
-        return _could_not_run(f"--from-json {args.from_json} is not a `rewy-hf bench --json` file")
+        data = merge_runs(args.from_json)
+    except MergeError as exc:
+        return _could_not_run(str(exc))
     if data.get("error"):
         print(f"that run could not run: {data['error']}")
     elif data["kind"] == "model":
@@ -247,7 +244,8 @@ def _render(args) -> int:
             plot_op_speedups(rows, boundaries, args.plot,
                              f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")
     if not data.get("complete", False):
-        print("note: that run did not finish (complete: false); these are the rows it wrote")
+        which = "one of these runs" if data.get("sources") else "that run"
+        print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
     _write_markdown(args, data)
     return int(data.get("exit_code", 1))
 

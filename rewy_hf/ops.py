@@ -126,18 +126,10 @@ def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
     return None
 
 
-# Ops whose Triton backward exists but is not yet GPU-verified: ``auto`` runs them on
-# the torch backend, ``backend="triton"`` opts in.
-TRITON_OPT_IN_OPS = ("chunk_kda", "chunk_gdn2")
-
-
 def _triton_not_default(op: str, cu_seqlens) -> str | None:
     """Paths the Triton backend has but ``auto`` does not pick yet: they pass the
-    interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_*.py,
-    benchmarks/kda_gpu_check.py). ``backend="triton"`` still takes them."""
-    if op in TRITON_OPT_IN_OPS:
-        return (f"the {op} Triton backward is not yet verified on a GPU "
-                "(pass backend='triton' to use it)")
+    interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_*.py).
+    ``backend="triton"`` still takes them."""
     if cu_seqlens is not None:
         return "`cu_seqlens` packing on the Triton backend is not yet verified on a GPU (pass backend='triton' to use it)"
     return None

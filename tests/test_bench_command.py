@@ -119,6 +119,26 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     assert f"| {r0['B']},{r0['T']},{r0['H']}," in text and f"{r0['speedup_B']:.2f}x" in text
 
 
+def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
+    """One device call per op: --from-json takes every file and reports them as one
+    run; files from another setup are refused by name."""
+    files = []
+    for op in ("delta_rule", "kda"):
+        files.append(tmp_path / f"{op}.json")
+        code, _, _ = _bench([*TINY, "--op", op, "--policy", "full", "--json", str(files[-1])], capsys)
+        assert code == 0
+    md = tmp_path / "all.md"
+    code, out, _ = _bench(["--from-json", *map(str, files), "--markdown", str(md)], capsys)
+    assert code == 0
+    assert "delta_rule, rewy policy full" in out and "kda, rewy policy full" in out and "did not finish" not in out
+    assert md.read_text().count("#### ") == 2
+    other = json.loads(files[1].read_text())
+    other["device_name"] = "another GPU"
+    files[1].write_text(json.dumps(other))
+    code, _, err = _bench(["--from-json", *map(str, files)], capsys)
+    assert code == 2 and "different device_name" in err and str(files[1]) in err
+
+
 def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
     # A spec of its own: rewy warns once per spec and process, other tests expect their own warning.
     monkeypatch.setenv("REWY_HF_TEST_FAULT", "grad_scale=1.07@kda")

@@ -742,3 +742,14 @@ def test_nan_in_gate_params_rejected_with_check_finite(op, name, monkeypatch):
     params[name][0] = float("nan")
     with pytest.raises(InputValidationError, match=lit(f"`{name}` has 1 non-finite values")):
         call(op, make_inputs(op), use_gate_in_kernel=True, **params)
+
+
+def test_auto_takes_the_gpu_verified_triton_paths():
+    """On CUDA, auto picks the Triton backward for every op (all four ran and passed the
+    bench's gradient check on an H200); packed sequences stay opt-in until they run there."""
+    from rewy_hf.ops import _triton_not_default
+
+    for op in ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn2"):
+        assert _triton_not_default(op, None) is None
+        reason = _triton_not_default(op, torch.tensor([0, 64, 128]))
+        assert "cu_seqlens" in reason and "backend='triton'" in reason

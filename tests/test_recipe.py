@@ -262,19 +262,3 @@ def test_schedule_and_checkpoint_discovery(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-9" and not part.exists()
     ckpt.prune(tmp_path, keep=1)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [9]
-
-
-def test_slow_path_note_names_the_gpu_slowdown():
-    """On a GPU under --kernels auto, GDN2 / KDA layers fall to the torch backend: the recipe says so up front."""
-    import rewy_hf
-    from rewy_hf.models.gdn2 import GDN2ForCausalLM, gdn2_config
-    from rewy_hf.presets import build_preset
-    from rewy_hf.training.recipe import _slow_path_note
-
-    gdn2 = rewy_hf.patch_model(GDN2ForCausalLM(gdn2_config("tiny")))
-    note = _slow_path_note(gdn2, "auto", "cuda")
-    assert note.startswith("note: gdn2 layers run rewy's torch backend") and "--kernels triton" in note
-    assert _slow_path_note(gdn2, "auto", "cpu") is None and _slow_path_note(gdn2, "triton", "cuda") is None
-    qwen = build_preset("tiny-qwen3.5")
-    assert _slow_path_note(rewy_hf.patch_model(qwen), "auto", "cuda") is None   # GDN has GPU-verified kernels
-    rewy_hf.unpatch_model(qwen)

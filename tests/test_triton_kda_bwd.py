@@ -218,6 +218,13 @@ def test_wy_kernel_matches_torch_stage(name):
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
+@pytest.mark.parametrize("name", ["kda_ragged_K32", "gdn2_ragged_K64"])
+def test_wy_kernel_with_fp32_partials(name, monkeypatch):
+    """WY_PRECISION other than bf16 keeps A^T dW and dY Vn^T in fp32 operands: same results."""
+    monkeypatch.setattr(tk, "WY_PRECISION", "tf32")
+    test_wy_kernel_matches_torch_stage(name)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_intra_kernel_matches_torch_stage(name):
     case, v_first, block_k = _case(name)

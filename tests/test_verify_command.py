@@ -46,3 +46,24 @@ def test_tiny_gradients_are_judged_against_the_floor():
     big = torch.full((4,), 0.1)
     assert not compare("big", big * 1.5, big, tol, floor).ok
     assert not compare("nan", torch.full((4,), float("nan")), big, tol, floor).ok
+
+
+def test_a_crashing_preset_fails_its_own_row_only(capsys, monkeypatch):
+    """On the H200 the first GDN preset crashed inside the unpatched model and
+    took the whole models group with it; now only its own row fails."""
+    import rewy_hf.model_loading as loading
+
+    real = loading.load_causal_lm
+
+    def load(spec, **kwargs):
+        if spec == "tiny-fla-gdn":
+            raise RuntimeError("simulated: this preset cannot run here")
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(loading, "load_causal_lm", load)
+    assert main(["verify", "--only", "models"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  tiny-fla-gdn parity" in out and "simulated: this preset cannot run here" in out
+    for preset in ("tiny-qwen3.5", "tiny-kimi-linear", "tiny-fla-deltanet", "tiny-fla-kda", "tiny-fla-gdn2"):
+        assert f"PASS  {preset} parity" in out
+    assert "5 of 6 checks passed" in out

@@ -314,8 +314,6 @@ def train(args) -> RunResult:
                           "patch_report": patch_report.to_dict() if patch_report else None}, indent=1) + "\n")
         if patch_report is not None:
             say(str(patch_report))
-            if (note := _slow_path_note(patch_report, args.kernels, accelerator.device.type)):
-                say(note)
     accelerator.wait_for_everyone()
     metrics = MetricsWriter(out_dir / "metrics.jsonl", resume_step=start_step if resume_from else None) \
         if main_proc else None
@@ -462,19 +460,6 @@ def _save_final(accelerator, model, tokenizer, out_dir: Path, lora: bool):
         ckpt.commit(part, final)
     accelerator.wait_for_everyone()
     return final, adapter
-
-
-def _slow_path_note(patch_report, kernels: str, device_type: str) -> str | None:
-    """Say up front when --backend optimized will be slower than --backend original."""
-    from rewy_hf.ops import TRITON_OPT_IN_OPS
-
-    slow = sorted({p.op for p in patch_report.patched if f"chunk_{p.op}" in TRITON_OPT_IN_OPS})
-    if device_type != "cuda" or kernels != "auto" or not slow:
-        return None
-    return (f"note: {', '.join(slow)} layers run rewy's torch backend on this GPU under --kernels auto: the same "
-            "gradients, but several times slower than FLA's kernels (a gdn2-1b step took 7.7x as long on an "
-            "H200, docs/training.md). --kernels triton opts into rewy's KDA / GDN2 Triton backward (not yet "
-            "verified on a GPU); --backend original runs FLA's kernels.")
 
 
 def _gather_dispatch() -> list:

@@ -1,0 +1,60 @@
+"""Reading `rewy-hf bench --json` files back, one or several.
+
+Op-level runs split over several device calls (one per op, or one per GPU of
+a host) are combined into one report: the rows of every file in order, the
+union of their ops, and "complete" only if every file is. Files from
+different devices, library versions or timing settings are refused, since
+their rows could not share a table.
+"""
+
+from __future__ import annotations
+
+import json
+
+# Settings that must agree for rows of different files to be compared.
+_SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "check", "timing")
+
+
+class MergeError(ValueError):
+    pass
+
+
+def load_run(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise MergeError(f"--from-json {path}: {exc}; pass the file an earlier run wrote with --json") from None
+    if data.get("kind") not in ("ops", "model") or "settings" not in data:
+        raise MergeError(f"--from-json {path} is not a `rewy-hf bench --json` file")
+    return data
+
+
+def merge_runs(paths: list[str]) -> dict:
+    runs = [load_run(p) for p in paths]
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        if run["kind"] != "ops" or first["kind"] != "ops":
+            raise MergeError(f"--from-json: only op-level runs can be combined ({path} is a {run['kind']} run)")
+        if run.get("error") or first.get("error"):
+            raise MergeError(f"--from-json: a run that could not run has no rows to combine ({path})")
+        for key in ("device_name", "versions"):
+            if run.get(key) != first.get(key):
+                raise MergeError(f"--from-json: {path} has a different {key} than {paths[0]}: "
+                                 f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
+        for key in _SAME:
+            if run["settings"].get(key) != first["settings"].get(key):
+                raise MergeError(f"--from-json: {path} was timed with a different {key} than {paths[0]}: "
+                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}")
+    merged = {**first, "settings": dict(first["settings"]), "rows": [], "sources": list(paths)}
+    ops: list[str] = []
+    for path, run in zip(paths, runs):
+        merged["rows"] += [{**r, "source": path} for r in run["rows"]]
+        ops += [op for op in run["settings"]["ops"] if op not in ops and any(r["op"] == op for r in run["rows"])]
+    merged["settings"]["ops"] = ops
+    merged["complete"] = all(r.get("complete", False) for r in runs)
+    merged["exit_code"] = max(int(r.get("exit_code", 1)) for r in runs)
+    merged["ok"] = all(r.get("ok") for r in merged["rows"])
+    return merged
