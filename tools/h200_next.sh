@@ -19,7 +19,7 @@ lim() { local v="T_${1//-/_}"; echo "${!v:-$2}"; }
 one() {
 case "$1" in
 tests)
-  (cd tests && timeout $(lim tests 400) python3 -m pytest -q -p no:cacheprovider -m gpu \
+  (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu \
       test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
       test_bench_command.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
