@@ -235,6 +235,8 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
     p.add_argument("--no-extras", action="store_true", help="skip the GVA / state_v_first / cu_seqlens checks")
+    p.add_argument("--sections", default="check,bench,profile,extras",
+                   help="comma list of check, bench, profile, extras (rewy-hf bench now covers check and bench)")
     p.add_argument("--intra-precision", default=None, choices=["tf32", "tf32x3", "ieee"],
                    help="input precision of rewy's fp32 Matrix Intra products (default: the module's, tf32)")
     a = p.parse_args()
@@ -257,6 +259,7 @@ def main() -> int:
         triton_kda_bwd.INTRA_PRECISION = a.intra_precision
     log(f"rewy: SPAN_LIMIT {triton_kda_bwd.SPAN_LIMIT} (log2), intra precision {triton_kda_bwd.INTRA_PRECISION}")
     ops = [o for o in a.ops.split(",") if o]
+    wanted = set(a.sections.split(","))
     policies = ["recompute", "full"]
     K = V = 128
     status = {}
@@ -270,7 +273,8 @@ def main() -> int:
         return True
 
     for op in ops:
-        if section(f"{op}: gradient check, relative error vs fp32 reference, ours/FLA per gradient", 0.55):
+        if "check" in wanted and section(f"{op}: gradient check, relative error vs fp32 reference, ours/FLA per "
+                                         "gradient", 0.55):
             try:
                 ok = check(op, "T=1000 logsigmoid", 2, 1000, 16, 16, K, V, "logsigmoid", policies)
                 ok &= check(op, "T=1000 bound(-5) safe_gate", 2, 1000, 16, 16, K, V, "bound", policies, seed=3)
@@ -278,7 +282,7 @@ def main() -> int:
             except Exception as e:                                   # keep going: timing still informative
                 status[f"{op} check"] = f"ERROR {type(e).__name__}: {e}"
                 log(f"  ERROR {type(e).__name__}: {e}")
-        if section(f"{op}: backward time (median), FLA vs ours", 0.8):
+        if "bench" in wanted and section(f"{op}: backward time (median), FLA vs ours", 0.8):
             try:
                 bench(op, 2, 8192, 16, K, V, policies, rows, mem)
                 if elapsed() < 0.85 * a.budget:
@@ -288,12 +292,13 @@ def main() -> int:
             except Exception as e:
                 status[f"{op} bench"] = f"ERROR {type(e).__name__}: {e}"
                 log(f"  ERROR {type(e).__name__}: {e}")
-    if "kda" in ops and section("kda: per-kernel profile of one backward (full policy)", 0.9):
-        try:
-            profile("kda", 2, 8192, 16, K, V, "full")
-        except Exception as e:
-            log(f"  profile failed: {type(e).__name__}: {e}")
-    if not a.no_extras and section("extras: GVA, state_v_first, cu_seqlens (full policy)", 0.9):
+    for op in ops:
+        if "profile" in wanted and section(f"{op}: per-kernel profile of one backward (full policy)", 0.9):
+            try:
+                profile(op, 2, 8192, 16, K, V, "full")
+            except Exception as e:
+                log(f"  profile failed: {type(e).__name__}: {e}")
+    if "extras" in wanted and not a.no_extras and section("extras: GVA, state_v_first, cu_seqlens (full policy)", 0.9):
         try:
             ok = check("kda", "GVA H=8 HV=16", 2, 1000, 8, 16, K, V, "logsigmoid", ["full"], seed=4)
             ok &= check("kda", "state_v_first", 2, 1000, 16, 16, K, V, "logsigmoid", ["full"], v_first=True, seed=5)

@@ -7,6 +7,7 @@
 #   bash tools/h200_next.sh bench-kda    # rewy-hf bench: kda + gdn2, Triton backward, same grid
 #   bash tools/h200_next.sh kda          # benchmarks/kda_gpu_check.py (checks, timing, per-kernel profile)
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
+#   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
 #   bash tools/h200_next.sh gdn2-1b      # the gdn2-1b recipe run with --kernels triton
@@ -41,13 +42,17 @@ bench-gdn|bench-kda)
 kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
   tail -n 20 $O/kda_prec.log ;;
+kda-profile)
+  timeout $(lim kda-profile 300) python3 benchmarks/kda_gpu_check.py --sections profile,extras \
+      --budget $(( $(lim kda-profile 300) - 20 )) > $O/kda_profile.log 2>&1
+  tail -n 40 $O/kda_profile.log ;;
 kda)
   timeout $(lim kda 540) python3 benchmarks/kda_gpu_check.py --budget $(( $(lim kda 540) - 40 )) > $O/kda.log 2>&1
   tail -n 60 $O/kda.log ;;
 model-gdn2|model-qwen)
   if [ "$1" = model-gdn2 ]; then m=gdn2-1b; else m=qwen3.5-1b; fi
   (cd /tmp && timeout $(lim $1 400) python3 -m rewy_hf bench --device cuda --model $m --backend triton \
-      --seq-len 4096 --batch-size 1 --json $O/$1.json > $O/$1.log 2>&1)
+      --seq-len 4096 --batch-size 1 --lift-gdn-guard --json $O/$1.json > $O/$1.log 2>&1)
   tail -n 25 $O/$1.log ;;
 gdn2-1b)
   timeout $(lim gdn2-1b 540) python3 recipes/finetune_gdn2.py --model gdn2-1b --seq-len 2048 --batch-size 4 \
@@ -56,7 +61,7 @@ gdn2-1b)
   cp /tmp/r1b_triton/metrics.jsonl $O/1b_triton.metrics.jsonl
   cp /tmp/r1b_triton/dispatch_report.json $O/1b_triton.dispatch.json
   tail -n 12 $O/1b_triton.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|model-gdn2|model-qwen|gdn2-1b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-profile|model-gdn2|model-qwen|gdn2-1b"; return 2 ;;
 esac
 }
 

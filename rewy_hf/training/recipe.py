@@ -87,8 +87,8 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
       help="optimized: patch_model(backend=--kernels) before accelerator.prepare; original: unpatched (needs a GPU)")
     a("--policy", choices=("recompute", "full"), default="recompute", help="rewy backward policy")
     a("--kernels", choices=("auto", "torch", "triton"), default="auto",
-      help="rewy backend for --backend optimized: auto (GPU-verified Triton kernels where they exist, the torch "
-           "backend otherwise), torch, or triton (also the opt-in KDA / GDN2 Triton backward; CUDA only)")
+      help="rewy backend for --backend optimized: auto (the Triton backward on CUDA, the torch backend on CPU and "
+           "for packed sequences), torch, or triton (CUDA only; also packed sequences)")
     a("--fallback", choices=("error", "original"), default="error",
       help="calls rewy cannot serve: raise (error) or run the original core (default: error)")
     a("--output-dir", default="outputs/finetune", help="checkpoints, metrics.jsonl, loss_curve.png, "
