@@ -127,8 +127,8 @@ def _backends(fla_ok: bool) -> dict[str, dict[str, Any]]:
     elif not fla_ok:
         triton = {"usable": False, "reason": "FLA could not be imported (its forward kernels are needed)"}
     else:
-        triton = {"usable": True, "reason": "GDN and DeltaNet: FLA forward + ReWY backward kernel; KDA and GDN2 "
-                                            "have no Triton kernels yet and run on the torch backend"}
+        triton = {"usable": True, "reason": "all four ops: FLA forward + ReWY backward kernels (packed sequences "
+                                            "go to the torch backend under auto until run on a GPU)"}
     return {"torch": {"usable": True, "reason": "pure PyTorch, runs on any device"}, "triton": triton}
 
 
