@@ -225,6 +225,9 @@ def format_model_result(res: dict, spec: str, settings: dict, markdown: bool = F
     lines.append(f"\nspeedup (unpatched / patched step time): {res['speedup']:.3f}x")
     lines.append(f"patched layers: {res['patched_layers']}; optimized backward calls in the timed steps: "
                  f"{res['optimized_backward_calls']}; fallbacks: {res['fallback_calls']}")
+    if (settings.get("gdn_guard") or {}).get("was_active"):
+        lines.append("note: the unpatched side ran FLA's GDN backward with its guard lifted (Hopper, triton < 3.7.1, "
+                     "FLA #640): its step time is valid, its gradients (and so its later losses) are not trusted")
     if res.get("reference_cores_unpatched"):
         lines.append("note: on CPU the unpatched side runs the reference cores (transformers' torch function, or "
                      "rewy's float64 recurrence for FLA layers), not FLA; CPU step times say nothing about a GPU")

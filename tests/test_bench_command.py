@@ -213,7 +213,12 @@ def test_model_level_on_a_tiny_preset(tmp_path, capsys):
     assert data["loss_rel_diff"] < 1e-5
     assert data["unpatched"]["loss"][0] == pytest.approx(data["unpatched"]["loss"][1], rel=1e-6)
     code, again, _ = _bench(["--from-json", str(report)], capsys)
-    assert code == 0 and "patched layers: 1" in again
+    assert code == 0 and "patched layers: 1" in again and "guard lifted" not in again
+    # A GPU run whose unpatched GDN backward ran with FLA's guard lifted says its gradients are not trusted.
+    data["settings"]["gdn_guard"] = {"requested": True, "was_active": True}
+    report.write_text(json.dumps(data))
+    code, lifted, _ = _bench(["--from-json", str(report)], capsys)
+    assert code == 0 and "guard lifted" in lifted and "not trusted" in lifted
 
 
 def test_model_level_refuses_op_level_options(capsys):
