@@ -2,7 +2,9 @@
 # carried FLA wheels into /tmp/site, puts rewy_hf (with its kernels/ and
 # adapters/ subpackages) on PYTHONPATH, and restores a carried Triton cache.
 set -e
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core*.whl .whl/flash_linear*.whl
+# FLA's wheels come from .whl, or from .qla/a when that is carried instead (FlashQLA runs, 64 MiB per call)
+FLA_WHEELS=$(ls .whl/fla_core*.whl .whl/flash_linear*.whl 2>/dev/null || ls .qla/a/fla_core*.whl .qla/a/flash_linear*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $FLA_WHEELS
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg/rewy_hf   # a warm machine keeps /tmp: never copy into an old tree
 cp -r rewy_hf/. /tmp/pkg/rewy_hf/
 cp -r kernels /tmp/pkg/rewy_hf/kernels

@@ -11,7 +11,12 @@
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
 #   bash tools/h200_next.sh gdn2-1b      # the gdn2-1b recipe run with --kernels triton
+#   bash tools/h200_next.sh qla-a        # carry [".qla/a"]: FLA + FlashQLA wheels without z3 into /tmp/site_qla
+#   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
+#                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
+# Next session's first call: pair "verify tests kda-profile" "bench-kda model-qwen"; then model-gdn2, gdn2-1b,
+# and the two FlashQLA calls.
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400).
 source tools/h200_env.sh
 O=${OUT:-gpu_out}; mkdir -p $O
@@ -61,7 +66,16 @@ gdn2-1b)
   cp /tmp/r1b_triton/metrics.jsonl $O/1b_triton.metrics.jsonl
   cp /tmp/r1b_triton/dispatch_report.json $O/1b_triton.dispatch.json
   tail -n 12 $O/1b_triton.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-profile|model-gdn2|model-qwen|gdn2-1b"; return 2 ;;
+qla-a)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_qla .qla/a/*.whl
+  ls /tmp/site_qla ;;
+qla-b)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_qla2 .qla/b/*.whl
+  (cd /tmp && PYTHONPATH=/tmp/site_qla:/tmp/site_qla2:$PYTHONPATH timeout $(lim qla-b 540) python3 -m rewy_hf bench \
+      --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
+      --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
+  tail -n 40 $O/bench_gdn_flashqla.log ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-profile|model-gdn2|model-qwen|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }
 
