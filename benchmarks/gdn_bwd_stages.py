@@ -19,6 +19,20 @@ import torch.nn.functional as F
 import triton
 
 
+def kernel_times(fn) -> list[tuple[str, float]]:
+    """Device time (ms) of each GPU kernel one call of ``fn`` launches, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "Memset" not in e.name]
+    return [(e.name, (e.time_range.end - e.time_range.start) / 1000.0)
+            for e in sorted(kernels, key=lambda e: e.time_range.start)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--B", type=int, default=2)
@@ -70,6 +84,11 @@ def main() -> None:
         rows[f"rewy sequence-parallel fwd_h (NS={ns})"] = t(lambda: state_forward(k, w, u, g, None, ns))
         rows[f"rewy sequence-parallel bwd_dhu (NS={ns})"] = t(lambda: state_backward(q, k, w, do, dv, g, None,
                                                                                       scale, ns))
+        # Which phase is slow: each kernel of one call, in launch order (augmented pass, scan, rerun).
+        for name, fn in (("fwd_h", lambda: state_forward(k, w, u, g, None, ns)),
+                         ("bwd_dhu", lambda: state_backward(q, k, w, do, dv, g, None, scale, ns))):
+            for i, (kernel, ms) in enumerate(kernel_times(fn)):
+                rows[f"  {name} phase {i + 1}: {kernel[:24]}"] = ms
     best = rewy_gdn_bwd_local.__globals__["rewy_gdn_bwd_local_kernel"].best_config
     print(f"rewy kernel best config: {best}")
     print(f"GDN backward stages at B={B} T={T} H={H} K={K} V={V} (bf16, median ms)")
