@@ -117,7 +117,7 @@ def triton_gdn2_core(*args, **kwargs):
     return core(*args, **kwargs)
 
 
-def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
+def _triton_unsupported(q: torch.Tensor) -> str | None:
     """Why the Triton backend cannot serve this call, or None if it can."""
     if q.dtype == torch.float64:
         return "float64 inputs (Triton has no float64 matrix product)"
@@ -126,7 +126,7 @@ def _triton_unsupported(op: str, q: torch.Tensor, cu_seqlens) -> str | None:
     return None
 
 
-def _triton_not_default(op: str, cu_seqlens) -> str | None:
+def _triton_not_default(cu_seqlens) -> str | None:
     """Paths the Triton backend has but ``auto`` does not pick yet: they pass the
     interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_*.py).
     ``backend="triton"`` still takes them."""
@@ -140,9 +140,9 @@ def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backen
     check_chunk_size(extras.get("chunk_size", 64))
     N = check_cu_seqlens(cu_seqlens, B, T)
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
-    reason = _triton_unsupported(op, q, cu_seqlens)
+    reason = _triton_unsupported(q)
     if backend == "auto" and reason is None:
-        reason = _triton_not_default(op, cu_seqlens)
+        reason = _triton_not_default(cu_seqlens)
     chosen = resolve_backend(backend, q.device, reason)
     if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
         _WARNED_TORCH_ON_GPU.add(op)
