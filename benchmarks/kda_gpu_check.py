@@ -22,7 +22,6 @@ printed with flush and copied to ``<out>/kda_gpu_check.log``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -253,6 +252,7 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
         f"fla {getattr(fla, '__version__', '?')}  python {sys.version.split()[0]}")
+    from rewy_hf.bench_output import geomean
     from rewy_hf.kernels import triton_kda_bwd
 
     if a.intra_precision:
@@ -330,7 +330,7 @@ def main() -> int:
                 sp = [rows[k_] / rows[k_[:-1] + ("ours",)] for k_ in rows
                       if k_[0] == op and k_[4] == policy and k_[5] == "fla" and k_[:-1] + ("ours",) in rows]
                 if sp:
-                    log(f"  {op} {policy}: geometric-mean speedup {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}"
+                    log(f"  {op} {policy}: geometric-mean speedup {geomean(sp):.2f}"
                         f" over {len(sp)} shape(s)")
     for kern in ("rewy_kda_bwd_wy_kernel", "rewy_kda_bwd_intra_kernel"):
         best = getattr(getattr(triton_kda_bwd, kern), "best_config", None)

@@ -46,6 +46,16 @@ def _states(f, ns, k, w, u, g2, h0, pk, final: bool):
     return f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=final, chunk_size=64, **pk)
 
 
+def fold_gva(dq, dk, key_heads: int):
+    """dq, dk computed per value head [B, T, HV, K] -> per key head [B, T, H, K]:
+    under GVA each key head serves HV // H value heads, so their gradients add."""
+    B, T, HV, K = dq.shape
+    group = HV // key_heads
+    if group == 1:
+        return dq, dk
+    return dq.view(B, T, key_heads, group, K).sum(3), dk.view(B, T, key_heads, group, K).sum(3)
+
+
 class ReWYTritonGDNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str, cu_seqlens):
@@ -84,10 +94,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
             dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0, dht=dht, scale=scale,
                                         chunk_size=64, **pk)
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
-        B, T, H, K = q.shape
-        group = v.shape[2] // H
-        if group > 1:                       # GVA: each key head serves `group` value heads
-            dq, dk = dq.view(B, T, H, group, K).sum(3), dk.view(B, T, H, group, K).sum(3)
+        dq, dk = fold_gva(dq, dk, q.shape[2])
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),
                 dh0 if has_h0 else None, None, None, None)
 

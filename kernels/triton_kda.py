@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from .triton_gdn import RCP_LN2, fold_gva
 from .triton_kda_bwd import rewy_kda_bwd
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
-RCP_LN2 = 1.4426950408889634
 CHUNK = 64
 
 
@@ -124,10 +124,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         dq, dk, dv, dg, db, dw = rewy_kda_bwd(q, k, v, v_new, g2, beta, Akk, h, dh, do, dv2, dAqk, scale,
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,
                                               chunk_indices=ci)
-        B, T, H, K = q.shape
-        group = v.shape[2] // H
-        if group > 1:                      # GVA: each key head serves `group` value heads
-            dq, dk = dq.view(B, T, H, group, K).sum(3), dk.view(B, T, H, group, K).sum(3)
+        dq, dk = fold_gva(dq, dk, q.shape[2])
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g_dtype), db.to(beta.dtype),
                 None if dw is None else dw.to(w_gate.dtype), dh0 if h0 is not None else None,
                 None, None, None, None, None)

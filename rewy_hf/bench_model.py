@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .bench_timing import sync
 from .dispatch import dispatch_report, reset_dispatch_report
 from .patching import patch_model, unpatch_model
 from .reference_cores import needs_reference_cores, use_reference_cores
@@ -58,11 +59,6 @@ class _Snapshot:
                     self.opt.state[p][k].copy_(v)
                 else:
                     self.opt.state[p][k] = v
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
@@ -121,13 +117,13 @@ def run_model_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict:
         for side in order:
             with sides.enter(side):
                 snap.restore()
-                _sync(s.device)
+                sync(s.device)
                 if s.device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
                 loss = _train_step(model, opt, batch)
-                _sync(s.device)
+                sync(s.device)
                 elapsed = (time.perf_counter() - t0) * 1e3
             if i >= s.warmup:
                 ms[side].append(elapsed)

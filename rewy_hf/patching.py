@@ -37,13 +37,13 @@ from .validation import POLICIES
 FALLBACKS = ("error", "original")
 _STATE_ATTR = "_rewy_patch"
 # Reentrant: a layer collected by the garbage collector while this thread holds the
-# lock runs _site_collected (below) inside the critical section.
+# lock runs _restore_site_if_unused (below) inside the critical section.
 _SITES_LOCK = threading.RLock()
 # Per core site, the layers currently patched for it (weakly held: a layer that
 # is garbage-collected stops counting). When the last one is unpatched, or
 # collected, the module-level name is restored.
 _SITE_LAYERS: dict[str, weakref.WeakSet] = {}
-# Layers that already carry a finalizer releasing their site (see _site_collected).
+# Layers that already carry a finalizer releasing their site (see _restore_site_if_unused).
 _WATCHED: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -134,11 +134,12 @@ def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
         # One finalizer per layer, however often it is patched and unpatched.
         if layer not in _WATCHED:
             _WATCHED.add(layer)
-            weakref.finalize(layer, _site_collected, adapter)
+            weakref.finalize(layer, _restore_site_if_unused, adapter)
 
 
-def _site_collected(adapter: Adapter) -> None:
-    """Restore the site's original core once no live patched layer is registered there."""
+def _restore_site_if_unused(adapter: Adapter) -> None:
+    """Restore the site's original core once no live patched layer is registered there
+    (after an unpatch, and from a patched layer's finalizer when it is collected)."""
     with _SITES_LOCK:
         layers = _SITE_LAYERS.get(adapter.site)
         # Iterate rather than len(): the dying layer's entry may not be purged yet.
@@ -152,14 +153,8 @@ def _site_collected(adapter: Adapter) -> None:
 
 def _release_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
     with _SITES_LOCK:
-        layers = _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet())
-        layers.discard(layer)
-        if len(layers):
-            return
-        module = importlib.import_module(adapter.site_module)
-        current = getattr(module, adapter.site_attr)
-        if isinstance(current, CoreDispatcher):
-            setattr(module, adapter.site_attr, current.original)
+        _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).discard(layer)
+        _restore_site_if_unused(adapter)
 
 
 def _resolve_backend(backend: str, model: nn.Module) -> str:
