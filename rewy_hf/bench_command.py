@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_ops(args, device: str, guard: dict) -> int:
     from .bench_config import BOUNDARIES, OPS, POLICIES, expand, resolve_shapes
     from .bench_ops import Settings, ShapeContext, baseline_description, baseline_label, free_memory, run_config
-    from .bench_output import (environment, format_op_table, format_row_line, geomeans, plot_op_speedups,
+    from .bench_output import (environment, format_op_tables, format_row_line, geomeans, plot_op_speedups,
                                progress, writer)
 
     cuda = device == "cuda"
@@ -197,11 +197,8 @@ def _run_ops(args, device: str, guard: dict) -> int:
                 free_memory(device)
 
     print()
-    for op in ops:
-        for policy in policies:
-            group = [r for r in rows if r["op"] == op and r["policy"] == policy]
-            if group:
-                print(format_op_table(group, boundaries, base, device) + "\n")
+    for table in format_op_tables(rows, boundaries, base, device):
+        print(table + "\n")
     data["geomean"] = geomeans(rows, boundaries)
     failed = [r for r in rows if not r.get("ok")]
     data.update(ok=not failed, exit_code=1 if failed else 0, complete=True)
@@ -220,7 +217,7 @@ def _run_ops(args, device: str, guard: dict) -> int:
 def _render(args) -> int:
     from .bench_merge import MergeError, merge_runs
     from .bench_ops import baseline_label
-    from .bench_output import (format_model_result, format_op_table, plot_model_steps, plot_op_speedups,
+    from .bench_output import (format_model_result, format_op_tables, plot_model_steps, plot_op_speedups,
                                plot_unavailable)
 
     if args.plot and (reason := plot_unavailable()):
@@ -237,9 +234,8 @@ def _render(args) -> int:
             plot_model_steps(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
     else:
         rows, boundaries, base = data["rows"], data["settings"]["boundaries"], baseline_label(data["device"])
-        for key in dict.fromkeys((r["op"], r["policy"]) for r in rows):
-            print(format_op_table([r for r in rows if (r["op"], r["policy"]) == key], boundaries, base,
-                                  data["device"]) + "\n")
+        for table in format_op_tables(rows, boundaries, base, data["device"]):
+            print(table + "\n")
         if args.plot:
             plot_op_speedups(rows, boundaries, args.plot,
                              f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")

@@ -179,6 +179,14 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     return "\n".join(lines + [f"  {n}" for n in notes])
 
 
+def format_op_tables(rows: list[dict], boundaries: list[str], base: str, device: str,
+                     markdown: bool = False) -> list[str]:
+    """One table per (op, policy), in the order the rows first name them."""
+    return [format_op_table([r for r in rows if (r["op"], r["policy"]) == key], boundaries, base, device,
+                            markdown=markdown)
+            for key in dict.fromkeys((r["op"], r["policy"]) for r in rows)]
+
+
 def markdown_report(data: dict, base: str) -> str:
     """A whole run (a live run's data or a --json file) as Markdown, for docs/performance.md."""
     v = data.get("versions", {})
@@ -191,10 +199,8 @@ def markdown_report(data: dict, base: str) -> str:
     else:
         head += [f"Timing: {st.get('timing')}.", "", f"Check: {st.get('check')}.", ""]
         rows = data.get("rows", [])
-        tables = [format_op_table([r for r in rows if (r["op"], r["policy"]) == key], st.get("boundaries", []),
-                                  base, data.get("device", "cuda"), markdown=True)
-                  for key in dict.fromkeys((r["op"], r["policy"]) for r in rows)]
-        body = "\n\n".join(tables)
+        body = "\n\n".join(format_op_tables(rows, st.get("boundaries", []), base, data.get("device", "cuda"),
+                                             markdown=True))
     tail = [] if data.get("complete", False) else ["", "(This run did not finish: these are the rows it wrote.)"]
     return "\n".join(head + [body] + tail) + "\n"
 
