@@ -2,14 +2,19 @@
 
 Op-level runs split over several device calls (one per op, or one per GPU of
 a host) are combined into one report: the rows of every file in order, the
-union of their ops, and "complete" only if every file is. Files from
-different devices, library versions or timing settings are refused, since
-their rows could not share a table.
+union of their ops. The result is "complete" if every file is, or if the
+rows together cover every (op, policy, shape) any of the runs asked for: a run
+cut short by a device time limit is completed by a later run of its missing
+configurations.
+Files from different devices, library versions or timing settings are
+refused, since their rows could not share a table, and so is a configuration
+timed twice, since the report could only silently pick one.
 """
 
 from __future__ import annotations
 
 import json
+
 
 # Settings that must agree for rows of different files to be compared.
 _SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "check", "timing")
@@ -54,7 +59,33 @@ def merge_runs(paths: list[str]) -> dict:
         merged["rows"] += [{**r, "source": path} for r in run["rows"]]
         ops += [op for op in run["settings"]["ops"] if op not in ops and any(r["op"] == op for r in run["rows"])]
     merged["settings"]["ops"] = ops
-    merged["complete"] = all(r.get("complete", False) for r in runs)
-    merged["exit_code"] = max(int(r.get("exit_code", 1)) for r in runs)
+    _refuse_repeats(merged["rows"])
     merged["ok"] = all(r.get("ok") for r in merged["rows"])
+    if all(r.get("complete", False) for r in runs):
+        merged["complete"] = True
+        merged["exit_code"] = max(int(r.get("exit_code", 1)) for r in runs)
+    else:
+        merged["complete"] = _covers_requests(runs, merged["rows"])
+        merged["exit_code"] = 0 if merged["complete"] and merged["ok"] else 1
     return merged
+
+
+def _key(row: dict) -> tuple:
+    return row["op"], row["policy"], row["B"], row["T"], row["H"], row["K"], row["V"]
+
+
+def _refuse_repeats(rows: list[dict]) -> None:
+    seen: dict[tuple, str] = {}
+    for row in rows:
+        if _key(row) in seen:
+            op, policy, *shape = _key(row)
+            raise MergeError(f"--from-json: {op} (policy {policy}) at B,T,H,K,V = {','.join(map(str, shape))} is in "
+                             f"both {seen[_key(row)]} and {row['source']}; pass only one run of each configuration")
+        seen[_key(row)] = row["source"]
+
+
+def _covers_requests(runs: list[dict], rows: list[dict]) -> bool:
+    have = {_key(r) for r in rows}
+    return all((op, policy, s["B"], s["T"], s["H"], s["K"], s["V"]) in have
+               for run in runs for op in run["settings"]["ops"] for policy in run["settings"]["policies"]
+               for s in run["settings"]["shapes"])

@@ -1,7 +1,8 @@
 """Shared pytest setup.
 
 Without a GPU, Triton kernels run under its interpreter (switched on here,
-before any test imports FLA; see rewy_hf/cpu_triton.py). FLA's "Triton is not
+before any test imports FLA; see rewy_hf/cpu_triton.py). With one, every
+autotuner is cut to its first config, also before FLA is imported. FLA's "Triton is not
 supported" import warning says nothing about our code and is silenced.
 """
 
@@ -11,10 +12,14 @@ import warnings
 import pytest
 import torch
 
-from rewy_hf.cpu_triton import enable_cpu_interpreter
+from rewy_hf.cpu_triton import enable_cpu_interpreter, first_config_only
 
 HAS_CUDA = torch.cuda.is_available()
 enable_cpu_interpreter()
+if HAS_CUDA:
+    # The GPU tests check values, not speed: one config per autotuned kernel (as
+    # `rewy-hf verify` does) keeps a cold run's compile time to minutes.
+    first_config_only()
 
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

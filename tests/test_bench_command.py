@@ -139,6 +139,26 @@ def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
     assert code == 2 and "different device_name" in err and str(files[1]) in err
 
 
+def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, capsys):
+    """A device time limit can stop a run mid-suite; a later run of the missing
+    (op, shape) rows makes the combined report whole, and a row timed in both
+    files is refused rather than silently picked."""
+    cut, rest = tmp_path / "cut.json", tmp_path / "rest.json"
+    assert _bench([*TINY, "--op", "delta_rule", "kda", "--policy", "full", "--json", str(cut)], capsys)[0] == 0
+    assert _bench([*TINY, "--op", "kda", "--policy", "full", "--json", str(rest)], capsys)[0] == 0
+    whole = json.loads(cut.read_text())
+    short = {**whole, "rows": [r for r in whole["rows"] if r["op"] == "delta_rule"], "complete": False}
+    short.pop("exit_code")
+    cut.write_text(json.dumps(short))
+    code, out, _ = _bench(["--from-json", str(cut)], capsys)
+    assert code == 1 and "did not finish" in out
+    code, out, _ = _bench(["--from-json", str(cut), str(rest)], capsys)
+    assert code == 0 and "did not finish" not in out and "kda, rewy policy full" in out
+    cut.write_text(json.dumps(whole))
+    code, _, err = _bench(["--from-json", str(cut), str(rest)], capsys)
+    assert code == 2 and "kda (policy full)" in err and "in both" in err
+
+
 def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
     # A spec of its own: rewy warns once per spec and process, other tests expect their own warning.
     monkeypatch.setenv("REWY_HF_TEST_FAULT", "grad_scale=1.07@kda")

@@ -15,9 +15,9 @@
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
-# Next session's first call: pair "verify tests kda-profile" "bench-kda model-qwen"; then model-gdn2, gdn2-1b,
-# and the two FlashQLA calls.
-# Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400).
+# Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
+# and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
+# rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both).
 source tools/h200_env.sh
 O=${OUT:-gpu_out}; mkdir -p $O
 lim() { local v="T_${1//-/_}"; echo "${!v:-$2}"; }
@@ -25,7 +25,8 @@ lim() { local v="T_${1//-/_}"; echo "${!v:-$2}"; }
 one() {
 case "$1" in
 tests)
-  (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu \
+  # --timeout: one slow or stuck test fails alone and prints where it was, instead of the whole run being killed
+  (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 150 \
       test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
       test_bench_command.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
@@ -38,17 +39,18 @@ verify)
       --json $O/verify.json > $O/verify.log 2>&1; echo "exit $?" >> $O/verify.log)
   tail -n 30 $O/verify.log ;;
 bench-gdn|bench-kda)
-  if [ "$1" = bench-gdn ]; then set -- $1 "${OPS_GDN:-delta_rule gdn}"; else set -- $1 "${OPS_KDA:-kda gdn2}"; fi
+  if [ "$1" = bench-gdn ]; then set -- $1 "${OPS_GDN:-delta_rule gdn}" "${SHAPES_GDN:-suite}"
+  else set -- $1 "${OPS_KDA:-kda gdn2}" "${SHAPES_KDA:-suite}"; fi
   if [ -f $O/kda_choice.env ]; then source $O/kda_choice.env; fi
   # cd /tmp: the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
   (cd /tmp && timeout $(lim $1 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
-      --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
+      --shapes $3 --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
   tail -n 45 $O/$1.log ;;
 kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
   tail -n 20 $O/kda_prec.log ;;
 kda-profile)
-  timeout $(lim kda-profile 300) python3 benchmarks/kda_gpu_check.py --sections profile,extras \
+  timeout $(lim kda-profile 300) python3 benchmarks/kda_gpu_check.py --sections ${KDA_SECTIONS:-profile,extras} \
       --budget $(( $(lim kda-profile 300) - 20 )) > $O/kda_profile.log 2>&1
   tail -n 40 $O/kda_profile.log ;;
 kda)
