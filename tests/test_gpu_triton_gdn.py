@@ -34,7 +34,8 @@ def _inputs(op, B, T, H, HV, K, V, h0, seed=0):
 
 def _grads(fn, args, kw, do, dht):
     leaves = [a.detach().requires_grad_() for a in args]
-    kw = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    kw = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+          for k, v in kw.items()}
     o, ht = fn(*leaves, **kw)
     extra = [kw["initial_state"]] if "initial_state" in kw else []
     return [o, ht] + list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + extra))

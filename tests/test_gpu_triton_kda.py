@@ -23,7 +23,9 @@ def _inputs(op, B, T, H, K, V, seed=0):
     if op == "kda":
         extra = [torch.rand(B, T, H, device="cuda", generator=gen)]
     else:
-        extra = [torch.rand(B, T, H, K, device="cuda", generator=gen), torch.rand(B, T, H, V, device="cuda", generator=gen)]
+        # b and w in the model dtype, as FLA's GDN-2 layer passes them (its kernels need w_gate and v in one dtype)
+        extra = [torch.rand(B, T, H, K, device="cuda", generator=gen).bfloat16(),
+                 torch.rand(B, T, H, V, device="cuda", generator=gen).bfloat16()]
     return [q, k, v, g, *extra], dict(initial_state=0.3 * r(B, H, K, V), output_final_state=True)
 
 

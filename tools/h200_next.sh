@@ -10,6 +10,7 @@
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
+#   bash tools/h200_next.sh model-profile # benchmarks/model_profile.py (PROFILE_MODEL, default qwen3.5-1b)
 #   bash tools/h200_next.sh gdn2-1b      # the gdn2-1b recipe run with --kernels triton
 #   bash tools/h200_next.sh qla-a        # carry [".qla/a"]: FLA + FlashQLA wheels without z3 into /tmp/site_qla
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
@@ -17,7 +18,7 @@
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
-# rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both).
+# rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
 source tools/h200_env.sh
 O=${OUT:-gpu_out}; mkdir -p $O
 lim() { local v="T_${1//-/_}"; echo "${!v:-$2}"; }
@@ -26,7 +27,7 @@ one() {
 case "$1" in
 tests)
   # --timeout: one slow or stuck test fails alone and prints where it was, instead of the whole run being killed
-  (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 150 \
+  (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 150 ${TESTS_K:+-k "$TESTS_K"} \
       test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
       test_bench_command.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
@@ -61,6 +62,10 @@ model-gdn2|model-qwen)
   (cd /tmp && timeout $(lim $1 400) python3 -m rewy_hf bench --device cuda --model $m --backend triton \
       --seq-len 4096 --batch-size 1 --lift-gdn-guard --json $O/$1.json > $O/$1.log 2>&1)
   tail -n 25 $O/$1.log ;;
+model-profile)
+  (cd /tmp && timeout $(lim model-profile 240) python3 $REPO/benchmarks/model_profile.py --model ${PROFILE_MODEL:-qwen3.5-1b} \
+      > $O/model_profile.log 2>&1)
+  tail -n 45 $O/model_profile.log ;;
 gdn2-1b)
   timeout $(lim gdn2-1b 540) python3 recipes/finetune_gdn2.py --model gdn2-1b --seq-len 2048 --batch-size 4 \
       --max-steps 30 --save-every 0 --data recipes/data/corpus.txt --no-progress --log-every 5 --warmup-steps 3 \
@@ -77,7 +82,7 @@ qla-b)
       --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-profile|model-gdn2|model-qwen|gdn2-1b|qla-a|qla-b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }
 

@@ -1,0 +1,89 @@
+"""Where one model-level training step spends its GPU time, unpatched vs patched.
+
+`rewy-hf bench --model` says how long a step takes; this says why. It builds a
+model (a preset or hub id), runs warm-up steps on each side, then profiles one
+step per side with torch.profiler and prints, per side, the step's wall time
+next to its summed kernel time (when the wall time is much larger, the CPU
+launch path rather than the GPU bounds the step), the delta-rule kernels
+(FLA's chunk stages and rewy's) and the kernels whose total device time differs
+most between the sides. FLA's GDN guard (Hopper, Triton < 3.7.1) is lifted for
+the unpatched side: its time is valid, its gradients are not used.
+
+Usage: python benchmarks/model_profile.py --model qwen3.5-1b --seq-len 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+DELTA_RULE = ("chunk_", "rewy_", "recompute_w_u", "prepare_wy", "l2norm", "solve_tril", "merge_16x16")
+
+
+def kernel_totals(fn) -> tuple[float, dict[str, float], int]:
+    """(wall ms of one call, device ms per kernel name summed over launches, kernel launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    totals: dict[str, float] = defaultdict(float)
+    launches = 0
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and "Memset" not in e.name:
+            totals[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1000.0
+            launches += 1
+    return wall, dict(totals), launches
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3.5-1b")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--policy", default="recompute")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--top", type=int, default=12)
+    a = p.parse_args()
+
+    from rewy_hf.bench_model import ModelSettings, _Sides, _train_step
+    from rewy_hf.bench_ops import lift_gdn_guard
+    from rewy_hf.model_loading import load_causal_lm
+
+    lift_gdn_guard()
+    model = load_causal_lm(a.model, dtype=torch.bfloat16, device="cuda").model.train()
+    s = ModelSettings(device="cuda", steps=1, warmup=a.warmup, batch_size=a.batch_size, seq_len=a.seq_len,
+                      backend=a.backend, policy=a.policy, seed=0)
+    batch = torch.randint(0, model.config.vocab_size, (a.batch_size, a.seq_len), device="cuda")
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+    sides = _Sides(model, s)
+    result = {}
+    for side in ("unpatched", "patched"):
+        with sides.enter(side):
+            for _ in range(a.warmup):
+                _train_step(model, opt, batch)
+            result[side] = kernel_totals(lambda: _train_step(model, opt, batch))
+    print(f"{a.model}, {a.batch_size} x {a.seq_len} tokens, bf16, backend {a.backend}, policy {a.policy}; "
+          f"{torch.cuda.get_device_name()}, one profiled step per side after {a.warmup} warm-up steps")
+    for side, (wall, totals, launches) in result.items():
+        dr = {n: t for n, t in totals.items() if any(n.startswith(x) or x in n for x in DELTA_RULE)}
+        print(f"\n{side}: wall {wall:.1f} ms, kernels {sum(totals.values()):.1f} ms in {launches} launches; "
+              f"delta-rule kernels {sum(dr.values()):.2f} ms")
+        for n, t in sorted(dr.items(), key=lambda x: -x[1])[:a.top]:
+            print(f"  {t:8.3f}  {n}")
+    un, pa = result["unpatched"][1], result["patched"][1]
+    diff = sorted(((pa.get(n, 0.0) - un.get(n, 0.0), n) for n in set(un) | set(pa)), key=lambda x: -abs(x[0]))
+    print("\nlargest differences, patched - unpatched (ms of device time per step):")
+    for d, n in diff[:a.top]:
+        print(f"  {d:+8.3f}  unpatched {un.get(n, 0.0):7.3f}  patched {pa.get(n, 0.0):7.3f}  {n}")
+
+
+if __name__ == "__main__":
+    main()
