@@ -133,9 +133,17 @@ def _table(header: list[str], rows: list[list[str]], markdown: bool = False) -> 
     return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
 
 
-def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: str, markdown: bool = False) -> str:
-    """One table for one (op, policy): rows are shapes, then the geometric mean."""
+def _shape(r: dict) -> tuple:
+    return r["B"], r["T"], r["H"], r["K"], r["V"]
+
+
+def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: str, markdown: bool = False,
+                    report_shapes: list[tuple] | None = None) -> str:
+    """One table for one (op, policy): rows are shapes, then the geometric mean.
+    ``report_shapes``: every shape of the report; a table missing some says so,
+    since its geometric mean is then over fewer shapes than its neighbours'."""
     r0 = rows[0]
+    missing = [s for s in (report_shapes or []) if s not in {_shape(r) for r in rows}]
     timing_only = any(r.get("baseline_timing_only") for r in rows)
     b = base + ("*" if timing_only else "")
     header = ["B,T,H" + ("" if all(r["K"] == r["V"] == 128 for r in rows) else ",K,V")]
@@ -156,7 +164,7 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
         cells += [err_b, _err(r.get("err_rewy")), str(r["check_T"]) + ("*" if r["check_reduced"] else ""),
                   "PASS" if r.get("ok") else "FAIL"]
         body.append(cells)
-    gm = ["geometric mean"]
+    gm = ["geometric mean" + (f" ({len(rows)} of {len(rows) + len(missing)} shapes)" if missing else "")]
     for bd in boundaries:
         gm += ["", "", _x(geomean([r.get(f"speedup_{bd}") for r in rows]))]
     gm += [""] * (len(header) - len(gm))
@@ -166,6 +174,9 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
              f"rewy backend: {', '.join(backends) or '-'}")
     lines = [f"#### {title}\n" if markdown else title, *_table(header, body, markdown)]
     notes = []
+    if missing:
+        notes.append("not timed for this op and policy: "
+                     + "; ".join(",".join(map(str, s[:3])) for s in missing))
     if timing_only:
         notes.append(f"* {base}: {next(r['baseline_note'] for r in rows if r.get('baseline_timing_only'))}")
     if any(r["check_reduced"] for r in rows):
@@ -182,8 +193,9 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
 def format_op_tables(rows: list[dict], boundaries: list[str], base: str, device: str,
                      markdown: bool = False) -> list[str]:
     """One table per (op, policy), in the order the rows first name them."""
+    shapes = list(dict.fromkeys(_shape(r) for r in rows))
     return [format_op_table([r for r in rows if (r["op"], r["policy"]) == key], boundaries, base, device,
-                            markdown=markdown)
+                            markdown=markdown, report_shapes=shapes)
             for key in dict.fromkeys((r["op"], r["policy"]) for r in rows)]
 
 

@@ -154,6 +154,13 @@ def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, cap
     assert code == 1 and "did not finish" in out
     code, out, _ = _bench(["--from-json", str(cut), str(rest)], capsys)
     assert code == 0 and "did not finish" not in out and "kda, rewy policy full" in out
+    assert "shapes)" not in out and "not timed" not in out
+    # a shape one op lacks is named under its table, whose mean says it covers fewer shapes
+    other = tmp_path / "other.json"
+    assert _bench([*TINY[:2], "--shapes", "1,64,2,16,16", *TINY[4:], "--op", "delta_rule", "--policy", "full",
+                   "--json", str(other)], capsys)[0] == 0
+    code, out, _ = _bench(["--from-json", str(cut), str(rest), str(other)], capsys)
+    assert "geometric mean (1 of 2 shapes)" in out and "not timed for this op and policy: 1,64,2" in out
     cut.write_text(json.dumps(whole))
     code, _, err = _bench(["--from-json", str(cut), str(rest)], capsys)
     assert code == 2 and "kda (policy full)" in err and "in both" in err

@@ -1,5 +1,5 @@
 # H200 measurements, one mode per queue entry; each device call stays under 10 minutes.
-# Carry .whl (and .triton-cache/cache.tgz when a previous call left one under 16 MB).
+# Carry .whl. Everything the modes write comes back as one $OUT/logs.tgz (a device call returns at most 8 files).
 #   bash tools/h200_next.sh tests        # every GPU test: Triton GDN (packed, sequence-parallel), state scan, KDA
 #   bash tools/h200_next.sh stages       # per-kernel GDN backward times at (2,8192,16) and (1,16384,16)
 #   bash tools/h200_next.sh verify       # rewy-hf verify --device cuda, timed (a cold machine, as a user has)
@@ -96,4 +96,6 @@ if [ "$1" = pair ]; then
 else
   queue "$*"
 fi
-if [ -d ~/.triton/cache ]; then tar czf $O/cache.tgz -C ~/.triton cache; fi
+# At most 8 files come back from one device call and the Triton cache is too large to: every log and JSON goes
+# into one logs.tgz (the loose copies are removed so that it is never the one left out).
+(cd $O && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
