@@ -257,7 +257,8 @@ def main() -> int:
 
     if a.intra_precision:
         triton_kda_bwd.INTRA_PRECISION = a.intra_precision
-    log(f"rewy: SPAN_LIMIT {triton_kda_bwd.SPAN_LIMIT} (log2), intra precision {triton_kda_bwd.INTRA_PRECISION}")
+    log(f"rewy: SPAN_LIMIT {triton_kda_bwd.SPAN_LIMIT} (log2), precision: intra off-diagonal "
+        f"{triton_kda_bwd.INTRA_PRECISION}, diagonal {triton_kda_bwd.DIAG_PRECISION}, WY {triton_kda_bwd.WY_PRECISION}")
     ops = [o for o in a.ops.split(",") if o]
     wanted = set(a.sections.split(","))
     policies = ["recompute", "full"]
