@@ -12,5 +12,8 @@ cp -r adapters /tmp/pkg/rewy_hf/adapters
 # TRITON_CACHE_AUTOTUNING keeps autotune choices in the cache too, so a carried
 # cache skips FLA's first-call autotuning as well as compilation.
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 REPO=$PWD TRITON_CACHE_AUTOTUNING=1
-if [ -f .triton-cache/cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache/cache.tgz -C ~/.triton; fi
+# A carried Triton cache (tools/h200_next.sh with SAVE_CACHE=1 returns it in parts)
+if ls .triton-cache/tritoncache.part* > /dev/null 2>&1; then
+  mkdir -p ~/.triton && cat .triton-cache/tritoncache.part* | tar xzf - -C ~/.triton
+fi
 set +e

@@ -99,3 +99,13 @@ fi
 # At most 8 files come back from one device call and the Triton cache is too large to: every log and JSON goes
 # into one logs.tgz (the loose copies are removed so that it is never the one left out).
 (cd $O && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
+# SAVE_CACHE=1: the Triton cache (compiled kernels and, with TRITON_CACHE_AUTOTUNING, autotune choices: a cold
+# bench spends about 4 minutes per op on them) comes back in 15 MiB parts, when it fits beside the 15 MiB of wheels
+# in a call's 64 MiB carry. Here: mkdir -p .triton-cache && cp /work/.device/N/tritoncache.part* .triton-cache/,
+# then carry [".whl", ".triton-cache"]; h200_env.sh unpacks it.
+if [ "${SAVE_CACHE:-0}" = 1 ] && [ -d ~/.triton/cache ]; then
+  tar czf /tmp/tritoncache.tgz -C ~/.triton cache
+  size=$(stat -c %s /tmp/tritoncache.tgz)
+  if [ $size -le $((45 * 1024 * 1024)) ]; then split -b 15m -d /tmp/tritoncache.tgz $O/tritoncache.part
+  else echo "Triton cache is $((size / 1048576)) MiB compressed: too large to carry, not returned"; fi
+fi
