@@ -121,9 +121,10 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
             dh, dh0, dv2 = f["bwd_dhu"](q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0, dht=dht, scale=scale,
                                         state_v_first=state_v_first, cu_seqlens=cu, chunk_size=CHUNK,
                                         chunk_indices=ci)
+        # Without GVA the kernel writes dq, dk (and GDN2's db) in the input dtypes: no conversion pass after it.
         dq, dk, dv, dg, db, dw = rewy_kda_bwd(q, k, v, v_new, g2, beta, Akk, h, dh, do, dv2, dAqk, scale,
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,
-                                              chunk_indices=ci)
+                                              chunk_indices=ci, final_dtypes=q.shape[2] == v.shape[2])
         dq, dk = fold_gva(dq, dk, q.shape[2])
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g_dtype), db.to(beta.dtype),
                 None if dw is None else dw.to(w_gate.dtype), dh0 if h0 is not None else None,

@@ -94,6 +94,11 @@ DIAG_PRECISION = os.environ.get("REWY_KDA_DIAG_PRECISION", "tf32x3")
 WY_PRECISION = os.environ.get("REWY_KDA_WY_PRECISION", "bf16")
 
 
+def _narrow(dtype: torch.dtype) -> torch.dtype | None:
+    """A final output dtype other than the fp32 of the partials (which are then updated in place)."""
+    return None if dtype == torch.float32 else dtype
+
+
 def _alloc(shape, device, dtype=torch.float32):
     """Output allocation (tests patch this to NaN-filled buffers)."""
     return torch.empty(shape, device=device, dtype=dtype)
@@ -513,14 +518,17 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
 
 
 def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=None, chunk_indices=None,
-                       inplace: bool = True, span_limit: float = SPAN_LIMIT, block_k: int | None = None):
+                       inplace: bool = True, span_limit: float = SPAN_LIMIT, block_k: int | None = None,
+                       dqk_dtype: torch.dtype | None = None, db_dtype: torch.dtype | None = None):
     """Stage 2 (see module docstring): adds the Matrix Intra terms to the
     partials of stage 1 and returns the final (dq, dk, dg, db), dq and dk per
     value head. dg is with respect to the natural-log per-token gate (the
     reverse cumulative sum is done here). ``inplace`` writes dq, dk, dg over
     the partial buffers (and db over its partials). The grid splits K into
     blocks of ``block_k`` (default 64); with several blocks, KDA's db partial
-    slots are updated in place and summed here."""
+    slots are updated in place and summed here. ``dqk_dtype`` / ``db_dtype``
+    write the final dq, dk / GDN2's db in that dtype straight from the kernel
+    (new buffers), which saves the caller a full conversion pass over them."""
     B, T, H, K = q.shape
     HV = g.shape[2]
     vec = beta.dim() == 4
@@ -543,6 +551,10 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
     else:
         db_part = db_part if inplace else db_part.clone()
         db_o = db_part
+    if dqk_dtype is not None:
+        dq_o, dk_o = (_alloc((B, T, HV, K), dev, dqk_dtype) for _ in range(2))
+    if vec and db_dtype is not None:
+        db_o = _alloc((B, T, HV, K), dev, db_dtype)
     rewy_kda_bwd_intra_kernel[(NT, B * HV, NKI)](
         q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
         dq_o, dk_o, dg_o, db_o,
@@ -557,10 +569,15 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
 
 
 def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float, w_gate=None,
-                 state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
+                 state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None,
+                 final_dtypes: bool = False):
     """Both stages. Returns (dq, dk, dv, dg, db, dw): dq, dk, dg, db in fp32, dq
     and dk per value head ([B, T, HV, K]; the caller sums GVA groups); dv, dw
-    in the dtypes of v and w_gate (dw None for KDA)."""
+    in the dtypes of v and w_gate (dw None for KDA). ``final_dtypes`` (only
+    without GVA, where dq and dk per value head are already final): dq, dk in
+    q's dtype and GDN2's db in b's, written so by the kernel."""
+    if final_dtypes and q.shape[2] != v.shape[2]:
+        raise ValueError("final_dtypes needs as many q/k heads as v heads: under GVA dq and dk are summed later")
     args = [t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, dh, do, dv2)]
     q, k, v, v_new, g, beta, A, h, dh, do, dv2 = args
     w_gate = None if w_gate is None else w_gate.contiguous()
@@ -569,5 +586,7 @@ def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float,
     dq, dk, dG, dv, dw, db, dL = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
                                                   state_v_first, cu_seqlens, chunk_indices, block_k)
     dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
-                                        chunk_indices, block_k=block_k)
+                                        chunk_indices, block_k=block_k,
+                                        dqk_dtype=_narrow(q.dtype) if final_dtypes else None,
+                                        db_dtype=_narrow(beta.dtype) if final_dtypes else None)
     return dq, dk, dv, dg, db, dw

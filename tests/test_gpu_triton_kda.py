@@ -57,3 +57,39 @@ def test_triton_matches_fp32_reference_and_fla(op, policy):
     errs = [_rel(x, r) for x, r in zip(ours, ref)]
     fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
     assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_kda_as_fla_kda_layer_calls_it(policy):
+    """The call FLA's KDA layer (and so Kimi-Linear) makes: GVA (4 value heads per
+    2 key heads), the V-first state layout, q/k l2norm, the gate from A_log and
+    dt_bias and the beta sigmoid in the op. Gradients of every input, the gate
+    parameters and the initial state, against the fp32 torch backend and no
+    worse than FLA's own (within 10 %)."""
+    from fla.ops.kda import chunk_kda as fla_fn
+
+    B, T, H, HV, K, V = 2, 333, 2, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    args = [r(B, T, H, K).bfloat16(), r(B, T, H, K).bfloat16(), r(B, T, HV, V).bfloat16(), r(B, T, HV, K),
+            r(B, T, HV)]
+    params = [torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen)), 0.5 * r(HV * K)]
+    h0 = 0.3 * r(B, HV, V, K)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              state_v_first=True, output_final_state=True)
+    do, dht = torch.randn(B, T, HV, V, device="cuda"), torch.randn(B, HV, V, K, device="cuda")
+
+    def grads(fn, xs):
+        leaves = [x.detach().requires_grad_() for x in xs]
+        *inputs, A_log, dt_bias, s0 = leaves
+        o, ht = fn(*inputs, A_log=A_log, dt_bias=dt_bias, initial_state=s0, **kw)
+        return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves))
+
+    every = args + params + [h0]
+    ref = grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="torch", **k), [x.float() for x in every])
+    ours = grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="triton", policy=policy, **k), every)
+    theirs = grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), every)
+    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+    assert max(errs) < 2e-2, errs
+    assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)

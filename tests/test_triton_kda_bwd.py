@@ -268,6 +268,35 @@ def test_chained_kernels_match_torch_backward(name):
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
+@pytest.mark.parametrize("name", ["kda_ragged_K32", "gdn2_ragged_K64"])
+def test_final_dtypes_are_written_by_the_kernel(name):
+    """final_dtypes: with half-precision q, k (and GDN2's b), dq, dk (and db) come
+    out of the kernel in that dtype, bit-equal to the float32 results rounded
+    once, which the other tests hold to the torch stage."""
+    case, v_first, block_k = _case(name)
+    inp = case.kernel_inputs(v_first)
+    half = ("q", "k", "beta") if case.kind == "gdn2" else ("q", "k")
+    inp.update({n: inp[n].half() for n in half})
+    dAqk = case.fla(case.torch_partials()["dAqk"])
+    wide = tk.rewy_kda_bwd(dAqk=dAqk, block_k=block_k, **inp)
+    low = tk.rewy_kda_bwd(dAqk=dAqk, block_k=block_k, final_dtypes=True, **inp)
+    dq, dk, dv, dg, db, dw = low
+    assert dq.dtype == dk.dtype == torch.float16 and dg.dtype == torch.float32
+    assert db.dtype == (torch.float16 if case.kind == "gdn2" else torch.float32)
+    assert wide[0].dtype == torch.float32
+    for ours, ref in zip(low, wide):
+        if ours is not None:
+            assert torch.isfinite(ours).all()
+            assert torch.equal(ours, ref.to(ours.dtype))
+
+
+def test_final_dtypes_refused_under_gva():
+    case, v_first, block_k = _case("kda_gva_K64_split")
+    inp = case.kernel_inputs(v_first)
+    with pytest.raises(ValueError, match="GVA"):
+        tk.rewy_kda_bwd(dAqk=case.fla(case.torch_partials()["dAqk"]), final_dtypes=True, **inp)
+
+
 # ---------------------------------------------------------------------------
 # The autograd Function end to end. FLA's state recurrences (forward h and
 # the reverse dh pass) do not run under the interpreter, so they are replaced
