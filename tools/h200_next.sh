@@ -16,6 +16,9 @@
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
+# Next first call (nvidia-h200-x2, carry [".whl"]): the KDA/GDN2 suite with the kernel-written bf16 outputs, the
+# GPU tests (new: KDA as FLA's layer calls it) and the unpatched side of the model profile, cache saved:
+#   SAVE_CACHE=1 T_bench_kda=540 T_tests=200 T_model_profile=300 bash tools/h200_next.sh pair "tests model-profile" "bench-kda"
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
