@@ -136,12 +136,18 @@ def _triton_unsupported(q: torch.Tensor) -> str | None:
     return None
 
 
-def _triton_not_default(cu_seqlens) -> str | None:
+# Ops whose packed-sequence (cu_seqlens) Triton path has passed its GPU tests
+# (tests/test_gpu_triton_gdn.py::test_triton_packed_sequences, H200, 2026-11-30).
+_PACKED_GPU_VERIFIED = ("chunk_delta_rule", "chunk_gated_delta_rule")
+
+
+def _triton_not_default(op: str, cu_seqlens) -> str | None:
     """Paths the Triton backend has but ``auto`` does not pick yet: they pass the
     interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_*.py).
     ``backend="triton"`` still takes them."""
-    if cu_seqlens is not None:
-        return "`cu_seqlens` packing on the Triton backend is not yet verified on a GPU (pass backend='triton' to use it)"
+    if cu_seqlens is not None and op not in _PACKED_GPU_VERIFIED:
+        return (f"`cu_seqlens` packing on the Triton backend of {op} is not yet verified on a GPU "
+                "(pass backend='triton' to use it)")
     return None
 
 
@@ -152,7 +158,7 @@ def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backen
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
     reason = _triton_unsupported(q)
     if backend == "auto" and reason is None:
-        reason = _triton_not_default(cu_seqlens)
+        reason = _triton_not_default(op, cu_seqlens)
     chosen = resolve_backend(backend, q.device, reason)
     if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
         _WARNED_TORCH_ON_GPU.add(op)

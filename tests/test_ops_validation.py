@@ -746,9 +746,15 @@ def test_nan_in_gate_params_rejected_with_check_finite(op, name, monkeypatch):
 
 def test_auto_takes_the_gpu_verified_triton_paths():
     """On CUDA, auto picks the Triton backward for every op (all four ran and passed the
-    bench's gradient check on an H200); packed sequences stay opt-in until they run there."""
+    bench's gradient check on an H200). Packed sequences too for DeltaNet and GDN, whose
+    cu_seqlens tests passed there; KDA's and GDN2's stay opt-in until theirs run."""
     from rewy_hf.ops import _triton_not_default
 
-    assert _triton_not_default(None) is None      # the same for every op: no op is held back
-    reason = _triton_not_default(torch.tensor([0, 64, 128]))
-    assert "cu_seqlens" in reason and "backend='triton'" in reason
+    cu = torch.tensor([0, 64, 128])
+    for op in ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn2"):
+        assert _triton_not_default(op, None) is None
+    assert _triton_not_default("chunk_delta_rule", cu) is None
+    assert _triton_not_default("chunk_gated_delta_rule", cu) is None
+    for op in ("chunk_kda", "chunk_gdn2"):
+        reason = _triton_not_default(op, cu)
+        assert "cu_seqlens" in reason and op in reason and "backend='triton'" in reason
