@@ -85,8 +85,9 @@ INTRA_PRECISION = os.environ.get("REWY_KDA_INTRA_PRECISION", "tf32")
 # The diagonal 16-row blocks carry the largest terms (e^{G_i - G_j} near 1),
 # which FLA computes elementwise in fp32, and the gate gradient sums them with
 # cancellation: with tf32 here KDA's dg error on the H200 was 1.5x FLA's
-# (3.7e-3 vs 2.5e-3 at (2, 4096, 16)); tf32x3 matches FLA for 2 % more time
-# (benchmarks/kda_precision.py).
+# (3.7e-3 vs 2.5e-3 at (2, 4096, 16)); tf32x3 matches FLA's error. It cost 2 %
+# in benchmarks/kda_precision.py, but 0-19 % of the backward per shape in the
+# six-shape suite (docs/performance.md), which is why the diagonal is in the plan.
 DIAG_PRECISION = os.environ.get("REWY_KDA_DIAG_PRECISION", "tf32x3")
 # Operands of the two Residual WY products that take an fp32 partial (A^T dW
 # and dY Vn^T): "bf16" rounds the partial to bf16 like FLA's kernel does;
