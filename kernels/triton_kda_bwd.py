@@ -93,6 +93,9 @@ DIAG_PRECISION = os.environ.get("REWY_KDA_DIAG_PRECISION", "tf32x3")
 # and dY Vn^T): "bf16" rounds the partial to bf16 like FLA's kernel does;
 # "tf32" / "tf32x3" / "ieee" keep it in fp32 with that input precision.
 WY_PRECISION = os.environ.get("REWY_KDA_WY_PRECISION", "bf16")
+# Stage 2's kernel: "blocks" (rewy_kda_bwd_intra_kernel below, 16-row sub-blocks)
+# or "dense" (triton_kda_intra_dense.py, whole-chunk products; opt-in until timed).
+INTRA_KERNEL = os.environ.get("REWY_KDA_INTRA", "blocks")
 
 
 def _narrow(dtype: torch.dtype) -> torch.dtype | None:
@@ -569,6 +572,16 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
     return dq_o, dk_o, dg_o, db_o
 
 
+def _intra_stage():
+    if INTRA_KERNEL == "blocks":
+        return rewy_kda_bwd_intra
+    if INTRA_KERNEL == "dense":
+        from .triton_kda_intra_dense import rewy_kda_intra_dense
+
+        return rewy_kda_intra_dense
+    raise ValueError(f"REWY_KDA_INTRA={INTRA_KERNEL!r} is not a stage-2 kernel; use 'blocks' (default) or 'dense'")
+
+
 def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float, w_gate=None,
                  state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None,
                  final_dtypes: bool = False):
@@ -579,6 +592,7 @@ def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float,
     q's dtype and GDN2's db in b's, written so by the kernel."""
     if final_dtypes and q.shape[2] != v.shape[2]:
         raise ValueError("final_dtypes needs as many q/k heads as v heads: under GVA dq and dk are summed later")
+    intra = _intra_stage()
     args = [t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, dh, do, dv2)]
     q, k, v, v_new, g, beta, A, h, dh, do, dv2 = args
     w_gate = None if w_gate is None else w_gate.contiguous()
@@ -586,8 +600,8 @@ def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float,
         _, chunk_indices = _varlen(cu_seqlens, None, q.shape[1], q.shape[0])
     dq, dk, dG, dv, dw, db, dL = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
                                                   state_v_first, cu_seqlens, chunk_indices, block_k)
-    dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
-                                        chunk_indices, block_k=block_k,
-                                        dqk_dtype=_narrow(q.dtype) if final_dtypes else None,
-                                        db_dtype=_narrow(beta.dtype) if final_dtypes else None)
+    dq, dk, dg, db = intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
+                           chunk_indices, block_k=block_k,
+                           dqk_dtype=_narrow(q.dtype) if final_dtypes else None,
+                           db_dtype=_narrow(beta.dtype) if final_dtypes else None)
     return dq, dk, dv, dg, db, dw

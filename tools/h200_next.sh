@@ -7,6 +7,7 @@
 #   bash tools/h200_next.sh bench-kda    # rewy-hf bench: kda + gdn2, Triton backward, same grid
 #   bash tools/h200_next.sh kda          # benchmarks/kda_gpu_check.py (checks, timing, per-kernel profile)
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
+#   bash tools/h200_next.sh kda-intra    # stage 2 alone: sub-block vs whole-chunk kernel (REWY_KDA_INTRA=dense)
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
@@ -18,7 +19,8 @@
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # Next first call (nvidia-h200-x2, carry [".whl"]): the KDA/GDN2 suite with the kernel-written bf16 outputs, the
 # GPU tests (new: KDA as FLA's layer calls it) and the unpatched side of the model profile, cache saved:
-#   SAVE_CACHE=1 T_bench_kda=540 T_tests=200 T_model_profile=300 bash tools/h200_next.sh pair "tests model-profile" "bench-kda"
+#   SAVE_CACHE=1 T_bench_kda=540 T_tests=200 T_kda_intra=80 bash tools/h200_next.sh pair "kda-intra tests" "bench-kda"
+# then model-profile; if the dense stage 2 wins, REWY_KDA_INTRA=dense bench-kda and make it the default.
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
@@ -50,6 +52,11 @@ bench-gdn|bench-kda)
   (cd /tmp && timeout $(lim $1 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
       --shapes $3 --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
   tail -n 45 $O/$1.log ;;
+kda-intra)
+  for op in kda gdn2; do for bk in 64 32; do
+    timeout $(lim kda-intra 120) python3 benchmarks/kda_intra_variants.py --op $op --block-k $bk >> $O/kda_intra.log 2>&1
+  done; done
+  tail -n 40 $O/kda_intra.log ;;
 kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
   tail -n 20 $O/kda_prec.log ;;
@@ -85,7 +92,7 @@ qla-b)
       --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-intra|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }
 
