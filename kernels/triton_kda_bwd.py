@@ -39,6 +39,8 @@ W = A X, U = A Y, Vn = U - W h.
    It updates the WY kernel's partials in place. With one K block it also
    folds KDA's db slots into the final db; with several, each adds its share
    to its slot and the caller sums the slots (one small reduction).
+   ``REWY_KDA_INTRA=dense`` swaps in an opt-in whole-chunk variant of this
+   stage (triton_kda_intra_dense.py), pending its GPU timing.
 
 Registers: the compiled kernels are register-heavy (the WY kernel keeps three
 [64, BK] accumulators over the value loop, as FLA's does), so both autotuners
