@@ -143,7 +143,8 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     ``report_shapes``: every shape of the report; a table missing some says so,
     since its geometric mean is then over fewer shapes than its neighbours'."""
     r0 = rows[0]
-    missing = [s for s in (report_shapes or []) if s not in {_shape(r) for r in rows}]
+    have = {_shape(r) for r in rows}
+    missing = [s for s in (report_shapes or []) if s not in have]
     timing_only = any(r.get("baseline_timing_only") for r in rows)
     b = base + ("*" if timing_only else "")
     header = ["B,T,H" + ("" if all(r["K"] == r["V"] == 128 for r in rows) else ",K,V")]
