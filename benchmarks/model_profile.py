@@ -23,8 +23,9 @@ import torch
 DELTA_RULE = ("chunk_", "rewy_", "recompute_w_u", "prepare_wy", "l2norm", "solve_tril", "merge_16x16")
 
 
-def kernel_totals(fn) -> tuple[float, dict[str, float], int]:
-    """(wall ms of one call, device ms per kernel name summed over launches, kernel launches)."""
+def kernel_totals(fn) -> tuple[float, dict[str, float], int, dict[str, int], dict[str, float]]:
+    """(wall ms of one call, device ms per kernel name summed over launches, kernel launches,
+    launches per kernel name, host ms per CPU op name)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -34,12 +35,17 @@ def kernel_totals(fn) -> tuple[float, dict[str, float], int]:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
     totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    host: dict[str, float] = defaultdict(float)
     launches = 0
     for e in prof.events():
         if e.device_type.name == "CUDA" and "Memset" not in e.name:
             totals[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1000.0
+            counts[e.name[:90]] += 1
             launches += 1
-    return wall, dict(totals), launches
+        elif e.device_type.name == "CPU":
+            host[e.name[:90]] += e.self_cpu_time_total / 1000.0
+    return wall, dict(totals), launches, dict(counts), dict(host)
 
 
 def main() -> None:
@@ -72,10 +78,10 @@ def main() -> None:
             result[side] = kernel_totals(lambda: _train_step(model, opt, batch))
     print(f"{a.model}, {a.batch_size} x {a.seq_len} tokens, bf16, backend {a.backend}, policy {a.policy}; "
           f"{torch.cuda.get_device_name()}, one profiled step per side after {a.warmup} warm-up steps")
-    for side, (wall, totals, launches) in result.items():
+    for side, (wall, totals, launches, _, host) in result.items():
         dr = {n: t for n, t in totals.items() if any(n.startswith(x) or x in n for x in DELTA_RULE)}
         print(f"\n{side}: wall {wall:.1f} ms, kernels {sum(totals.values()):.1f} ms in {launches} launches; "
-              f"delta-rule kernels {sum(dr.values()):.2f} ms")
+              f"delta-rule kernels {sum(dr.values()):.2f} ms; host (self CPU, all ops) {sum(host.values()):.1f} ms")
         for n, t in sorted(dr.items(), key=lambda x: -x[1])[:a.top]:
             print(f"  {t:8.3f}  {n}")
     un, pa = result["unpatched"][1], result["patched"][1]
@@ -83,6 +89,13 @@ def main() -> None:
     print("\nlargest differences, patched - unpatched (ms of device time per step):")
     for d, n in diff[:a.top]:
         print(f"  {d:+8.3f}  unpatched {un.get(n, 0.0):7.3f}  patched {pa.get(n, 0.0):7.3f}  {n}")
+    # A launch-bound step is paid for on the host: extra launches and host-side ops are where it goes.
+    for title, i, fmt in (("kernel launches", 3, "{:+8d}"), ("host time (self CPU ms)", 4, "{:+8.3f}")):
+        un, pa = result["unpatched"][i], result["patched"][i]
+        diff = sorted(((pa.get(n, 0) - un.get(n, 0), n) for n in set(un) | set(pa)), key=lambda x: -abs(x[0]))
+        print(f"\nlargest differences in {title}, patched - unpatched:")
+        for d, n in diff[:a.top]:
+            print(f"  {fmt.format(d)}  unpatched {un.get(n, 0):8.2f}  patched {pa.get(n, 0):8.2f}  {n}")
 
 
 if __name__ == "__main__":
