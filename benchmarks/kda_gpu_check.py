@@ -257,7 +257,7 @@ def main() -> int:
 
     if a.intra_precision:
         triton_kda_bwd.INTRA_PRECISION = a.intra_precision
-    log(f"rewy: stage-2 kernel {triton_kda_bwd.INTRA_KERNEL}, SPAN_LIMIT {triton_kda_bwd.SPAN_LIMIT} (log2), "
+    log(f"rewy: stage-2 block width {triton_kda_bwd.INTRA_BLOCK_K}, SPAN_LIMIT {triton_kda_bwd.SPAN_LIMIT} (log2), "
         f"precision: intra off-diagonal "
         f"{triton_kda_bwd.INTRA_PRECISION}, diagonal {triton_kda_bwd.DIAG_PRECISION}, WY {triton_kda_bwd.WY_PRECISION}")
     ops = [o for o in a.ops.split(",") if o]
@@ -334,11 +334,8 @@ def main() -> int:
                 if sp:
                     log(f"  {op} {policy}: geometric-mean speedup {geomean(sp):.2f}"
                         f" over {len(sp)} shape(s)")
-    from rewy_hf.kernels import triton_kda_intra_dense
-
-    for mod, kern in ((triton_kda_bwd, "rewy_kda_bwd_wy_kernel"), (triton_kda_bwd, "rewy_kda_bwd_intra_kernel"),
-                      (triton_kda_intra_dense, "rewy_kda_intra_dense_kernel")):
-        best = getattr(getattr(mod, kern), "best_config", None)
+    for kern in ("rewy_kda_bwd_wy_kernel", "rewy_kda_bwd_intra_kernel"):
+        best = getattr(getattr(triton_kda_bwd, kern), "best_config", None)
         log(f"  {kern} last best config: {best}")
     log(f"total {elapsed():.0f}s")
     return 0

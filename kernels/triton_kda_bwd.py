@@ -36,11 +36,16 @@ W = A X, U = A Y, Vn = U - W h.
    gate gradient with its reverse cumulative sum inside the chunk, carried
    across sub-blocks (Gram Elimination: dG = a*Ra + q*Rq - k*Rc, from the
    row/column gradients the key gradient needs anyway; L is never rebuilt).
-   It updates the WY kernel's partials in place. With one K block it also
-   folds KDA's db slots into the final db; with several, each adds its share
-   to its slot and the caller sums the slots (one small reduction).
-   ``REWY_KDA_INTRA=dense`` swaps in an opt-in whole-chunk variant of this
-   stage (triton_kda_intra_dense.py), pending its GPU timing.
+   It updates the WY kernel's partials in place. KDA's db: the first K
+   block folds in stage 1's slots; with one K block that is the final db,
+   with several each block writes its share to its own slot of a new
+   [.., NKI] buffer and the caller sums them (one small reduction).
+   Its key blocks are narrower than stage 1's (``INTRA_BLOCK_K``, 32): the
+   loop over sub-blocks is latency-bound, and twice the programs of half
+   the width hide more of it (1.57 vs 1.69 ms at (2, 8192, 16), H200).
+   A whole-chunk variant (16 masked [64, 64] x [64, BK] products instead
+   of 40 [16, 16] ones, q/k/gates loaded once) was built and measured
+   too: 1.83 / 2.75 ms at block width 32 / 64, slower, and was removed.
 
 Registers: the compiled kernels are register-heavy (the WY kernel keeps three
 [64, BK] accumulators over the value loop, as FLA's does), so both autotuners
@@ -95,9 +100,9 @@ DIAG_PRECISION = os.environ.get("REWY_KDA_DIAG_PRECISION", "tf32x3")
 # and dY Vn^T): "bf16" rounds the partial to bf16 like FLA's kernel does;
 # "tf32" / "tf32x3" / "ieee" keep it in fp32 with that input precision.
 WY_PRECISION = os.environ.get("REWY_KDA_WY_PRECISION", "bf16")
-# Stage 2's kernel: "blocks" (rewy_kda_bwd_intra_kernel below, 16-row sub-blocks)
-# or "dense" (triton_kda_intra_dense.py, whole-chunk products; opt-in until timed).
-INTRA_KERNEL = os.environ.get("REWY_KDA_INTRA", "blocks")
+# Key channels per stage-2 program (stage 1 keeps 64: its accumulators are
+# [64, BK] tiles over the value loop and gain nothing from narrower blocks).
+INTRA_BLOCK_K = int(os.environ.get("REWY_KDA_INTRA_BLOCK_K", "32"))
 
 
 def _narrow(dtype: torch.dtype) -> torch.dtype | None:
@@ -325,10 +330,7 @@ def rewy_kda_bwd_intra_kernel(
     else:
         beta += row_hv
         dbp += row_hv * NDB
-        if NKI == 1:
-            db_o += row_hv
-        else:
-            db_o += row_hv * NDB
+        db_o += row_hv * NKI
     n_valid = T - i_t * BT                          # valid rows in this chunk (may exceed BT)
 
     o_c = tl.arange(0, BC)
@@ -463,16 +465,14 @@ def rewy_kda_bwd_intra_kernel(
             if VEC:
                 b_db = tl.load(dbp + off_k, mask=m_ik, other=0.0) + b_k * b_Ra
                 tl.store(db_o + off_k, b_db.to(db_o.dtype.element_ty), mask=m_ik)
-            elif NKI == 1:
-                # the only K block: fold in every partial slot and write the final db
-                b_db = tl.sum(b_k * b_Ra, axis=1)
-                for s in tl.static_range(NDB):
-                    b_db += tl.load(dbp + r_i * (HV * NDB) + s, mask=m_i, other=0.0)
-                tl.store(db_o + r_i * HV, b_db.to(db_o.dtype.element_ty), mask=m_i)
             else:
-                # K split: add this block's share to slot i_k (summed by the caller)
-                b_db = tl.sum(b_k * b_Ra, axis=1) + tl.load(dbp + r_i * (HV * NDB) + i_k, mask=m_i, other=0.0)
-                tl.store(db_o + r_i * (HV * NDB) + i_k, b_db.to(db_o.dtype.element_ty), mask=m_i)
+                # this block's share; the first block also folds in stage 1's slots.
+                # Slot i_k of db_o ([.., NKI]; with one block that is the final db).
+                b_db = tl.sum(b_k * b_Ra, axis=1)
+                if i_k == 0:
+                    for s in tl.static_range(NDB):
+                        b_db += tl.load(dbp + r_i * (HV * NDB) + s, mask=m_i, other=0.0)
+                tl.store(db_o + r_i * (HV * NKI) + i_k, b_db.to(db_o.dtype.element_ty), mask=m_i)
 
 
 def _varlen(cu_seqlens, chunk_indices, T: int, B: int):
@@ -531,19 +531,17 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
     value head. dg is with respect to the natural-log per-token gate (the
     reverse cumulative sum is done here). ``inplace`` writes dq, dk, dg over
     the partial buffers (and db over its partials). The grid splits K into
-    blocks of ``block_k`` (default 64); with several blocks, KDA's db partial
-    slots are updated in place and summed here. ``dqk_dtype`` / ``db_dtype``
+    blocks of ``block_k`` (default ``INTRA_BLOCK_K``); with several blocks,
+    KDA's per-block db shares are summed here. ``dqk_dtype`` / ``db_dtype``
     write the final dq, dk / GDN2's db in that dtype straight from the kernel
     (new buffers), which saves the caller a full conversion pass over them."""
     B, T, H, K = q.shape
     HV = g.shape[2]
     vec = beta.dim() == 4
     BT = dAqk.shape[-1]
-    BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
+    BK = block_k or min(INTRA_BLOCK_K, max(16, triton.next_power_of_2(K)))
     NKI = triton.cdiv(K, BK)
     NDB = 1 if vec else db_part.shape[-1]
-    if not vec and NKI > NDB:
-        raise ValueError(f"{NKI} key blocks need at least as many db partial slots, got {NDB}")
     NT, chunk_indices = _varlen(cu_seqlens, chunk_indices, T, B)
     dev = q.device
     if inplace:
@@ -552,11 +550,8 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
         dq_o, dk_o, dg_o = (_alloc((B, T, HV, K), dev) for _ in range(3))
     if vec:
         db_o = db_part if inplace else _alloc((B, T, HV, K), dev)
-    elif NKI == 1:
-        db_o = _alloc((B, T, HV), dev)
     else:
-        db_part = db_part if inplace else db_part.clone()
-        db_o = db_part
+        db_o = _alloc((B, T, HV) if NKI == 1 else (B, T, HV, NKI), dev)
     if dqk_dtype is not None:
         dq_o, dk_o = (_alloc((B, T, HV, K), dev, dqk_dtype) for _ in range(2))
     if vec and db_dtype is not None:
@@ -574,27 +569,17 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
     return dq_o, dk_o, dg_o, db_o
 
 
-def _intra_stage():
-    if INTRA_KERNEL == "blocks":
-        return rewy_kda_bwd_intra
-    if INTRA_KERNEL == "dense":
-        from .triton_kda_intra_dense import rewy_kda_intra_dense
-
-        return rewy_kda_intra_dense
-    raise ValueError(f"REWY_KDA_INTRA={INTRA_KERNEL!r} is not a stage-2 kernel; use 'blocks' (default) or 'dense'")
-
-
 def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float, w_gate=None,
                  state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None,
-                 final_dtypes: bool = False):
+                 final_dtypes: bool = False, intra_block_k: int | None = None):
     """Both stages. Returns (dq, dk, dv, dg, db, dw): dq, dk, dg, db in fp32, dq
     and dk per value head ([B, T, HV, K]; the caller sums GVA groups); dv, dw
     in the dtypes of v and w_gate (dw None for KDA). ``final_dtypes`` (only
     without GVA, where dq and dk per value head are already final): dq, dk in
-    q's dtype and GDN2's db in b's, written so by the kernel."""
+    q's dtype and GDN2's db in b's, written so by the kernel. ``block_k`` /
+    ``intra_block_k``: key channels per program of stage 1 / stage 2."""
     if final_dtypes and q.shape[2] != v.shape[2]:
         raise ValueError("final_dtypes needs as many q/k heads as v heads: under GVA dq and dk are summed later")
-    intra = _intra_stage()
     args = [t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, dh, do, dv2)]
     q, k, v, v_new, g, beta, A, h, dh, do, dv2 = args
     w_gate = None if w_gate is None else w_gate.contiguous()
@@ -602,8 +587,8 @@ def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float,
         _, chunk_indices = _varlen(cu_seqlens, None, q.shape[1], q.shape[0])
     dq, dk, dG, dv, dw, db, dL = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
                                                   state_v_first, cu_seqlens, chunk_indices, block_k)
-    dq, dk, dg, db = intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
-                           chunk_indices, block_k=block_k,
-                           dqk_dtype=_narrow(q.dtype) if final_dtypes else None,
-                           db_dtype=_narrow(beta.dtype) if final_dtypes else None)
+    dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
+                                        chunk_indices, block_k=intra_block_k,
+                                        dqk_dtype=_narrow(q.dtype) if final_dtypes else None,
+                                        db_dtype=_narrow(beta.dtype) if final_dtypes else None)
     return dq, dk, dv, dg, db, dw

@@ -136,29 +136,12 @@ def _triton_unsupported(q: torch.Tensor) -> str | None:
     return None
 
 
-# Ops whose packed-sequence (cu_seqlens) Triton path has passed its GPU tests
-# (tests/test_gpu_triton_gdn.py::test_triton_packed_sequences, H200, 2026-11-30).
-_PACKED_GPU_VERIFIED = ("chunk_delta_rule", "chunk_gated_delta_rule")
-
-
-def _triton_not_default(op: str, cu_seqlens) -> str | None:
-    """Paths the Triton backend has but ``auto`` does not pick yet: they pass the
-    interpreter tests on CPU and wait for their run on a GPU (tests/test_gpu_*.py).
-    ``backend="triton"`` still takes them."""
-    if cu_seqlens is not None and op not in _PACKED_GPU_VERIFIED:
-        return (f"`cu_seqlens` packing on the Triton backend of {op} is not yet verified on a GPU "
-                "(pass backend='triton' to use it)")
-    return None
-
-
 def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva):
     B, T, H, K, HV, V = check_qkv(q, k, v, allow_gva)
     check_chunk_size(extras.get("chunk_size", 64))
     N = check_cu_seqlens(cu_seqlens, B, T)
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
     reason = _triton_unsupported(q)
-    if backend == "auto" and reason is None:
-        reason = _triton_not_default(op, cu_seqlens)
     chosen = resolve_backend(backend, q.device, reason)
     if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
         _WARNED_TORCH_ON_GPU.add(op)

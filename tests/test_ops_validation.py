@@ -744,17 +744,19 @@ def test_nan_in_gate_params_rejected_with_check_finite(op, name, monkeypatch):
         call(op, make_inputs(op), use_gate_in_kernel=True, **params)
 
 
-def test_auto_takes_the_gpu_verified_triton_paths():
-    """On CUDA, auto picks the Triton backward for every op (all four ran and passed the
-    bench's gradient check on an H200). Packed sequences too for DeltaNet and GDN, whose
-    cu_seqlens tests passed there; KDA's and GDN2's stay opt-in until theirs run."""
-    from rewy_hf.ops import _triton_not_default
+def test_auto_takes_triton_on_cuda_for_every_supported_call():
+    """On CUDA, auto picks the Triton backward for every op, packed sequences
+    included: all four ran and passed the bench's gradient check and their
+    cu_seqlens GPU tests on an H200. Only what Triton cannot do goes to torch."""
+    from rewy_hf.ops import _triton_unsupported
+    from rewy_hf.validation import resolve_backend
 
-    cu = torch.tensor([0, 64, 128])
-    for op in ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn2"):
-        assert _triton_not_default(op, None) is None
-    assert _triton_not_default("chunk_delta_rule", cu) is None
-    assert _triton_not_default("chunk_gated_delta_rule", cu) is None
-    for op in ("chunk_kda", "chunk_gdn2"):
-        reason = _triton_not_default(op, cu)
-        assert "cu_seqlens" in reason and op in reason and "backend='triton'" in reason
+    cuda = torch.device("cuda")
+    q = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16, device="meta")
+    assert _triton_unsupported(q) is None
+    assert resolve_backend("auto", cuda, _triton_unsupported(q)) == "triton"
+    for bad, why in ((q.double(), "float64"), (torch.empty(1, 64, 2, 512, device="meta"), "512 > 256")):
+        reason = _triton_unsupported(bad)
+        assert why in reason
+        assert resolve_backend("auto", cuda, reason) == "torch"
+    assert resolve_backend("auto", torch.device("cpu"), None) == "torch"

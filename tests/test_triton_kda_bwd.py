@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from rewy_hf.kernels import triton_kda_bwd as tk
-from rewy_hf.kernels import triton_kda_intra_dense as tkd
 from rewy_hf.kernels.chunk_backward import local_backward, reverse_state_pass
 from rewy_hf.kernels.chunk_forward import ChunkInputs
 from rewy_hf.kernels.layout import ChunkLayout
@@ -226,12 +225,8 @@ def test_wy_kernel_with_fp32_partials(name, monkeypatch):
     test_wy_kernel_matches_torch_stage(name)
 
 
-INTRA = {"blocks": tk.rewy_kda_bwd_intra, "dense": tkd.rewy_kda_intra_dense}
-
-
-@pytest.mark.parametrize("variant", list(INTRA))
 @pytest.mark.parametrize("name", list(CASES))
-def test_intra_kernel_matches_torch_stage(name, variant):
+def test_intra_kernel_matches_torch_stage(name):
     case, v_first, block_k = _case(name)
     inp = case.kernel_inputs(v_first)
     ref = case.torch_partials()
@@ -240,34 +235,31 @@ def test_intra_kernel_matches_torch_stage(name, variant):
         db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], dim=-1)      # two partial slots
     else:
         db_part = fla(ref["db_k"])
-    dq, dk, dg, db = INTRA[variant](
+    dq, dk, dg, db = tk.rewy_kda_bwd_intra(
         inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
         fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, block_k=block_k)
     errors = case.check_final(dq, dk, dg, db)
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
-@pytest.mark.parametrize("variant", list(INTRA))
 @pytest.mark.parametrize("name", ["kda_gva_K64_split", "kda_mixed_decay", "gdn2_mixed_varlen"])
-def test_intra_exact_path_alone(name, variant):
+def test_intra_exact_path_alone(name):
     """span_limit < 0 sends every diagonal block down the exact elementwise path."""
     case, v_first, _ = _case(name)
     inp = case.kernel_inputs(v_first)
     ref = case.torch_partials()
     fla = case.fla
     db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], -1) if case.kind == "kda" else fla(ref["db_k"])
-    out = INTRA[variant](
+    out = tk.rewy_kda_bwd_intra(
         inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
         fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, span_limit=-1.0)
     errors = case.check_final(*out)
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
-@pytest.mark.parametrize("variant", list(INTRA))
 @pytest.mark.parametrize("name", ["kda_ragged_K32", "kda_gva_K64_split", "gdn2_ragged_K64", "kda_varlen"])
-def test_chained_kernels_match_torch_backward(name, variant, monkeypatch):
+def test_chained_kernels_match_torch_backward(name):
     """WY kernel then intra kernel (in place), as the autograd Function runs them."""
-    monkeypatch.setattr(tk, "INTRA_KERNEL", variant)
     case, v_first, block_k = _case(name)
     inp = case.kernel_inputs(v_first)
     dAqk = case.fla(case.torch_partials()["dAqk"])
@@ -276,13 +268,11 @@ def test_chained_kernels_match_torch_backward(name, variant, monkeypatch):
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
-@pytest.mark.parametrize("variant", list(INTRA))
 @pytest.mark.parametrize("name", ["kda_ragged_K32", "gdn2_ragged_K64"])
-def test_final_dtypes_are_written_by_the_kernel(name, variant, monkeypatch):
+def test_final_dtypes_are_written_by_the_kernel(name):
     """final_dtypes: with half-precision q, k (and GDN2's b), dq, dk (and db) come
     out of the kernel in that dtype, bit-equal to the float32 results rounded
     once, which the other tests hold to the torch stage."""
-    monkeypatch.setattr(tk, "INTRA_KERNEL", variant)
     case, v_first, block_k = _case(name)
     inp = case.kernel_inputs(v_first)
     half = ("q", "k", "beta") if case.kind == "gdn2" else ("q", "k")
@@ -300,11 +290,31 @@ def test_final_dtypes_are_written_by_the_kernel(name, variant, monkeypatch):
             assert torch.equal(ours, ref.to(ours.dtype))
 
 
-def test_unknown_intra_kernel_is_named(monkeypatch):
-    monkeypatch.setattr(tk, "INTRA_KERNEL", "tiles")
-    case, v_first, block_k = _case("kda_ragged_K32")
-    with pytest.raises(ValueError, match="REWY_KDA_INTRA='tiles'.*'blocks'.*'dense'"):
-        tk.rewy_kda_bwd(dAqk=case.fla(case.torch_partials()["dAqk"]), **case.kernel_inputs(v_first))
+@pytest.mark.parametrize("name", ["kda_gva_K64_split", "gdn2_ragged_K64"])
+def test_intra_kernel_with_more_key_blocks_than_db_slots(name):
+    """Stage 2 narrower than stage 1: four 16-channel blocks against KDA's two
+    db slots, each block writing its own share."""
+    case, v_first, _ = _case(name)
+    inp = case.kernel_inputs(v_first)
+    ref = case.torch_partials()
+    fla = case.fla
+    db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], -1) if case.kind == "kda" else fla(ref["db_k"])
+    out = tk.rewy_kda_bwd_intra(
+        inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
+        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, block_k=16)
+    errors = case.check_final(*out)
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+@pytest.mark.parametrize("intra_block_k", [64, 16])
+def test_chained_kernels_with_either_stage_width(intra_block_k):
+    """Stage 2 as wide as stage 1 (one block, the db slots folded at once) or narrower."""
+    case, v_first, _ = _case("kda_gva_K64_split")
+    inp = case.kernel_inputs(v_first)
+    dAqk = case.fla(case.torch_partials()["dAqk"])
+    dq, dk, dv, dg, db, dw = tk.rewy_kda_bwd(dAqk=dAqk, block_k=64, intra_block_k=intra_block_k, **inp)
+    errors = case.check_final(dq, dk, dg, db, dv=dv, dw=dw)
+    assert max(errors.values()) < TOL[CASES["kda_gva_K64_split"][6]], errors
 
 
 def test_final_dtypes_refused_under_gva():

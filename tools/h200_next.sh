@@ -5,10 +5,9 @@
 #   bash tools/h200_next.sh verify       # rewy-hf verify --device cuda, timed (a cold machine, as a user has)
 #   bash tools/h200_next.sh bench-gdn    # rewy-hf bench: delta_rule + gdn, six shapes, both policies, B and FB
 #   bash tools/h200_next.sh bench-kda    # rewy-hf bench: kda + gdn2, Triton backward, same grid
-#   bash tools/h200_next.sh bench-kda-dense # the same with the whole-chunk stage 2 (REWY_KDA_INTRA=dense)
 #   bash tools/h200_next.sh kda          # benchmarks/kda_gpu_check.py (checks, timing, per-kernel profile)
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
-#   bash tools/h200_next.sh kda-intra    # stage 2 alone: sub-block vs whole-chunk kernel (REWY_KDA_INTRA=dense)
+#   bash tools/h200_next.sh kda-intra    # stage 2 alone at key-block widths 64, 32, 16 (INTRA_BLOCK_K)
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
@@ -45,20 +44,18 @@ verify)
   (cd /tmp && /usr/bin/time -f "verify wall %e s" timeout $(lim verify 200) python3 -m rewy_hf verify --device cuda \
       --json $O/verify.json > $O/verify.log 2>&1; echo "exit $?" >> $O/verify.log)
   tail -n 30 $O/verify.log ;;
-bench-gdn|bench-kda|bench-kda-dense)
-  # bench-kda-dense: the same KDA/GDN2 suite with the whole-chunk stage 2 (REWY_KDA_INTRA=dense)
-  if [ "$1" = bench-kda-dense ]; then export REWY_KDA_INTRA=dense; fi
+bench-gdn|bench-kda)
   if [ "$1" = bench-gdn ]; then set -- $1 "${OPS_GDN:-delta_rule gdn}" "${SHAPES_GDN:-suite}"
   else set -- $1 "${OPS_KDA:-kda gdn2}" "${SHAPES_KDA:-suite}"; fi
   if [ -f $O/kda_choice.env ]; then source $O/kda_choice.env; fi
   # cd /tmp: the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
   (cd /tmp && timeout $(lim $1 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
       --shapes $3 --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
-  tail -n 45 $O/$1.log; unset REWY_KDA_INTRA ;;
+  tail -n 45 $O/$1.log ;;
 kda-intra)
-  for op in kda gdn2; do for bk in 64 32; do
-    timeout $(lim kda-intra 120) python3 benchmarks/kda_intra_variants.py --op $op --block-k $bk >> $O/kda_intra.log 2>&1
-  done; done
+  for op in kda gdn2; do
+    timeout $(lim kda-intra 120) python3 benchmarks/kda_intra_widths.py --op $op >> $O/kda_intra.log 2>&1
+  done
   tail -n 40 $O/kda_intra.log ;;
 kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
@@ -95,7 +92,7 @@ qla-b)
       --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|bench-kda-dense|kda|kda-prec|kda-intra|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-intra|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }
 

@@ -1,16 +1,20 @@
-"""Stage 2 of the KDA/GDN2 backward alone: the sub-block kernel against the
-whole-chunk one (``REWY_KDA_INTRA=dense``), same inputs, on the GPU.
+"""Stage 2 of the KDA/GDN2 backward alone, at several key-block widths, same
+inputs, on the GPU: how ``INTRA_BLOCK_K`` (triton_kda_bwd.py) was chosen.
 
 Inputs are what the stage receives in a real backward, at one shape: BF16 q and
 (normalised) k, log-sigmoid gates as FLA stores them (chunk-local cumulative
 sums in log2 units), the erase gate, a causal dAqk and strictly lower dL, and
-float32 partials. The two kernels must agree (relative difference printed,
-and the script exits non-zero above 1e-3: both use tf32 off the diagonal and
-tf32x3 on it, with different reference rows), then each is timed with
-triton.testing.do_bench (median, autotuned first). The outputs are new buffers
-(inplace=False), so every timed call sees the same partials.
+float32 partials. Every width must agree with the first (relative difference
+printed; the script exits non-zero above 1e-3: the widths do the same
+products, split differently), then each is timed with triton.testing.do_bench
+(median, autotuned first). The outputs are new buffers (inplace=False), so
+every timed call sees the same partials.
 
-Usage: python benchmarks/kda_intra_variants.py --B 2 --T 8192 --H 16 [--op gdn2] [--block-k 32]
+A whole-chunk variant of this kernel was compared the same way on the H200
+(2026-11-30) and lost: 1.83 / 2.75 ms against 1.57 / 1.69 ms at widths
+32 / 64 for KDA at (2, 8192, 16, 128).
+
+Usage: python benchmarks/kda_intra_widths.py --B 2 --T 8192 --H 16 [--op gdn2] [--block-k 64 32 16]
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import triton
 
 
 def inputs(op: str, B: int, T: int, H: int, K: int, slots: int, seed: int = 0) -> dict:
-    """``slots``: KDA's erase-gate partial slots (the sub-block kernel needs one per key block)."""
+    """``slots``: KDA's erase-gate partial slots from stage 1."""
     from fla.ops.utils import chunk_local_cumsum
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -51,28 +55,27 @@ def main() -> int:
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--K", type=int, default=128)
-    p.add_argument("--block-k", type=int, default=None, help="key channels per program (default 64)")
+    p.add_argument("--block-k", type=int, nargs="+", default=[64, 32, 16], help="key channels per program")
     a = p.parse_args()
     if a.T % 64:
         p.error("--T must be a multiple of 64")
 
     from rewy_hf.kernels.triton_kda_bwd import rewy_kda_bwd_intra
-    from rewy_hf.kernels.triton_kda_intra_dense import rewy_kda_intra_dense
 
-    x = inputs(a.op, a.B, a.T, a.H, a.K, slots=max(3, triton.cdiv(a.K, a.block_k or 64)))
-    variants = {"blocks": rewy_kda_bwd_intra, "dense": rewy_kda_intra_dense}
-    run = {n: (lambda f=f: f(**x, inplace=False, block_k=a.block_k)) for n, f in variants.items()}
-    outs = {n: fn() for n, fn in run.items()}
+    x = inputs(a.op, a.B, a.T, a.H, a.K, slots=3)
+    run = {bk: (lambda bk=bk: rewy_kda_bwd_intra(**x, inplace=False, block_k=bk)) for bk in a.block_k}
+    outs = {bk: fn() for bk, fn in run.items()}
+    first = a.block_k[0]
     worst = 0.0
-    for name, o_b, o_d in zip(("dq", "dk", "dg", "db"), outs["blocks"], outs["dense"]):
-        rel = ((o_d.float() - o_b.float()).norm() / o_b.float().norm()).item()
-        worst = max(worst, rel)
-        print(f"{name}: dense vs blocks relative difference {rel:.2e}")
-    print(f"{a.op} stage 2 at (B, T, H, K) = ({a.B}, {a.T}, {a.H}, {a.K}), block_k {a.block_k or 64}; "
-          f"{torch.cuda.get_device_name()}")
-    for name, fn in run.items():
+    for bk in a.block_k[1:]:
+        for name, o_r, o_b in zip(("dq", "dk", "dg", "db"), outs[first], outs[bk]):
+            rel = ((o_b.float() - o_r.float()).norm() / o_r.float().norm()).item()
+            worst = max(worst, rel)
+            print(f"{name}: block_k {bk} vs {first} relative difference {rel:.2e}")
+    print(f"{a.op} stage 2 at (B, T, H, K) = ({a.B}, {a.T}, {a.H}, {a.K}); {torch.cuda.get_device_name()}")
+    for bk, fn in run.items():
         ms = triton.testing.do_bench(fn, return_mode="median")
-        print(f"  {name:6s} {ms:8.3f} ms")
+        print(f"  block_k {bk:3d} {ms:8.3f} ms")
     return 0 if worst <= 1e-3 else 1
 
 
