@@ -29,10 +29,12 @@ class PatchReport:
     fallback: str
     patched: list[PatchedLayer] = field(default_factory=list)
     skipped: list[SkippedLayer] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)      # what the user should know (also warned)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "policy": self.policy, "fallback": self.fallback,
-                "patched": [asdict(p) for p in self.patched], "skipped": [asdict(s) for s in self.skipped]}
+                "patched": [asdict(p) for p in self.patched], "skipped": [asdict(s) for s in self.skipped],
+                "notes": list(self.notes)}
 
     def __len__(self) -> int:
         return len(self.patched)
@@ -48,6 +50,7 @@ class PatchReport:
             lines.append("not patched:")
             lines += _table(("module", "layer class", "reason"),
                             [(s.name or "<root>", s.layer_class, s.reason) for s in self.skipped])
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 

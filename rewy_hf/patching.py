@@ -20,6 +20,7 @@ import importlib
 import inspect
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,6 +32,7 @@ from .adapters import find_adapter, looks_like_delta_rule
 from .adapters.base import Adapter
 from .dispatch import ACTIVE_LAYER, CoreDispatcher, route
 from .errors import UnsupportedConfigError
+from .flash_qla import GDN_OP, WARNING as FLASH_QLA_WARNING, flash_qla_serves_gdn
 from .patch_report import PatchedLayer, PatchReport, SkippedLayer
 from .validation import POLICIES
 
@@ -223,6 +225,10 @@ def patch_model(
                if report.skipped else "")
             + f". Supported layer classes: {', '.join(supported_layer_classes())}."
         )
+    gdn = sum(1 for p in report.patched if p.op == GDN_OP and not p.already)
+    if gdn and flash_qla_serves_gdn():
+        report.notes.append(FLASH_QLA_WARNING.format(n=gdn))
+        warnings.warn(report.notes[-1], RuntimeWarning, stacklevel=2)
     return report
 
 

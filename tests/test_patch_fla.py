@@ -225,3 +225,54 @@ def test_deltanet_short_sequences_never_reach_the_chunk_core():
     ops = rewy_hf.dispatch_report()["ops"]
     assert ops.get("delta_rule", {}).get("forward_calls", 0) == 0
     assert ops.get("delta_rule", {}).get("optimized_backward_calls", 0) == 0
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "kda"])
+def test_patching_gdn_where_flash_qla_serves_it_warns(kind, monkeypatch):
+    """Where FLA would run GDN through FlashQLA (faster than rewy's GDN backward on
+    the H200), patch_model warns and notes it in the report, naming the way back;
+    other ops, and GDN without FlashQLA, patch silently."""
+    import warnings
+
+    model = build(kind, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # no FlashQLA on CI: not a word
+        report = rewy_hf.patch_model(model)
+    assert report.notes == []
+    rewy_hf.unpatch_model(model)
+    monkeypatch.setattr(rewy_hf.patching, "flash_qla_serves_gdn", lambda: True)
+    if kind == "gated_deltanet":
+        with pytest.warns(RuntimeWarning, match=r"FlashQLA.*2 patched GDN layer\(s\).*unpatch_model.*FLA_FLASH_QLA=0"):
+            report = rewy_hf.patch_model(model)
+        assert len(report.notes) == 1 and "FlashQLA" in str(report) and report.to_dict()["notes"] == report.notes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")               # patching again changes nothing and says nothing new
+            assert rewy_hf.patch_model(model).notes == []
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert rewy_hf.patch_model(model).notes == []
+    rewy_hf.unpatch_model(model)
+
+
+def test_flash_qla_detection_follows_fla_dispatch_conditions(monkeypatch):
+    """FlashQLA serves GDN only with the package, a Hopper/SM100 GPU and FLA's
+    backend enabled (FLA's own check, which reads FLA_FLASH_QLA)."""
+    import importlib.util
+
+    import fla.utils
+    from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+
+    from rewy_hf.flash_qla import flash_qla_serves_gdn
+
+    real = importlib.util.find_spec
+    installed = {"flash_qla": None}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: installed[name] if name in installed else real(name, *a))
+    for package, hopper, enabled, expected in ((False, True, True, False), (True, False, True, False),
+                                               (True, True, False, False), (True, True, True, True)):
+        installed["flash_qla"] = object() if package else None
+        monkeypatch.setattr(fla.utils, "IS_NVIDIA_HOPPER", hopper)
+        monkeypatch.setattr(fla.utils, "IS_NVIDIA_SM100", False)
+        monkeypatch.setattr(FlashQLABackend, "can_use", classmethod(lambda cls, e=enabled: e))
+        assert flash_qla_serves_gdn() is expected, (package, hopper, enabled)
