@@ -13,14 +13,17 @@ Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new;
 w nor u, and the reverse state recurrence needs only w). ``cu_seqlens``
 (packed sequences) goes to every FLA stage and to our kernel. With
 REWY_HF_SEQUENCE_PARALLEL set, the two state recurrences run split along the
-sequence (triton_state_scan.py) instead of FLA's sequential kernels. Inputs arrive activated (l2norm, gate, beta) and in the
-layout [B, T, H, D]; the state is [N, HV, K, V].
+sequence (triton_state_scan.py) instead of FLA's sequential kernels. With
+``qk_l2norm`` q and k are normalised inside the function (qk_l2norm.py), as
+FLA's op does; the gate and beta arrive activated. Layout [B, T, H, D]; the
+state is [N, HV, K, V].
 """
 
 from __future__ import annotations
 
 import torch
 
+from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
@@ -58,8 +61,10 @@ def fold_gva(dq, dk, key_heads: int):
 
 class ReWYTritonGDNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, h0, scale: float, policy: str, cu_seqlens, qk_l2norm: bool = False):
         f = _fla()
+        q, q_rstd = normalize(q, qk_l2norm)
+        k, k_rstd = normalize(k, qk_l2norm)
         # Every FLA stage takes the same packing arguments; chunk_indices is built once here.
         pk = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens,
                                                 chunk_indices=f["chunk_indices"](cu_seqlens, 64))
@@ -69,14 +74,14 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         h, v_new, ht = _states(f, ns, k, w, u, g2, h0, pk, final=True)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64, **pk)
         saved = (w, h, v_new) if policy == "full" else ()
-        ctx.save_for_backward(q, k, v, g2, beta, A, h0, *pk.values(), *saved)
+        ctx.save_for_backward(q, k, v, g2, beta, A, h0, q_rstd, k_rstd, *pk.values(), *saved)
         ctx.meta = (scale, policy, g is not None, h0 is not None, cu_seqlens is not None, ns)
         return o.to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
         scale, policy, has_g, has_h0, varlen, ns = ctx.meta
-        q, k, v, g2, beta, A, h0, *rest = ctx.saved_tensors
+        q, k, v, g2, beta, A, h0, q_rstd, k_rstd, *rest = ctx.saved_tensors
         pk = dict(cu_seqlens=rest[0], chunk_indices=rest[1]) if varlen else {}
         saved = rest[2:] if varlen else rest
         f = _fla()
@@ -95,20 +100,22 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                         chunk_size=64, **pk)
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),
-                dh0 if has_h0 else None, None, None, None)
+        dq, dk = normalize_backward(q, q_rstd, dq.to(q.dtype)), normalize_backward(k, k_rstd, dk.to(k.dtype))
+        return (dq, dk, dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),
+                dh0 if has_h0 else None, None, None, None, None)
 
 
 def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
-                    cu_seqlens=None):
+                    cu_seqlens=None, qk_l2norm: bool = False):
     """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward.
-    ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA."""
+    ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA. ``qk_l2norm``:
+    q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
     h0 = None
     if initial_state is not None:
         h0 = (initial_state.transpose(-1, -2) if state_v_first else initial_state).float().contiguous()
     o, ht = ReWYTritonGDNFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                         None if g is None else g.contiguous(), beta.contiguous(), h0, scale, policy,
-                                        cu_seqlens)
+                                        cu_seqlens, qk_l2norm)
     if not output_final_state:
         return o, None
     return o, (ht.transpose(-1, -2) if state_v_first else ht)

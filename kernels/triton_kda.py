@@ -21,8 +21,9 @@ cumsum, Aqk, Akk) and rebuilds w, qg, kg, h and v_new; ``full`` (FLA's
 ``disable_recompute=True``) also saves w, qg, kg, v_new and h -- but not u,
 which our backward never reads (Residual WY needs only Vn).
 
-Inputs arrive activated (l2norm, gate activation, beta sigmoid are plain
-torch ops in the caller) in FLA's [B, T, heads, D] layout; gates are
+With ``qk_l2norm`` q and k are normalised inside the function
+(qk_l2norm.py), as FLA's op does; the gate activation and beta sigmoid are
+plain torch ops in the caller. Layout: FLA's [B, T, heads, D]; gates are
 natural-log per-token gates, [B, T, HV, K]. The state layout
 (``state_v_first``) and ``cu_seqlens`` are handled natively by FLA's stages
 and by our kernels, so no transposes or repacking happen here.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn import RCP_LN2, fold_gva
 from .triton_kda_bwd import rewy_kda_bwd
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -84,9 +86,11 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, w_gate, h0, scale: float, policy: str, state_v_first: bool,
-                safe_gate: bool, cu_seqlens):
+                safe_gate: bool, cu_seqlens, qk_l2norm: bool = False):
         kind = "kda" if w_gate is None else "gdn2"
         f = _fla(kind)
+        q, q_rstd = normalize(q, qk_l2norm)
+        k, k_rstd = normalize(k, qk_l2norm)
         ctx.set_materialize_grads(False)   # no zero dht when the final state is unused
         full = policy == "full"
         ci = None if cu_seqlens is None else f["chunk_indices"](cu_seqlens, CHUNK)
@@ -97,14 +101,14 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         o = f["fwd_o"](q=q, v=v_new, g=g2, A=Aqk, h=h, scale=scale, state_v_first=state_v_first,
                        cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=ci)
         saved = (w, qg, kg, v_new, h) if full else ()
-        ctx.save_for_backward(q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu_seqlens, ci, *saved)
+        ctx.save_for_backward(q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu_seqlens, ci, q_rstd, k_rstd, *saved)
         ctx.meta = (kind, scale, policy, state_v_first, g.dtype, ns)
         return o.to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
         kind, scale, policy, state_v_first, g_dtype, ns = ctx.meta
-        q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu, ci, *saved = ctx.saved_tensors
+        q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu, ci, q_rstd, k_rstd, *saved = ctx.saved_tensors
         f = _fla(kind)
         do = torch.zeros(*v.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device) if do is None else do.contiguous()
         if policy == "full":
@@ -126,9 +130,10 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,
                                               chunk_indices=ci, final_dtypes=q.shape[2] == v.shape[2])
         dq, dk = fold_gva(dq, dk, q.shape[2])
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g_dtype), db.to(beta.dtype),
+        dq, dk = normalize_backward(q, q_rstd, dq.to(q.dtype)), normalize_backward(k, k_rstd, dk.to(k.dtype))
+        return (dq, dk, dv.to(v.dtype), dg.to(g_dtype), db.to(beta.dtype),
                 None if dw is None else dw.to(w_gate.dtype), dh0 if h0 is not None else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _state(initial_state):
@@ -136,19 +141,20 @@ def _state(initial_state):
 
 
 def triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy, *,
-                    safe_gate: bool = False, cu_seqlens=None):
+                    safe_gate: bool = False, cu_seqlens=None, qk_l2norm: bool = False):
     """KDA on CUDA with the ReWY backward. Activated inputs in FLA's layout:
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] natural-log per-token
     gates (<= 0); beta [B, T, HV]; initial_state [N, HV, K, V] ([N, HV, V, K]
-    with ``state_v_first``). q, k and v must share one dtype (FLA's kernels)."""
+    with ``state_v_first``). q, k and v must share one dtype (FLA's kernels).
+    ``qk_l2norm``: q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
     o, ht = ReWYTritonKDAFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                         beta.contiguous(), None, _state(initial_state), scale, policy,
-                                        state_v_first, safe_gate, cu_seqlens)
+                                        state_v_first, safe_gate, cu_seqlens, qk_l2norm)
     return o, (ht if output_final_state else None)
 
 
 def triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy, *,
-                     safe_gate: bool = False, cu_seqlens=None):
+                     safe_gate: bool = False, cu_seqlens=None, qk_l2norm: bool = False):
     """GDN2 on CUDA with the ReWY backward: b [B, T, H, K] erase gate, w
     [B, T, H, V] write gate, no GVA (as in FLA 0.6.0); otherwise as
     ``triton_kda_core``."""
@@ -156,5 +162,5 @@ def triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state,
         raise ValueError("GDN2 has no GVA in FLA 0.6.0: v must have as many heads as q")
     o, ht = ReWYTritonKDAFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                         b.contiguous(), w.contiguous(), _state(initial_state), scale, policy,
-                                        state_v_first, safe_gate, cu_seqlens)
+                                        state_v_first, safe_gate, cu_seqlens, qk_l2norm)
     return o, (ht if output_final_state else None)

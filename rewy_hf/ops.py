@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
-from .kernels.reference import L2NORM_EPS, beta_activation, gdn_gate, kda_gate, l2norm
+from .kernels.reference import beta_activation, gdn_gate, kda_gate, l2norm
 from .kernels.torch_backend import compute_dtype, delta_rule_core
 from .validation import (
     check_chunk_size,
@@ -50,22 +50,11 @@ def _state_layout(state_v_first: bool, extras: dict) -> bool:
     return bool(extras["transpose_state_layout"])
 
 
-def _prepare_qk(q, k, use_qk_l2norm_in_kernel: bool, keep_dtype: bool = False):
-    """l2norm in float32 (float64 stays float64) for the torch backend.
-
-    ``keep_dtype`` (the triton backends, whose kernels need q, k, v in one dtype)
-    runs FLA's fused l2norm instead, as FLA's own ops do: float32 inside, the
-    input dtype out, and for backward it keeps only its output (which the core
-    saves anyway) and one float32 norm per row. The unfused torch ops would keep
-    a float32 copy of q and k per layer until backward: about 1 GB more peak
-    memory and a slower step on a 15-layer Qwen3.5 at 4096 tokens.
-    """
+def _prepare_qk(q, k, use_qk_l2norm_in_kernel: bool):
+    """l2norm in float32 (float64 stays float64) for the torch backend. The triton
+    backends normalise inside their autograd functions instead (kernels/qk_l2norm.py)."""
     if not use_qk_l2norm_in_kernel:
         return q, k
-    if keep_dtype:
-        from fla.modules.l2norm import l2norm as fused_l2norm
-
-        return fused_l2norm(q, eps=L2NORM_EPS), fused_l2norm(k, eps=L2NORM_EPS)
     dt = compute_dtype(q)
     return l2norm(q.to(dt)), l2norm(k.to(dt))
 
@@ -182,9 +171,8 @@ def chunk_delta_rule(
     check_shape("beta", beta, (B, T, HV), "[B, T, H]")
     check_finite(q=q, k=k, v=v, beta=beta, initial_state=initial_state)
     if chosen == "triton":
-        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
         return triton_gdn_core(q, k, v, None, beta, scale, initial_state, output_final_state, False, policy,
-                               cu_seqlens)
+                               cu_seqlens, use_qk_l2norm_in_kernel)
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, None, beta.unsqueeze(-1), None, scale, initial_state,
                            output_final_state, cu_seqlens, False, policy)
@@ -236,9 +224,8 @@ def chunk_gated_delta_rule(
         g = gdn_gate(g.to(dt), A_log.reshape(-1).to(dt), None if dt_bias is None else dt_bias.reshape(-1).to(dt))
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if chosen == "triton":
-        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
         return triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
-                               cu_seqlens)
+                               cu_seqlens, use_qk_l2norm_in_kernel)
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), None, scale, initial_state,
                            output_final_state, cu_seqlens, state_v_first, policy)
@@ -295,9 +282,8 @@ def chunk_kda(
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), HV, K)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if chosen == "triton":
-        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
         return triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
-                               safe_gate=safe_gate, cu_seqlens=cu_seqlens)
+                               safe_gate=safe_gate, cu_seqlens=cu_seqlens, qk_l2norm=use_qk_l2norm_in_kernel)
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, g, beta.unsqueeze(-1), None, scale, initial_state,
                            output_final_state, cu_seqlens, state_v_first, policy)
@@ -349,9 +335,8 @@ def chunk_gdn2(
     check_finite(q=q, k=k, v=v, g=g, b=b, w=w, initial_state=initial_state)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), H, K)
     if chosen == "triton":
-        q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel, keep_dtype=True)
         return triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy,
-                                safe_gate=safe_gate, cu_seqlens=cu_seqlens)
+                                safe_gate=safe_gate, cu_seqlens=cu_seqlens, qk_l2norm=use_qk_l2norm_in_kernel)
     q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
     return delta_rule_core(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens,
                            state_v_first, policy)

@@ -98,14 +98,15 @@ def _inputs(op, T, H, HV, K, V, N, seed):
     return [q, k, v, g, beta, h0], do, dht
 
 
-def _compare(op, inputs, do, dht, policy, cu_seqlens=None):
+def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False):
     K = inputs[0].shape[-1]
     leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     q, k, v, g, beta, h0 = leaves
-    o, ht = triton_gdn.triton_gdn_core(q, k, v, g, beta, K ** -0.5, h0, True, False, policy, cu_seqlens)
+    o, ht = triton_gdn.triton_gdn_core(q, k, v, g, beta, K ** -0.5, h0, True, False, policy, cu_seqlens, qk_l2norm)
     ref_leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     rq, rk, rv, rg, rb, rh0 = ref_leaves
-    kw = dict(scale=K ** -0.5, initial_state=rh0, output_final_state=True, backend="torch", cu_seqlens=cu_seqlens)
+    kw = dict(scale=K ** -0.5, initial_state=rh0, output_final_state=True, backend="torch", cu_seqlens=cu_seqlens,
+              use_qk_l2norm_in_kernel=qk_l2norm)
     if op == "gdn":
         o_ref, ht_ref = rewy_hf.chunk_gated_delta_rule(rq, rk, rv, rg, rb, **kw)
     else:
@@ -136,3 +137,38 @@ def test_function_packed_sequences(policy, monkeypatch):
     cu = torch.tensor([0, 70, 200, 230])
     inputs, do, dht = _inputs("gdn", T=230, H=2, HV=2, K=32, V=16, N=3, seed=12)
     _compare("gdn", inputs, do, dht, policy, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_function_normalises_q_and_k_inside(policy, monkeypatch):
+    """qk_l2norm (FLA's use_qk_l2norm_in_kernel): raw q and k go in, the l2norm and its
+    gradient run inside the function; GVA, ragged T."""
+    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
+    inputs, do, dht = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    inputs[0] = 3 * torch.randn(inputs[0].shape, generator=gen)
+    inputs[1] = 0.5 * torch.randn(inputs[1].shape, generator=gen)
+    _compare("gdn", inputs, do, dht, policy, qk_l2norm=True)
+
+
+def test_function_with_qk_l2norm_keeps_only_normalised_q_k_and_row_norms(monkeypatch):
+    """What the recompute policy keeps for backward with qk_l2norm: the normalised q and
+    k in their dtype and one float32 per row each -- no other tensor of q's shape (a float32
+    copy of q or k per layer is what made a patched Qwen3.5 step larger)."""
+    def fwd_h_half(k, w, u, **kw):
+        h, v_new, ht = _loop_fwd_h(k.float(), w.float(), u.float(), **kw)
+        return h.to(k.dtype), v_new.to(u.dtype), ht             # FLA's fwd_h returns both in k's dtype
+
+    _replace_recurrences(monkeypatch, fwd_h_half, _refuse)
+    (q, k, v, g, beta, h0), _, _ = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=15)
+    q, k, v, beta = (x.half().requires_grad_() for x in (q, k, v, beta))     # beta in their dtype, as FLA takes it
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        triton_gdn.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, None, False, False, "recompute", None, True)
+    assert [s for s in saved if s[0] == tuple(q.shape)] == [(tuple(q.shape), torch.float16)] * 2, saved
+    assert [s for s in saved if s[0] == tuple(q.shape[:-1])] == [(tuple(q.shape[:-1]), torch.float32)] * 2, saved

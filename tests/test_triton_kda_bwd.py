@@ -381,9 +381,11 @@ def _torch_bwd_dhu(q, k, w, do, dv, gk, h0=None, dht=None, scale=None, state_v_f
     return dh.reshape(B, -1, *dh.shape[1:]).contiguous(), dh0, dv2.view(B, T, HV, V)
 
 
-def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_first, policy, seed):
+def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_first, policy, seed,
+                     qk_l2norm=False):
     """The KDA Function (FLA's real forward stages in the interpreter, the two state
-    recurrences replaced by ``fwd_h`` / ``bwd_dhu``) against the torch backend."""
+    recurrences replaced by ``fwd_h`` / ``bwd_dhu``) against the torch backend.
+    ``qk_l2norm``: raw q, k, normalised inside (FLA's use_qk_l2norm_in_kernel)."""
     import rewy_hf
     from rewy_hf.kernels import triton_kda
 
@@ -397,30 +399,34 @@ def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_
     monkeypatch.setattr(triton_kda, "_fla", stages)
     gen = torch.Generator().manual_seed(seed)
     state = (B, HV, V, K) if state_v_first else (B, HV, K, V)
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    unit = (lambda x: 2 * x) if qk_l2norm else (lambda x: F.normalize(x, dim=-1))
+    q = unit(torch.randn(B, T, H, K, generator=gen))
+    k = unit(torch.randn(B, T, H, K, generator=gen))
     v = torch.randn(B, T, HV, V, generator=gen)
     g = F.logsigmoid(torch.randn(B, T, HV, K, generator=gen))
     beta = torch.rand(B, T, HV, generator=gen)
     h0 = torch.randn(*state, generator=gen) * 0.3
     do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(*state, generator=gen) * 0.3
     ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, state_v_first, policy)
+    o, ht = triton_kda.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, state_v_first, policy,
+                                       qk_l2norm=qk_l2norm)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ours)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
     o_ref, ht_ref = rewy_hf.chunk_kda(*ref_in[:5], scale=K ** -0.5, initial_state=ref_in[5], output_final_state=True,
-                                      state_v_first=state_v_first, backend="torch", policy="full")
+                                      state_v_first=state_v_first, backend="torch", policy="full",
+                                      use_qk_l2norm_in_kernel=qk_l2norm)
     ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref_in)
     errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
     errors.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref)})
     return errors
 
 
+@pytest.mark.parametrize("qk_l2norm", [False, True])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_matches_torch_backend(policy, monkeypatch):
-    # GVA, ragged, state_v_first, initial state and dht
+def test_function_matches_torch_backend(policy, qk_l2norm, monkeypatch):
+    # GVA, ragged, state_v_first, initial state and dht; q/k l2norm inside the function or not
     errors = _function_errors(monkeypatch, _torch_fwd_h, _torch_bwd_dhu, B=1, T=70, H=1, HV=2, K=32, V=32,
-                              state_v_first=True, policy=policy, seed=7)
+                              state_v_first=True, policy=policy, seed=7, qk_l2norm=qk_l2norm)
     assert max(errors.values()) < 1e-5, errors
 
 
