@@ -151,14 +151,15 @@ def _run_ops(args, device: str, guard: dict) -> int:
     s = Settings(device=device, backend=args.backend, reps=args.reps or _OP_REPS[not cuda],
                  warmup=_OP_WARMUP[not cuda] if args.warmup is None else args.warmup, rep_ms=args.rep_ms,
                  check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard)
-    base = baseline_label(device)
+    env = environment(device)
+    base = baseline_label(device, env["versions"])
     timing = (f"median of {s.reps} alternating rounds after {s.warmup} warm-up run(s) per side; each round one "
               f"triton.testing.do_bench median over {s.rep_ms:g} ms of runs" if cuda else
               f"median of {s.reps} alternating time.perf_counter runs after {s.warmup} warm-up run(s) per side")
     check = ("input gradients vs " + ("rewy's torch backend (policy full) on the same BF16 values in float32"
                                       if cuda else "the float64 reference recurrence on the same values")
              + "; relative Frobenius error, worst over the gradients")
-    data = {"kind": "ops", **environment(device), "baseline": baseline_description(device), "settings": {
+    data = {"kind": "ops", **env, "baseline": baseline_description(device, env["versions"]), "settings": {
         "ops": ops, "policies": policies, "boundaries": boundaries, "backend": s.backend,
         "shapes": [sh.__dict__ for sh in shapes], "shapes_origin": origin,
         "qkv_dtype": str(s.qkv_dtype).removeprefix("torch."), "gates_dtype": "float32",
@@ -233,7 +234,8 @@ def _render(args) -> int:
         if args.plot:
             plot_model_steps(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
     else:
-        rows, boundaries, base = data["rows"], data["settings"]["boundaries"], baseline_label(data["device"])
+        rows, boundaries = data["rows"], data["settings"]["boundaries"]
+        base = baseline_label(data["device"], data.get("versions"))
         for table in format_op_tables(rows, boundaries, base, data["device"]):
             print(table + "\n")
         if args.plot:
@@ -253,7 +255,7 @@ def _write_markdown(args, data: dict) -> None:
     from .bench_output import markdown_report
 
     with open(args.markdown, "w", encoding="utf-8") as f:
-        f.write(markdown_report(data, baseline_label(data.get("device", "cuda"))))
+        f.write(markdown_report(data, baseline_label(data.get("device", "cuda"), data.get("versions"))))
     print(f"Markdown: {args.markdown}")
 
 

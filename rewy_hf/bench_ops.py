@@ -74,12 +74,19 @@ class Impl:
     note: str = ""
 
 
-def baseline_label(device: str) -> str:
-    return "FLA" if device == "cuda" else "ref"
+def baseline_label(device: str, versions: dict | None = None) -> str:
+    """The baseline's name in tables; ``versions`` is the run's (FlashQLA installed changes what FLA runs)."""
+    if device != "cuda":
+        return "ref"
+    return "FLA+QLA" if (versions or {}).get("flash-qla") else "FLA"
 
 
-def baseline_description(device: str) -> str:
+def baseline_description(device: str, versions: dict | None = None) -> str:
     if device == "cuda":
+        if qla := (versions or {}).get("flash-qla"):
+            return (f"FLA 0.6.0 (fla.ops chunk_* ops) with flash-qla {qla} installed: FLA runs GDN "
+                    "(chunk_gated_delta_rule) through FlashQLA's TileLang kernels, the other ops through its Triton "
+                    "kernels")
         return "FLA 0.6.0 (fla.ops chunk_* ops, Triton kernels)"
     return ("autograd through rewy's token-by-token reference recurrence (rewy_hf.kernels.reference, computes in "
             "float64): a CPU comparison against the reference path, NOT against FLA")

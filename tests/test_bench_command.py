@@ -139,6 +139,25 @@ def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
     assert code == 2 and "different device_name" in err and str(files[1]) in err
 
 
+def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
+    """FLA runs GDN through FlashQLA when flash-qla is installed: a GPU run's tables must
+    not call that baseline plain FLA (the run's versions say which it was)."""
+    from rewy_hf.bench_ops import baseline_description, baseline_label
+
+    assert baseline_label("cuda", {"flash-qla": None}) == "FLA" and baseline_label("cpu", {"flash-qla": "0.1.3"}) == "ref"
+    assert baseline_label("cuda", {"flash-qla": "0.1.3"}) == "FLA+QLA"
+    assert "FlashQLA" in baseline_description("cuda", {"flash-qla": "0.1.3"})
+    assert "FlashQLA" not in baseline_description("cuda", {"flash-qla": None})
+    path = tmp_path / "gdn.json"
+    code, _, _ = _bench([*TINY, "--op", "gdn", "--policy", "full", "--json", str(path)], capsys)
+    assert code == 0
+    data = json.loads(path.read_text())
+    data["device"], data["versions"]["flash-qla"] = "cuda", "0.1.3"      # as the H200 run recorded it
+    path.write_text(json.dumps(data))
+    code, out, _ = _bench(["--from-json", str(path)], capsys)
+    assert code == 0 and "B: FLA+QLA ms" in out and "B: ref ms" not in out
+
+
 def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, capsys):
     """A device time limit can stop a run mid-suite; a later run of the missing
     (op, shape) rows makes the combined report whole, and a row timed in both

@@ -17,10 +17,11 @@
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
-# Next first call (nvidia-h200-x2, carry [".whl"]): the KDA/GDN2 suite with the kernel-written bf16 outputs, the
-# GPU tests (new: KDA as FLA's layer calls it) and the unpatched side of the model profile, cache saved:
-#   SAVE_CACHE=1 T_bench_kda=540 T_tests=200 T_kda_intra=80 bash tools/h200_next.sh pair "kda-intra tests" "bench-kda"
-# then model-profile; if the dense stage 2 wins, REWY_KDA_INTRA=dense bench-kda and make it the default.
+# Next first call (nvidia-h200-x2, carry [".whl"]): KDA's two H = 32 shapes with the 32-channel Matrix Intra
+# (the 2026-11-30c run was cut before them), the current KDA/GDN2 per-kernel profile, and the qwen3.5-1b step
+# profile again (run it after any change to the host path, e.g. the q/k l2norm folded into rewy's functions):
+#   T_bench_kda=540 OPS_KDA=kda SHAPES_KDA="4,4096,32 1,32768,32" KDA_SECTIONS=profile \
+#       bash tools/h200_next.sh pair "model-profile kda-profile" "bench-kda"
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
