@@ -530,7 +530,7 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
     partials of stage 1 and returns the final (dq, dk, dg, db), dq and dk per
     value head. dg is with respect to the natural-log per-token gate (the
     reverse cumulative sum is done here). ``inplace`` writes dq, dk, dg over
-    the partial buffers (and db over its partials). The grid splits K into
+    the partial buffers (and GDN2's db over its partials). The grid splits K into
     blocks of ``block_k`` (default ``INTRA_BLOCK_K``); with several blocks,
     KDA's per-block db shares are summed here. ``dqk_dtype`` / ``db_dtype``
     write the final dq, dk / GDN2's db in that dtype straight from the kernel

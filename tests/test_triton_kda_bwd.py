@@ -225,26 +225,9 @@ def test_wy_kernel_with_fp32_partials(name, monkeypatch):
     test_wy_kernel_matches_torch_stage(name)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_intra_kernel_matches_torch_stage(name):
-    case, v_first, block_k = _case(name)
-    inp = case.kernel_inputs(v_first)
-    ref = case.torch_partials()
-    fla = case.fla
-    if case.kind == "kda":
-        db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], dim=-1)      # two partial slots
-    else:
-        db_part = fla(ref["db_k"])
-    dq, dk, dg, db = tk.rewy_kda_bwd_intra(
-        inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
-        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, block_k=block_k)
-    errors = case.check_final(dq, dk, dg, db)
-    assert max(errors.values()) < TOL[CASES[name][6]], errors
-
-
-@pytest.mark.parametrize("name", ["kda_gva_K64_split", "kda_mixed_decay", "gdn2_mixed_varlen"])
-def test_intra_exact_path_alone(name):
-    """span_limit < 0 sends every diagonal block down the exact elementwise path."""
+def _intra_errors(name, **options):
+    """Stage 2 alone on the torch stage's partials (KDA: its two db slots) against the torch
+    backward; ``options`` go to rewy_kda_bwd_intra (block_k, span_limit)."""
     case, v_first, _ = _case(name)
     inp = case.kernel_inputs(v_first)
     ref = case.torch_partials()
@@ -252,8 +235,28 @@ def test_intra_exact_path_alone(name):
     db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], -1) if case.kind == "kda" else fla(ref["db_k"])
     out = tk.rewy_kda_bwd_intra(
         inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
-        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, span_limit=-1.0)
-    errors = case.check_final(*out)
+        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, **options)
+    return case.check_final(*out)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_intra_kernel_matches_torch_stage(name):
+    errors = _intra_errors(name, block_k=CASES[name][9])
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+@pytest.mark.parametrize("name", ["kda_gva_K64_split", "kda_mixed_decay", "gdn2_mixed_varlen"])
+def test_intra_exact_path_alone(name):
+    """span_limit < 0 sends every diagonal block down the exact elementwise path."""
+    errors = _intra_errors(name, span_limit=-1.0)
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
+@pytest.mark.parametrize("name", ["kda_gva_K64_split", "gdn2_ragged_K64"])
+def test_intra_kernel_with_more_key_blocks_than_db_slots(name):
+    """Stage 2 narrower than stage 1: four 16-channel blocks against KDA's two
+    db slots, each block writing its own share."""
+    errors = _intra_errors(name, block_k=16)
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
@@ -288,22 +291,6 @@ def test_final_dtypes_are_written_by_the_kernel(name):
         if ours is not None:
             assert torch.isfinite(ours).all()
             assert torch.equal(ours, ref.to(ours.dtype))
-
-
-@pytest.mark.parametrize("name", ["kda_gva_K64_split", "gdn2_ragged_K64"])
-def test_intra_kernel_with_more_key_blocks_than_db_slots(name):
-    """Stage 2 narrower than stage 1: four 16-channel blocks against KDA's two
-    db slots, each block writing its own share."""
-    case, v_first, _ = _case(name)
-    inp = case.kernel_inputs(v_first)
-    ref = case.torch_partials()
-    fla = case.fla
-    db_part = torch.cat([fla(ref["db_k"]), fla(ref["db_v"])], -1) if case.kind == "kda" else fla(ref["db_k"])
-    out = tk.rewy_kda_bwd_intra(
-        inp["q"], inp["k"], inp["g"], inp["beta"], fla(ref["dAqk"]), fla(ref["dL"]),
-        fla(ref["dq"]), fla(ref["dk"]), fla(ref["dG"]), db_part, cu_seqlens=case.cu, inplace=False, block_k=16)
-    errors = case.check_final(*out)
-    assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
 @pytest.mark.parametrize("intra_block_k", [64, 16])
