@@ -5,8 +5,8 @@ model (a preset or hub id), runs warm-up steps on each side, then profiles one
 step per side with torch.profiler and prints, per side, the step's wall time
 next to its summed kernel time (when the wall time is much larger, the CPU
 launch path rather than the GPU bounds the step), the delta-rule kernels
-(FLA's chunk stages and rewy's) and the kernels whose total device time differs
-most between the sides. FLA's GDN guard (Hopper, Triton < 3.7.1) is lifted for
+(FLA's chunk stages and rewy's), and where the sides differ most: device time
+and launches per kernel, and host (self CPU) time per op. FLA's GDN guard (Hopper, Triton < 3.7.1) is lifted for
 the unpatched side: its time is valid, its gradients are not used.
 
 Usage: python benchmarks/model_profile.py --model qwen3.5-1b --seq-len 4096
@@ -84,18 +84,17 @@ def main() -> None:
               f"delta-rule kernels {sum(dr.values()):.2f} ms; host (self CPU, all ops) {sum(host.values()):.1f} ms")
         for n, t in sorted(dr.items(), key=lambda x: -x[1])[:a.top]:
             print(f"  {t:8.3f}  {n}")
-    un, pa = result["unpatched"][1], result["patched"][1]
-    diff = sorted(((pa.get(n, 0.0) - un.get(n, 0.0), n) for n in set(un) | set(pa)), key=lambda x: -abs(x[0]))
-    print("\nlargest differences, patched - unpatched (ms of device time per step):")
-    for d, n in diff[:a.top]:
-        print(f"  {d:+8.3f}  unpatched {un.get(n, 0.0):7.3f}  patched {pa.get(n, 0.0):7.3f}  {n}")
-    # A launch-bound step is paid for on the host: extra launches and host-side ops are where it goes.
-    for title, i, fmt in (("kernel launches", 3, "{:+8d}"), ("host time (self CPU ms)", 4, "{:+8.3f}")):
+    # Where the sides differ: device time per kernel and, since a launch-bound step is paid for on the
+    # host, launches per kernel and host time per op.
+    for title, i, dfmt, vfmt in (("device time (ms per step)", 1, "{:+8.3f}", "{:8.3f}"),
+                                 ("kernel launches", 3, "{:+8d}", "{:8d}"),
+                                 ("host time (self CPU ms)", 4, "{:+8.3f}", "{:8.2f}")):
         un, pa = result["unpatched"][i], result["patched"][i]
         diff = sorted(((pa.get(n, 0) - un.get(n, 0), n) for n in set(un) | set(pa)), key=lambda x: -abs(x[0]))
         print(f"\nlargest differences in {title}, patched - unpatched:")
         for d, n in diff[:a.top]:
-            print(f"  {fmt.format(d)}  unpatched {un.get(n, 0):8.2f}  patched {pa.get(n, 0):8.2f}  {n}")
+            print(f"  {dfmt.format(d)}  unpatched {vfmt.format(un.get(n, 0))}  patched {vfmt.format(pa.get(n, 0))}"
+                  f"  {n}")
 
 
 if __name__ == "__main__":

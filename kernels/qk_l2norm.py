@@ -30,10 +30,11 @@ def normalize(x: torch.Tensor, on: bool) -> tuple[torch.Tensor, torch.Tensor | N
 
 
 def normalize_backward(y: torch.Tensor, rstd: torch.Tensor | None, dy: torch.Tensor) -> torch.Tensor:
-    """The gradient with respect to the raw rows, from ``dy`` with respect to the normalised
-    rows ``y`` (``rstd`` None: nothing was normalised, dy passes through)."""
+    """The gradient with respect to the raw rows, in y's dtype, from ``dy`` with respect to
+    the normalised rows ``y`` (``rstd`` None: nothing was normalised, dy passes through)."""
+    dy = dy.to(y.dtype)
     if rstd is None:
         return dy
     from fla.modules.norm.l2norm import l2norm_bwd
 
-    return l2norm_bwd(y, rstd, dy.to(y.dtype).contiguous(), eps=L2NORM_EPS)
+    return l2norm_bwd(y, rstd, dy.contiguous(), eps=L2NORM_EPS)

@@ -100,7 +100,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                         chunk_size=64, **pk)
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
-        dq, dk = normalize_backward(q, q_rstd, dq.to(q.dtype)), normalize_backward(k, k_rstd, dk.to(k.dtype))
+        dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)
         return (dq, dk, dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),
                 dh0 if has_h0 else None, None, None, None, None)
 

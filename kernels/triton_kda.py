@@ -130,7 +130,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,
                                               chunk_indices=ci, final_dtypes=q.shape[2] == v.shape[2])
         dq, dk = fold_gva(dq, dk, q.shape[2])
-        dq, dk = normalize_backward(q, q_rstd, dq.to(q.dtype)), normalize_backward(k, k_rstd, dk.to(k.dtype))
+        dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)
         return (dq, dk, dv.to(v.dtype), dg.to(g_dtype), db.to(beta.dtype),
                 None if dw is None else dw.to(w_gate.dtype), dh0 if h0 is not None else None,
                 None, None, None, None, None, None)
