@@ -32,8 +32,10 @@ import triton
 import triton.language as tl
 
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
-# time is paid per config.
-_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=2) for bv in (64, 128) for nw in (4, 8)]
+# time is paid per config. Chosen from a sweep on the H200 at (2, 8192, 16), K = V = 128
+# (benchmarks/kernel_configs.py): BV 32 with 4 warps and 3 stages 0.633 ms, BV 128 with
+# 4 warps 0.723 ms; every 8-warp config was slower (0.79-1.12 ms).
+_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((32, 3), (32, 2), (64, 3), (128, 2))]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -169,7 +171,7 @@ def rewy_gdn_bwd_local_kernel(
 
 
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
-                       cu_seqlens=None, chunk_indices=None):
+                       cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
     """Chunk-local ReWY backward in FLA's layout.
 
     q, k: [B, T, H, K]; v, v_new, do, dv2: [B, T, HV, V]; g (log2-unit chunk
@@ -179,6 +181,8 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     ``chunk_indices`` is FLA's [NT_total, 2] table of (sequence, chunk) and h, dh
     are [1, NT_total, HV, K, V]. dq and dk come back per value head
     ([B, T, HV, K]); the caller sums them over each key head's group (GVA).
+    ``block_k``: key channels per program (default 64; each key block repeats
+    the key-independent value-side products).
     """
     q, k, v, v_new, beta, A, h, dh, do, dv2 = (
         t.contiguous() for t in (q, k, v, v_new, beta, A, h, dh, do, dv2))
@@ -188,7 +192,7 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     BT = A.shape[-1]
     if K > 256:
         raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
-    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
     # Gradients leave in the input dtype (accumulation is float32 in-kernel) unless the
     # caller must still sum value heads into key heads (GVA): fp32 copies cost peak memory.

@@ -40,9 +40,10 @@ W = A X, U = A Y, Vn = U - W h.
    block folds in stage 1's slots; with one K block that is the final db,
    with several each block writes its share to its own slot of a new
    [.., NKI] buffer and the caller sums them (one small reduction).
-   Its key blocks are narrower than stage 1's (``INTRA_BLOCK_K``, 32): the
-   loop over sub-blocks is latency-bound, and twice the programs of half
-   the width hide more of it (1.57 vs 1.69 ms at (2, 8192, 16), H200).
+   The loop over sub-blocks is latency-bound, and its products are small
+   ([16, 16] x [16, BK]), so each program runs two warps with the J loops
+   software-pipelined (num_stages 3): 1.13 ms at (2, 8192, 16) on the
+   H200, against 1.51 ms with four or eight warps and 32-channel blocks.
    A whole-chunk variant (16 masked [64, 64] x [64, BK] products instead
    of 40 [16, 16] ones, q/k/gates loaded once) was built and measured
    too: 1.83 / 2.75 ms at block width 32 / 64, slower, and was removed.
@@ -100,9 +101,9 @@ DIAG_PRECISION = os.environ.get("REWY_KDA_DIAG_PRECISION", "tf32x3")
 # and dY Vn^T): "bf16" rounds the partial to bf16 like FLA's kernel does;
 # "tf32" / "tf32x3" / "ieee" keep it in fp32 with that input precision.
 WY_PRECISION = os.environ.get("REWY_KDA_WY_PRECISION", "bf16")
-# Key channels per stage-2 program (stage 1 keeps 64: its accumulators are
-# [64, BK] tiles over the value loop and gain nothing from narrower blocks).
-INTRA_BLOCK_K = int(os.environ.get("REWY_KDA_INTRA_BLOCK_K", "32"))
+# Key channels per stage-2 program. With two warps per program 64 is fastest; 32 won only while
+# the kernel ran four or eight warps on its small tiles (docs/performance.md).
+INTRA_BLOCK_K = int(os.environ.get("REWY_KDA_INTRA_BLOCK_K", "64"))
 
 
 def _narrow(dtype: torch.dtype) -> torch.dtype | None:
@@ -284,7 +285,11 @@ def rewy_kda_bwd_wy_kernel(
 
 
 @triton.autotune(
-    configs=[triton.Config({}, num_warps=nw, num_stages=1, maxnreg=r) for nw in (4, 8) for r in (None, 128)],
+    # Its tiles are [16, BK]: two warps cover them, and num_stages > 1 lets Triton prefetch the next
+    # sub-block of the J loops while multiplying this one. On the H200 at (2, 8192, 16), block width 64:
+    # 1.13 ms with (2 warps, 3 stages) against 1.46 (4, 3), 1.72 (4, 1) and 2.90 (8, 1)
+    # (benchmarks/kernel_configs.py).
+    configs=[triton.Config({}, num_warps=nw, num_stages=ns) for nw, ns in ((2, 3), (2, 2), (4, 3))],
     key=["T", "H", "HV", "K", "BK", "VEC", "NDB", "NKI"],
     # the kernel updates its partial inputs in place: benchmarking configs must not accumulate
     restore_value=["dq", "dk", "dG", "dbp"],

@@ -7,7 +7,8 @@
 #   bash tools/h200_next.sh bench-kda    # rewy-hf bench: kda + gdn2, Triton backward, same grid
 #   bash tools/h200_next.sh kda          # benchmarks/kda_gpu_check.py (checks, timing, per-kernel profile)
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
-#   bash tools/h200_next.sh kda-intra    # stage 2 alone at key-block widths 64, 32, 16 (INTRA_BLOCK_K)
+#   bash tools/h200_next.sh configs      # benchmarks/kernel_configs.py: launch configs outside the autotune lists;
+#                                        # configs:kda-wy,gdn-local picks kernels; T_configs per kernel, CONFIG_ARGS
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
@@ -53,11 +54,15 @@ bench-gdn|bench-kda)
   (cd /tmp && timeout $(lim $1 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
       --shapes $3 --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
   tail -n 45 $O/$1.log ;;
-kda-intra)
-  for op in kda gdn2; do
-    timeout $(lim kda-intra 120) python3 benchmarks/kda_intra_widths.py --op $op >> $O/kda_intra.log 2>&1
+configs|configs:*)
+  # configs:k1,k2 (kernels of benchmarks/kernel_configs.py; plain "configs": both Matrix Intra kernels);
+  # CONFIG_ARGS go to the script (e.g. "--repeat 3")
+  kernels=kda-intra,gdn2-intra; [ "$1" != configs ] && kernels=${1#configs:}
+  for kn in ${kernels//,/ }; do
+    timeout $(lim configs 300) python3 benchmarks/kernel_configs.py --kernel $kn --budget $(( $(lim configs 300) - 30 )) $CONFIG_ARGS \
+        >> $O/kernel_configs${CUDA_VISIBLE_DEVICES}.log 2>&1
   done
-  tail -n 40 $O/kda_intra.log ;;
+  tail -n 60 $O/kernel_configs${CUDA_VISIBLE_DEVICES}.log ;;
 kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
   tail -n 20 $O/kda_prec.log ;;
@@ -93,7 +98,7 @@ qla-b)
       --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|kda-intra|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }
 
