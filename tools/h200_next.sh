@@ -5,6 +5,7 @@
 #   bash tools/h200_next.sh verify       # rewy-hf verify --device cuda, timed (a cold machine, as a user has)
 #   bash tools/h200_next.sh bench-gdn    # rewy-hf bench: delta_rule + gdn, six shapes, both policies, B and FB
 #   bash tools/h200_next.sh bench-kda    # rewy-hf bench: kda + gdn2, Triton backward, same grid
+#                                        # (bench-kda:gdn2 / bench-gdn:gdn: those ops only, own file names)
 #   bash tools/h200_next.sh kda          # benchmarks/kda_gpu_check.py (checks, timing, per-kernel profile)
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
 #   bash tools/h200_next.sh configs      # benchmarks/kernel_configs.py: launch configs outside the autotune lists;
@@ -46,12 +47,14 @@ verify)
   (cd /tmp && /usr/bin/time -f "verify wall %e s" timeout $(lim verify 200) python3 -m rewy_hf verify --device cuda \
       --json $O/verify.json > $O/verify.log 2>&1; echo "exit $?" >> $O/verify.log)
   tail -n 30 $O/verify.log ;;
-bench-gdn|bench-kda)
-  if [ "$1" = bench-gdn ]; then set -- $1 "${OPS_GDN:-delta_rule gdn}" "${SHAPES_GDN:-suite}"
-  else set -- $1 "${OPS_KDA:-kda gdn2}" "${SHAPES_KDA:-suite}"; fi
+bench-gdn|bench-kda|bench-gdn:*|bench-kda:*)
+  # bench-kda:gdn2 (ops after the colon, comma-separated) writes bench-kda-gdn2.{json,md,log}: one op per GPU
+  ops=${1#*:}; [ "$ops" = "$1" ] && ops=""; ops=${ops//,/ }; name=${1//:/-}; name=${name//,/-}
+  if [[ $1 == bench-gdn* ]]; then set -- $name "${ops:-${OPS_GDN:-delta_rule gdn}}" "${SHAPES_GDN:-suite}" bench-gdn
+  else set -- $name "${ops:-${OPS_KDA:-kda gdn2}}" "${SHAPES_KDA:-suite}" bench-kda; fi
   if [ -f $O/kda_choice.env ]; then source $O/kda_choice.env; fi
   # cd /tmp: the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
-  (cd /tmp && timeout $(lim $1 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
+  (cd /tmp && timeout $(lim $4 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
       --shapes $3 --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
   tail -n 45 $O/$1.log ;;
 configs|configs:*)
