@@ -93,12 +93,12 @@ def sweeps(name: str):
                  (64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (32, 8, 3)]
         return [({}, C({"BV": bv}, num_warps=nw, num_stages=ns)) for bv, nw, ns in picks]
     if name == "gdn-local":
-        out = []
-        for bk, bv, nw, ns in itertools.product((64, 128), (64, 32, 128), (4, 8), (1, 2, 3)):
-            if bk == 128 and nw == 4:
-                continue
-            out.append(({"block_k": bk}, C({"BV": bv}, num_warps=nw, num_stages=ns)))
-        return out
+        # the autotune list first (triton_gdn_bwd._CONFIGS), then the rest of the first sweep's grid
+        picks = [(64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
+        for pick in itertools.product((64, 128), (64, 32, 128), (4, 8), (1, 2, 3)):
+            if pick not in picks and not (pick[0] == 128 and pick[2] == 4):
+                picks.append(pick)
+        return [({"block_k": bk}, C({"BV": bv}, num_warps=nw, num_stages=ns)) for bk, bv, nw, ns in picks]
     raise ValueError(name)
 
 
