@@ -19,11 +19,11 @@
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
-# Next first call (nvidia-h200-x2, carry [".whl"]): KDA's two H = 32 shapes with the 32-channel Matrix Intra
-# (the 2026-11-30c run was cut before them), the current KDA/GDN2 per-kernel profile, and the qwen3.5-1b step
-# profile again (run it after any change to the host path, e.g. the q/k l2norm folded into rewy's functions):
-#   T_bench_kda=540 OPS_KDA=kda SHAPES_KDA="4,4096,32 1,32768,32" KDA_SECTIONS=profile \
-#       bash tools/h200_next.sh pair "model-profile kda-profile" "bench-kda"
+# Next first call (nvidia-h200-x2, carry [".whl"]): the KDA / GDN2 bench with the Residual WY kernel on 4 warps
+# and 1 stage (measured alone, not yet in a bench), the current KDA/GDN2 per-kernel profile (cut last time: give it
+# 300 s), and the qwen3.5-1b step bench and profile with the q/k l2norm inside rewy's functions:
+#   T_bench_kda=570 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
+#   T_kda_profile=300 KDA_SECTIONS=profile bash tools/h200_next.sh pair "kda-profile" "model-qwen model-profile"
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
