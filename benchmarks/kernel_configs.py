@@ -5,11 +5,14 @@ script times configs outside that list (fewer warps, software-pipelined
 loops, other block widths) so the lists can be chosen from measurements.
 For each kernel it replaces the autotuner's config list with one config,
 runs the stage on the same random inputs, checks the outputs against the
-first config (relative difference per output; the script exits non-zero
-above 1e-3, since configs only reorder the same products; ``--repeat``
-also reruns each config and compares the runs), and times it with
+first config's (relative difference per output: configs only reorder the
+same products, so the script exits non-zero above ``--tolerance``, default
+1e-3), reruns it ``--repeat`` - 1 more times and compares the runs (a
+difference there is a race or a miscompile), and times it with
 ``triton.testing.do_bench`` (median). Configs that fail to compile or run
-out of shared memory are printed as such and skipped.
+out of shared memory are printed as such and skipped. ``--device cpu``
+(under ``TRITON_INTERPRET=1``) checks the plumbing and the agreement of
+configs that split the work differently, without timing; the tests do that.
 
 Kernels (``--kernel``, several allowed):
   kda-intra, gdn2-intra  stage 2 of the KDA / GDN2 backward (Matrix Intra)
@@ -136,7 +139,9 @@ def run_kernel(name: str, a) -> float:
     ref, rows, worst = None, [], 0.0
     t_end = time.time() + a.budget
     try:
-        for kw, cfg in sweeps(name)[:a.limit or None]:
+        sweep = sweeps(name)
+        sweep = [sweep[i] for i in a.pick if i < len(sweep)] if a.pick else sweep[:a.limit or None]
+        for kw, cfg in sweep:
             if time.time() > t_end:
                 print("  budget spent; later configs skipped", flush=True)
                 break
@@ -167,8 +172,8 @@ def run_kernel(name: str, a) -> float:
             ms = triton.testing.do_bench(lambda: fn(**kw), return_mode="median") if DEVICE == "cuda" else float("nan")
             rows.append((ms, label, diff))
             per = " ".join(f"{d:.0e}" for d in diffs)
-            print(f"  {ms:8.3f} ms  diff {diff:.1e} [per output {per}; rerun {rerun:.0e}]  (first call {compile_s:5.1f} s)"
-                  f"  {label}", flush=True)
+            print(f"  {ms:8.3f} ms  diff {diff:.1e} [per output {per}; rerun {rerun:.0e}]"
+                  f"  (first call {compile_s:5.1f} s)  {label}", flush=True)
     finally:
         kern.configs = saved
         kern.cache.clear()
@@ -178,7 +183,7 @@ def run_kernel(name: str, a) -> float:
     return worst
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--kernel", nargs="+", default=["kda-intra"],
                    choices=["kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local"])
@@ -188,11 +193,14 @@ def main() -> int:
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--budget", type=float, default=150.0, help="seconds per kernel; later configs are skipped")
+    p.add_argument("--tolerance", type=float, default=1e-3,
+                   help="largest relative difference between configs (or reruns) the exit status accepts")
     p.add_argument("--repeat", type=int, default=1, help="run each config this many times and compare the runs")
     p.add_argument("--limit", type=int, default=0, help="time only the first N configs of each sweep (0: all)")
+    p.add_argument("--pick", type=int, nargs="+", default=None, help="only these positions of each sweep")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a plumbing check under TRITON_INTERPRET=1 at a small shape, nothing timed")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     global DEVICE
     DEVICE = a.device
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -204,7 +212,7 @@ def main() -> int:
     if a.T % 64:
         p.error("--T must be a multiple of 64")
     worst = max(run_kernel(n, a) for n in a.kernel)
-    return 0 if worst <= 1e-3 else 1
+    return 0 if worst <= a.tolerance else 1
 
 
 if __name__ == "__main__":
