@@ -10,6 +10,7 @@
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
 #   bash tools/h200_next.sh configs      # benchmarks/kernel_configs.py: launch configs outside the autotune lists;
 #                                        # configs:kda-wy,gdn-local picks kernels; T_configs per kernel, CONFIG_ARGS
+#   bash tools/h200_next.sh ncu          # Nsight Compute sections for one launch of each rewy backward kernel
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
 #   bash tools/h200_next.sh model-qwen   # rewy-hf bench --model qwen3.5-1b
@@ -23,7 +24,8 @@
 # and 1 stage (measured alone, not yet in a bench), the current KDA/GDN2 per-kernel profile (cut last time: give it
 # 300 s), and the qwen3.5-1b step bench and profile with the q/k l2norm inside rewy's functions:
 #   T_bench_kda=570 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-#   T_kda_profile=300 KDA_SECTIONS=profile bash tools/h200_next.sh pair "kda-profile" "model-qwen model-profile"
+#   T_kda_profile=300 KDA_SECTIONS=profile bash tools/h200_next.sh pair "kda-profile ncu" "model-qwen model-profile"
+# (ncu: why Matrix Intra, at 1.13 ms, is latency-bound; decide the next kernel change from its stall reasons)
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
@@ -66,6 +68,17 @@ configs|configs:*)
         >> $O/kernel_configs${CUDA_VISIBLE_DEVICES}.log 2>&1
   done
   tail -n 60 $O/kernel_configs${CUDA_VISIBLE_DEVICES}.log ;;
+ncu)
+  # Nsight Compute on one launch of each of rewy's backward kernels at (2, 8192, 16): throughput, occupancy, stall
+  # reasons. Says so and stops if ncu is not on the machine.
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+  if [ -z "$NCU" ]; then echo "ncu not found on this machine" | tee $O/ncu.log; return 0; fi
+  for pair in "kda-intra:rewy_kda_bwd_intra_kernel" "kda-wy:rewy_kda_bwd_wy_kernel" "gdn-local:rewy_gdn_bwd_local_kernel"; do
+    timeout $(lim ncu 150) $NCU --target-processes all -k "regex:${pair#*:}" -c 1 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python3 benchmarks/kernel_configs.py --kernel ${pair%%:*} --pick 0 >> $O/ncu.log 2>&1
+  done
+  grep -E "==PROF==|rewy_|Duration|Throughput|Occupancy|Registers|Stall|Block Limit" $O/ncu.log | head -n 80 ;;
 kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
   tail -n 20 $O/kda_prec.log ;;
@@ -101,7 +114,7 @@ qla-b)
       --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }
 
