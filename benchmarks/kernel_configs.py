@@ -44,65 +44,72 @@ def _rand(gen):
 
 def _log2_gates(x, BT=64):
     """Log-sigmoid gates as FLA keeps them: chunk-local cumulative sums in log2 units (T % BT == 0)."""
+    from rewy_hf.kernels.triton_gdn import RCP_LN2
+
     B, T = x.shape[:2]
-    y = F.logsigmoid(x).reshape(B, T // BT, BT, *x.shape[2:]).cumsum(2) * 1.4426950408889634
+    y = F.logsigmoid(x).reshape(B, T // BT, BT, *x.shape[2:]).cumsum(2) * RCP_LN2
     return y.reshape(x.shape).contiguous()
 
 
-def wy_inputs(vec: bool, B, T, H, K, V, seed=0):
+def inputs(kind: str, B, T, H, K, V, seed=0) -> dict:
+    """Random inputs of one local backward stage: ``kind`` "kda" or "gdn2" (the WY kernel's, vector
+    gates) or "gdn" (the GDN local kernel's, one gate per token)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     r = _rand(gen)
+    u = lambda *s: torch.rand(*s, device=DEVICE, generator=gen)    # noqa: E731
     NT = T // 64
     bf = torch.bfloat16 if DEVICE == "cuda" else torch.float32    # the interpreter's bf16 dot is wrong
     x = dict(q=r(B, T, H, K).to(bf), k=F.normalize(r(B, T, H, K), dim=-1).to(bf), v=r(B, T, H, V).to(bf),
-             v_new=r(B, T, H, V).to(bf), g=_log2_gates(r(B, T, H, K)),
-             beta=(torch.rand(B, T, H, K, device=DEVICE, generator=gen) if vec
-                   else torch.rand(B, T, H, device=DEVICE, generator=gen)).to(bf),
-             A=(0.1 * r(B, T, H, 64)).tril().to(bf), h=(0.1 * r(B, NT, H, K, V)).to(bf),
+             v_new=r(B, T, H, V).to(bf), g=_log2_gates(r(B, T, H) if kind == "gdn" else r(B, T, H, K)),
+             beta=(u(B, T, H, K) if kind == "gdn2" else u(B, T, H)).to(bf),
+             A=(0.1 * r(B, T, H, 64)).to(bf), h=(0.1 * r(B, NT, H, K, V)).to(bf),
              dh=(0.1 * r(B, NT, H, K, V)).to(bf), do=r(B, T, H, V).to(bf), dv2=r(B, T, H, V).to(bf), scale=K ** -0.5)
-    if vec:
-        x["w_gate"] = torch.rand(B, T, H, V, device=DEVICE, generator=gen).to(bf)
+    if kind != "gdn":
+        x["A"] = x["A"].tril()
+    if kind == "gdn2":
+        x["w_gate"] = u(B, T, H, V).to(bf)
     return x
 
 
-def gdn_inputs(B, T, H, K, V, seed=0):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    r = _rand(gen)
-    NT = T // 64
-    bf = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    return dict(q=r(B, T, H, K).to(bf), k=F.normalize(r(B, T, H, K), dim=-1).to(bf), v=r(B, T, H, V).to(bf),
-                v_new=r(B, T, H, V).to(bf), g=_log2_gates(r(B, T, H)),
-                beta=torch.rand(B, T, H, device=DEVICE, generator=gen).to(bf),
-                A=(0.1 * r(B, T, H, 64)).to(bf), h=(0.1 * r(B, NT, H, K, V)).to(bf),
-                dh=(0.1 * r(B, NT, H, K, V)).to(bf), do=r(B, T, H, V).to(bf), dv2=r(B, T, H, V).to(bf),
-                scale=K ** -0.5)
+def _same(a, b):
+    (kw_a, c_a), (kw_b, c_b) = a, b
+    return kw_a == kw_b and c_a.all_kwargs() == c_b.all_kwargs()
 
 
 def sweeps(name: str):
-    """(wrapper keyword arguments, triton.Config) pairs to time; the first is the reference."""
+    """(wrapper keyword arguments, triton.Config) pairs to time: the kernel's current autotune list
+    first (its first config is the reference), then configs outside it."""
+    from rewy_hf.kernels import triton_gdn_bwd as G
+    from rewy_hf.kernels import triton_kda_bwd as KB
+
     C = triton.Config
     if name.endswith("intra"):
-        # the chosen config first; the first sweep (2026-11-30) covered widths 16/32/64 x 1/2/4/8 warps x 1/2/3
-        # stages with 8 warps and one stage first
-        picks = [(64, 2, 3), (64, 2, 2), (64, 4, 3), (64, 2, 4), (64, 1, 2), (64, 1, 3), (128, 2, 2), (128, 2, 3),
-                 (128, 4, 2), (128, 4, 3), (32, 1, 3), (32, 2, 3), (32, 8, 1)]
-        return [({"block_k": bk}, C({}, num_warps=nw, num_stages=ns)) for bk, nw, ns in picks]
-    if name.endswith("wy"):
-        # maxnreg only with 8 warps: with 4 warps and a cap the compiled kernel gave outputs 1e-2 off
-        # the other configs' on the H200 (2026-11-30). 4 warps with 2 or 3 stages gave different outputs
-        # from one run to the next (up to 8e-3 in dq and dk: triton 3.6.0, see docs/performance.md), so
-        # they stay out of the autotune list; 1 stage (no software pipelining) is the open question.
-        picks = [(64, 8, 2), (64, 4, 1), (32, 4, 1), (128, 4, 1), (128, 8, 2), (128, 8, 3), (64, 8, 3),
-                 (64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (32, 8, 3)]
-        return [({}, C({"BV": bv}, num_warps=nw, num_stages=ns)) for bv, nw, ns in picks]
-    if name == "gdn-local":
-        # the autotune list first (triton_gdn_bwd._CONFIGS), then the rest of the first sweep's grid
-        picks = [(64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
-        for pick in itertools.product((64, 128), (64, 32, 128), (4, 8), (1, 2, 3)):
-            if pick not in picks and not (pick[0] == 128 and pick[2] == 4):
-                picks.append(pick)
-        return [({"block_k": bk}, C({"BV": bv}, num_warps=nw, num_stages=ns)) for bk, bv, nw, ns in picks]
-    raise ValueError(name)
+        listed = [({"block_k": KB.INTRA_BLOCK_K}, c) for c in KB.rewy_kda_bwd_intra_kernel.configs]
+        # the first sweep (2026-11-30) also covered width 16 and 1 stage with 4 or 8 warps: all slower
+        extra = [(64, 2, 4), (64, 1, 2), (64, 1, 3), (128, 2, 2), (128, 2, 3), (128, 4, 2), (128, 4, 3),
+                 (32, 1, 3), (32, 2, 3), (32, 8, 1)]
+        make = lambda bk, nw, ns: ({"block_k": bk}, C({}, num_warps=nw, num_stages=ns))    # noqa: E731
+    elif name.endswith("wy"):
+        listed = [({}, c) for c in KB.rewy_kda_bwd_wy_kernel.configs]
+        # 4 warps with 2 or 3 stages gave different outputs from one run to the next on the H200
+        # (triton 3.6.0, docs/performance.md): kept here so the rerun check keeps watching them.
+        # A maxnreg cap with 4 warps gave outputs 1e-2 off; it is not swept.
+        extra = [(32, 4, 1), (64, 8, 2), (128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3), (32, 4, 2),
+                 (32, 4, 3), (32, 8, 2), (32, 8, 3)]
+        make = lambda bv, nw, ns: ({}, C({"BV": bv}, num_warps=nw, num_stages=ns))    # noqa: E731
+    elif name == "gdn-local":
+        listed = [({"block_k": 64}, c) for c in G._CONFIGS]
+        extra = [p for p in itertools.product((64, 128), (64, 32, 128), (4, 8), (1, 2, 3))
+                 if not (p[0] == 128 and p[2] == 4)]
+        make = lambda bk, bv, nw, ns: ({"block_k": bk}, C({"BV": bv}, num_warps=nw, num_stages=ns))    # noqa: E731
+    else:
+        raise ValueError(name)
+    out = list(listed)
+    for p in extra:
+        cand = make(*p)
+        if not any(_same(cand, o) for o in out):
+            out.append(cand)
+    return out
 
 
 def stage(name: str, B, T, H, K, V):
@@ -111,17 +118,16 @@ def stage(name: str, B, T, H, K, V):
     from rewy_hf.kernels import triton_kda_bwd as KB
 
     if name.endswith("intra"):
-        vec = name.startswith("gdn2")
-        x = wy_inputs(vec, B, T, H, K, V)
+        x = inputs(name.split("-")[0], B, T, H, K, V)
         dq, dk, dG, dv, dw, db, dL = KB.rewy_kda_bwd_wy(**x)
         dAqk = (0.1 * torch.randn(B, T, H, 64, device=DEVICE)).contiguous()
         args = dict(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=dAqk, dL=dL, dq=dq, dk=dk, dG=dG, db_part=db)
         return KB.rewy_kda_bwd_intra_kernel, lambda **kw: KB.rewy_kda_bwd_intra(**args, inplace=False, **kw)
     if name.endswith("wy"):
-        x = wy_inputs(name.startswith("gdn2"), B, T, H, K, V)
+        x = inputs(name.split("-")[0], B, T, H, K, V)
         return KB.rewy_kda_bwd_wy_kernel, lambda **kw: KB.rewy_kda_bwd_wy(**x, **kw)
     if name == "gdn-local":
-        x = gdn_inputs(B, T, H, K, V)
+        x = inputs("gdn", B, T, H, K, V)
         return G.rewy_gdn_bwd_local_kernel, lambda **kw: G.rewy_gdn_bwd_local(**x, **kw)
     raise ValueError(name)
 
@@ -135,12 +141,12 @@ def run_kernel(name: str, a) -> float:
     kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V)
     where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (no timing)"
     print(f"\n{name} at (B, T, H, K, V) = ({a.B}, {a.T}, {a.H}, {a.K}, {a.V}); {where}", flush=True)
+    sweep = sweeps(name)       # reads the kernel's autotune list: before it is replaced below
+    sweep = [sweep[i] for i in a.pick if i < len(sweep)] if a.pick else sweep[:a.limit or None]
     saved = kern.configs
     ref, rows, worst = None, [], 0.0
     t_end = time.time() + a.budget
     try:
-        sweep = sweeps(name)
-        sweep = [sweep[i] for i in a.pick if i < len(sweep)] if a.pick else sweep[:a.limit or None]
         for kw, cfg in sweep:
             if time.time() > t_end:
                 print("  budget spent; later configs skipped", flush=True)
