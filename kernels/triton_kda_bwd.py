@@ -90,8 +90,9 @@ BC_SUB = 16
 # Largest per-channel spread (log2 units) of a 16-row block's cumulative gate
 # for which the diagonal block is done with tensor cores; see module docstring.
 SPAN_LIMIT = 120.0
-# Input precision of the fp32 Matrix Intra contractions on the GPU ("tf32",
-# "tf32x3" or "ieee"); FLA uses tf32 for the same off-diagonal products.
+# Input precision of the off-diagonal Matrix Intra contractions on the GPU ("tf32", "tf32x3" or "ieee"
+# on fp32 operands; "bf16" rounds both operands to the inputs' dtype first, half the MMA steps of tf32);
+# FLA uses tf32 for the same off-diagonal products.
 INTRA_PRECISION = os.environ.get("REWY_KDA_INTRA_PRECISION", "tf32")
 # The diagonal 16-row blocks carry the largest terms (e^{G_i - G_j} near 1),
 # which FLA computes elementwise in fp32, and the gate gradient sums them with
@@ -123,6 +124,16 @@ def _alloc(shape, device, dtype=torch.float32):
 def _exp2_where(m, x):
     """exp2(x) where m, else 0, with the exponent masked first (no inf in dead lanes)."""
     return tl.exp2(tl.where(m, x, float("-inf")))
+
+
+@triton.jit
+def _dot_prec(a, b, acc, NARROW: tl.constexpr, PREC: tl.constexpr):
+    """acc + a @ b for fp32 operands: rounded to NARROW (the inputs' dtype) when PREC is "bf16", else
+    multiplied at input precision PREC."""
+    if PREC == "bf16":
+        return tl.dot(a.to(NARROW), b.to(NARROW), acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
 
 
 @triton.autotune(
@@ -340,6 +351,7 @@ def rewy_kda_bwd_intra_kernel(
         dbp += row_hv * NDB
         db_o += row_hv * NKI
     n_valid = T - i_t * BT                          # valid rows in this chunk (may exceed BT)
+    NARROW: tl.constexpr = q.dtype.element_ty       # operand dtype of the off-diagonal products under PREC "bf16"
 
     o_c = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -374,9 +386,9 @@ def rewy_kda_bwd_intra_kernel(
                     b_kf = b_kj * tl.exp2(b_gr[None, :] - b_gj)                      # e^{G_r - G_j} <= 1
                     off_blk = r_i[:, None] * (HV * BT) + r_j[None, :]
                     b_dAq = tl.load(dAqk + off_blk, mask=m_i[:, None], other=0.0).to(tl.float32)
-                    acc_q += tl.dot(b_dAq, b_kf, input_precision=PREC)
+                    acc_q = _dot_prec(b_dAq, b_kf, acc_q, NARROW, PREC)
                     b_dLb = tl.load(dL + off_blk, mask=m_i[:, None], other=0.0).to(tl.float32)
-                    acc_a += tl.dot(b_dLb, b_kf, input_precision=PREC)
+                    acc_a = _dot_prec(b_dLb, b_kf, acc_a, NARROW, PREC)
                 b_er = _exp2_where(m_ik, b_g - b_gr[None, :])                # e^{G_i - G_r} <= 1
                 b_Rq += acc_q * b_er
                 b_Ra += acc_a * b_er
@@ -398,14 +410,14 @@ def rewy_kda_bwd_intra_kernel(
                     off_t = r_j[None, :] * (HV * BT) + r_i[:, None]
                     b_qj = tl.load(q + off_qkj, mask=m_jk, other=0.0).to(tl.float32)
                     b_dAqT = tl.load(dAqk + off_t, mask=m_j[None, :], other=0.0).to(tl.float32)
-                    acc_c += tl.dot(b_dAqT, b_qj * b_f, input_precision=PREC)
+                    acc_c = _dot_prec(b_dAqT, b_qj * b_f, acc_c, NARROW, PREC)
                     b_kj = tl.load(k + off_qkj, mask=m_jk, other=0.0).to(tl.float32)
                     if VEC:
                         b_bj = tl.load(beta + off_kj, mask=m_jk, other=0.0).to(tl.float32)
                     else:
                         b_bj = tl.load(beta + r_j * HV, mask=m_j, other=0.0).to(tl.float32)[:, None]
                     b_dLT = tl.load(dL + off_t, mask=m_j[None, :], other=0.0).to(tl.float32)
-                    acc_c += tl.dot(b_dLT, b_bj * b_kj * b_f, input_precision=PREC)
+                    acc_c = _dot_prec(b_dLT, b_bj * b_kj * b_f, acc_c, NARROW, PREC)
                 b_Rc += acc_c * _exp2_where(m_ik, b_ge[None, :] - b_g)      # e^{G_e - G_i} <= 1
 
             # Diagonal block (causal inside): midpoint reference when the block's

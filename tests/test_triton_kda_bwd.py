@@ -245,6 +245,15 @@ def test_intra_kernel_matches_torch_stage(name):
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
+@pytest.mark.parametrize("name", ["kda_mixed_decay", "gdn2_ragged_K64"])
+def test_intra_kernel_with_narrowed_off_diagonal_operands(name, monkeypatch):
+    """INTRA_PRECISION "bf16" rounds the off-diagonal operands to the inputs' dtype (here float32, so
+    nothing is lost): the same results through the narrowing branch."""
+    monkeypatch.setattr(tk, "INTRA_PRECISION", "bf16")
+    errors = _intra_errors(name, block_k=CASES[name][9])
+    assert max(errors.values()) < TOL[CASES[name][6]], errors
+
+
 @pytest.mark.parametrize("name", ["kda_gva_K64_split", "kda_mixed_decay", "gdn2_mixed_varlen"])
 def test_intra_exact_path_alone(name):
     """span_limit < 0 sends every diagonal block down the exact elementwise path."""

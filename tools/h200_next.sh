@@ -20,6 +20,7 @@
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
+# env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only.
 # Next first call (nvidia-h200-x2, carry [".whl"]): the KDA / GDN2 bench with the Residual WY kernel on 4 warps
 # and 1 stage (measured alone, not yet in a bench), the current KDA/GDN2 per-kernel profile (cut last time: give it
 # 300 s), and the qwen3.5-1b step bench and profile with the q/k l2norm inside rewy's functions:
@@ -114,6 +115,9 @@ qla-b)
       --device cuda --op gdn --policy both --boundary both --backend triton --json $O/bench_gdn_flashqla.json \
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
+env:*)
+  # env:NAME=VALUE sets a variable for the rest of this queue only (e.g. one GPU runs with REWY_KDA_INTRA_PRECISION=bf16)
+  export "${1#env:}"; echo "exported ${1#env:}" ;;
 *) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
 esac
 }

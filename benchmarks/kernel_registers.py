@@ -1,0 +1,146 @@
+"""Registers, spill stack and shared memory of rewy's backward kernels, compiled without a GPU.
+
+Triton compiles for an NVIDIA target on any machine: its wheel carries ptxas,
+so ``triton.compile`` with a ``GPUTarget`` produces the cubin that the lent
+GPU would run, and cuobjdump reads its resource usage. That answers "does
+this change spill?" in seconds on the CPU machine, before spending device time.
+What it cannot say is how fast the kernel runs: on the H200 a variant with
+half the spills was 18 % slower (docs/performance.md, "Register pressure").
+
+The local triton may be newer than the GPU machine's (3.9 here, 3.6.0 there),
+so the counts are indicative; ncu on the device has the final word
+(``tools/h200_next.sh ncu``).
+
+    python3 -P benchmarks/kernel_registers.py --kernel kda-intra gdn-local
+    python3 -P benchmarks/kernel_registers.py --kernel kda-intra --warps 2 --stages 2 --block-k 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+# triton 3.9 warns unless this is set; 1 keeps its default (and triton 3.6's behaviour) of fusing mul + add
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+# Pointer arguments that hold 16-bit data at the bench's settings (BF16 inputs); every other pointer is fp32.
+_BF16 = {
+    "intra": {"q", "k", "beta"},
+    "wy": {"q", "k", "v", "v_new", "beta", "wg", "A", "h", "dh", "do", "dv2", "dv", "dw"},
+    "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
+}
+_SCALARS = {"T": "i32", "scale": "fp32", "span_limit": "fp32"}
+_INDEX_POINTERS = {"cu_seqlens", "chunk_indices"}
+
+
+def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None):
+    """(autotuned kernel, dtype group, constexpr values) of one rewy kernel at K, V and H heads."""
+    from rewy_hf.kernels import triton_gdn_bwd as G
+    from rewy_hf.kernels import triton_kda_bwd as KB
+
+    heads = dict(H=H, HV=H, K=K, BT=64)
+    if name in ("kda-intra", "gdn2-intra"):
+        bk = block_k or KB.INTRA_BLOCK_K
+        const = dict(heads, BC=KB.BC_SUB, BK=bk, NC=64 // KB.BC_SUB, NDB=triton.cdiv(K, 64) + 1,
+                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=False,
+                     PREC=KB.INTRA_PRECISION, DPREC=KB.DIAG_PRECISION)
+        return KB.rewy_kda_bwd_intra_kernel, "intra", const
+    if name in ("kda-wy", "gdn2-wy"):
+        bk = block_k or 64
+        const = dict(heads, V=V, BK=bk, NK=triton.cdiv(K, bk), VEC=name == "gdn2-wy", STATE_V_FIRST=False,
+                     IS_VARLEN=False, WPREC=KB.WY_PRECISION)
+        return KB.rewy_kda_bwd_wy_kernel, "wy", const
+    if name == "gdn-local":
+        return G.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
+                                                              IS_VARLEN=False)
+    raise ValueError(f"unknown kernel {name!r}: kda-intra, gdn2-intra, kda-wy, gdn2-wy or gdn-local")
+
+
+def _jit_function(kernel):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn                                   # autotuner / heuristics wrappers
+    return kernel
+
+
+def compile_for(kernel, group: str, const: dict, num_warps: int, num_stages: int, arch: int = 90):
+    """The kernel compiled for sm_<arch> as the launcher would specialize it (16-byte aligned pointers)."""
+    fn = _jit_function(kernel)
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in _SCALARS:
+            sig[n] = _SCALARS[n]
+        elif n in _INDEX_POINTERS:
+            sig[n] = "*i32"
+        else:
+            sig[n] = "*bf16" if n in _BF16[group] else "*fp32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread, spill stack bytes per thread and shared memory bytes of a compiled kernel."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = dict(tok.split(":", 1) for line in out.splitlines() if "REG:" in line
+                  for tok in line.split() if ":" in tok)
+    if "REG" not in fields:
+        raise RuntimeError(f"cuobjdump printed no resource line:\n{out}")
+    return dict(registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]),
+                shared_bytes=int(compiled.metadata.shared))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", nargs="+", default=["kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local"])
+    p.add_argument("--warps", type=int, default=None, help="with --stages: this config instead of the autotune list")
+    p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--block-k", type=int, default=None, help="key channels per program (default: the wrapper's)")
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        p.error("TRITON_INTERPRET=1 makes Triton's kernels Python functions, which cannot be compiled: unset it")
+    if (a.warps is None) != (a.stages is None):
+        p.error("--warps and --stages go together")
+    rows = []
+    for name in a.kernel:
+        try:
+            kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k)
+        except ValueError as e:
+            p.error(str(e))
+        configs = ([triton.Config({}, num_warps=a.warps, num_stages=a.stages)] if a.warps
+                   else kernel.configs)
+        for c in configs:
+            use = resource_usage(compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages,
+                                             a.arch))
+            knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages}
+            rows.append(dict(kernel=name, **knobs, **use))
+            cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
+            print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
+                  f"  shared {use['shared_bytes']:>6} B", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

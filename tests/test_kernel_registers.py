@@ -1,0 +1,45 @@
+"""benchmarks/kernel_registers.py: rewy's kernels compile for sm_90 on a machine without a GPU, and
+the resource figures it reads back from the cubin behave as compiled code must. It runs in a
+subprocess without TRITON_INTERPRET, which the other tests set and under which kernels cannot be
+compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_registers.py"
+
+
+def _run(*args, interpret: bool = False):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-P", str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_stages_take_shared_memory_and_registers_stay_in_range(tmp_path):
+    """Software pipelining keeps one operand buffer per stage in shared memory, so the Matrix Intra
+    kernel with 3 stages needs more of it than with 2 (same warps); the WY kernel's [64, BV] tiles
+    need more at BV 128 than at BV 64. Registers per thread are 1..255 on sm_90."""
+    out = tmp_path / "rows.json"
+    r = _run("--kernel", "kda-intra", "gdn2-wy", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    intra = {(x["warps"], x["stages"]): x for x in rows if x["kernel"] == "kda-intra"}
+    assert intra[(2, 3)]["shared_bytes"] > intra[(2, 2)]["shared_bytes"] > 0
+    wy = {x["BV"]: x for x in rows if x["kernel"] == "gdn2-wy" and (x["warps"], x["stages"]) == (4, 1)}
+    assert wy[128]["shared_bytes"] > wy[64]["shared_bytes"]
+    assert all(0 < x["registers"] <= 255 and x["spill_bytes"] >= 0 for x in rows)
+    assert "registers" in r.stdout and "kda-intra" in r.stdout
+
+
+def test_refusals_name_the_problem():
+    r = _run("--kernel", "kda")
+    assert r.returncode == 2 and "kda-intra, gdn2-intra, kda-wy, gdn2-wy or gdn-local" in r.stderr
+    r = _run("--kernel", "kda-intra", interpret=True)
+    assert r.returncode == 2 and "unset it" in r.stderr
