@@ -1,9 +1,12 @@
-"""Registers, spill stack and shared memory of rewy's backward kernels, compiled without a GPU.
+"""Registers, spill stack, shared memory and instruction counts of rewy's backward kernels, compiled without a GPU.
 
 Triton compiles for an NVIDIA target on any machine: its wheel carries ptxas,
 so ``triton.compile`` with a ``GPUTarget`` produces the cubin that the lent
-GPU would run, and cuobjdump reads its resource usage. That answers "does
-this change spill?" in seconds on the CPU machine, before spending device time.
+GPU would run, and cuobjdump reads its resource usage and its machine code
+(SASS). That answers "does this change spill?" and "how many instructions
+does it remove?" in seconds on the CPU machine, before spending device time.
+The instruction count is static (each instruction once, loops not
+unrolled); ``--opcodes N`` prints the N most frequent opcodes.
 What it cannot say is how fast the kernel runs: on the H200 a variant with
 half the spills was 18 % slower (docs/performance.md, "Register pressure").
 
@@ -18,8 +21,10 @@ so the counts are indicative; ncu on the device has the final word
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import tempfile
 
@@ -89,14 +94,27 @@ def compile_for(kernel, group: str, const: dict, num_warps: int, num_stages: int
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def resource_usage(compiled) -> dict:
-    """Registers per thread, spill stack bytes per thread and shared memory bytes of a compiled kernel."""
+def _cuobjdump(compiled, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+# one SASS instruction line: /*0a30*/  @!P0 FFMA.FTZ R4, ...  -> FFMA
+_SASS_OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def opcode_counts(compiled) -> collections.Counter:
+    """Static SASS instructions of a compiled kernel, per opcode (modifiers dropped: FFMA.FTZ is FFMA)."""
+    return collections.Counter(m.group(1) for line in _cuobjdump(compiled, "-sass").splitlines()
+                               if (m := _SASS_OP.match(line)))
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread, spill stack bytes per thread and shared memory bytes of a compiled kernel."""
+    out = _cuobjdump(compiled, "--dump-resource-usage")
     fields = dict(tok.split(":", 1) for line in out.splitlines() if "REG:" in line
                   for tok in line.split() if ":" in tok)
     if "REG" not in fields:
@@ -114,6 +132,7 @@ def main() -> int:
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
+    p.add_argument("--opcodes", type=int, default=0, help="also print the N most frequent SASS opcodes")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -129,13 +148,17 @@ def main() -> int:
         configs = ([triton.Config({}, num_warps=a.warps, num_stages=a.stages)] if a.warps
                    else kernel.configs)
         for c in configs:
-            use = resource_usage(compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages,
-                                             a.arch))
+            compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch)
+            use = resource_usage(compiled)
+            ops = opcode_counts(compiled)
+            use["instructions"] = sum(ops.values())
             knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages}
             rows.append(dict(kernel=name, **knobs, **use))
             cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
             print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
-                  f"  shared {use['shared_bytes']:>6} B", flush=True)
+                  f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}", flush=True)
+            if a.opcodes:
+                print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes)), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

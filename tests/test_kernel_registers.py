@@ -25,17 +25,21 @@ def _run(*args, interpret: bool = False):
 def test_stages_take_shared_memory_and_registers_stay_in_range(tmp_path):
     """Software pipelining keeps one operand buffer per stage in shared memory, so the Matrix Intra
     kernel with 3 stages needs more of it than with 2 (same warps); the WY kernel's [64, BV] tiles
-    need more at BV 128 than at BV 64. Registers per thread are 1..255 on sm_90."""
+    need more at BV 128 than at BV 64. Registers per thread are 1..255 on sm_90, and the intra
+    kernel's code has tensor-core (HMMA) instructions."""
     out = tmp_path / "rows.json"
-    r = _run("--kernel", "kda-intra", "gdn2-wy", "--json", str(out))
+    r = _run("--kernel", "kda-intra", "gdn2-wy", "--opcodes", "40", "--json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())
     intra = {(x["warps"], x["stages"]): x for x in rows if x["kernel"] == "kda-intra"}
     assert intra[(2, 3)]["shared_bytes"] > intra[(2, 2)]["shared_bytes"] > 0
     wy = {x["BV"]: x for x in rows if x["kernel"] == "gdn2-wy" and (x["warps"], x["stages"]) == (4, 1)}
     assert wy[128]["shared_bytes"] > wy[64]["shared_bytes"]
-    assert all(0 < x["registers"] <= 255 and x["spill_bytes"] >= 0 for x in rows)
-    assert "registers" in r.stdout and "kda-intra" in r.stdout
+    assert all(0 < x["registers"] <= 255 and x["spill_bytes"] >= 0 and x["instructions"] > 0 for x in rows)
+    # Matrix Intra's contractions run on the tensor cores: sm_90's HMMA instructions are in its code
+    lines = r.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("kda-intra"))
+    assert "HMMA" in lines[first + 1].split()           # the opcode line printed under that config
 
 
 def test_refusals_name_the_problem():
