@@ -236,7 +236,7 @@ def main() -> int:
     p.add_argument("--no-extras", action="store_true", help="skip the GVA / state_v_first / cu_seqlens checks")
     p.add_argument("--sections", default="check,bench,profile,extras",
                    help="comma list of check, bench, profile, extras (rewy-hf bench now covers check and bench)")
-    p.add_argument("--intra-precision", default=None, choices=["tf32", "tf32x3", "ieee"],
+    p.add_argument("--intra-precision", default=None, choices=["tf32", "tf32x3", "ieee", "bf16"],
                    help="input precision of rewy's fp32 Matrix Intra products (default: the module's, tf32)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -120,7 +120,7 @@ qla-b)
 env:*)
   # env:NAME=VALUE sets a variable for the rest of this queue only (e.g. one GPU runs with REWY_KDA_INTRA_PRECISION=bf16)
   export "${1#env:}"; echo "exported ${1#env:}" ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b"; return 2 ;;
+*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b|env:NAME=VALUE"; return 2 ;;
 esac
 }
 
