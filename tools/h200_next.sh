@@ -21,14 +21,15 @@
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only.
-# Next first call (nvidia-h200-x2, carry [".whl"]): time the Matrix Intra FULL specialization on branch
-# next/full-chunk-kernels (constant bounds masks when every chunk is full: about 11 % fewer static instructions
-# in an offline sm_90 compile, interpreter tests pass, not yet run on a GPU). With that branch checked out here:
-#   T_configs=120 CONFIG_ARGS="--limit 3 --repeat 2" T_tests=200 TESTS_K="kda or gdn2" \
-#       bash tools/h200_next.sh pair "configs" "tests"
-# Against main's 1.13 / 1.25 ms (KDA / GDN2 intra, 2 warps, 3 stages, (2, 8192, 16)). If it is faster and the
-# tests pass, merge it, then bench: T_bench_kda=530 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-# (benchmarks/kernel_registers.py checks registers / spills / instruction counts first, without a GPU.)
+# Next first call (nvidia-h200-x2, carry [".whl"]): time branch next/full-chunk-kernels, not yet run on a GPU:
+# constant bounds masks when every chunk is full (Matrix Intra, Residual WY, GDN local) and 32-bit in-chunk
+# offsets in the GDN local kernel; static SASS instructions -11 % (intra), -21 % (WY), -8 % (GDN local) in an
+# offline sm_90 compile (benchmarks/kernel_registers.py); interpreter tests pass. With that branch checked out here:
+#   T_configs=100 CONFIG_ARGS="--limit 3 --repeat 2" T_tests=240 TESTS_K="kda or gdn2 or gdn or delta" \
+#       bash tools/h200_next.sh pair "configs:kda-intra,gdn2-intra,kda-wy,gdn-local" "tests"
+# Against main (kernel alone, (2, 8192, 16), ms): intra 1.13 / 1.25 (KDA / GDN2), WY 0.69 (KDA), GDN local 0.63.
+# Keep what is faster and passes, merge it, then bench:
+#   T_bench_kda=530 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"   (and bench-gdn for GDN / DeltaNet)
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
