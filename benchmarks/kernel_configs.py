@@ -14,17 +14,26 @@ out of shared memory are printed as such and skipped. ``--device cpu``
 (under ``TRITON_INTERPRET=1``) checks the plumbing and the agreement of
 configs that split the work differently, without timing; the tests do that.
 
+``--baseline DIR`` also runs another version of the kernels on the same
+inputs: DIR holds that version's ``triton_kda_bwd.py`` / ``triton_gdn_bwd.py``
+(for example ``git show main:kernels/triton_kda_bwd.py``), each run with its
+own first listed config. The script prints its time next to the current
+first config's and the relative difference of their outputs (counted
+against ``--tolerance`` too), so a kernel change is timed in one process
+against what it replaces.
+
 Kernels (``--kernel``, several allowed):
   kda-intra, gdn2-intra  stage 2 of the KDA / GDN2 backward (Matrix Intra)
   kda-wy, gdn2-wy        stage 1 (Residual WY)
   gdn-local              the GDN local kernel
 
-Usage: python benchmarks/kernel_configs.py --kernel kda-intra gdn-local [--B 2 --T 8192 --H 16]
+Usage: python benchmarks/kernel_configs.py --kernel kda-intra gdn-local [--B 2 --T 8192 --H 16] [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import os
 import sys
@@ -112,24 +121,66 @@ def sweeps(name: str):
     return out
 
 
-def stage(name: str, B, T, H, K, V):
-    """(kernel, fn(**wrapper_kwargs) -> tuple of outputs)."""
+def stage(name: str, B, T, H, K, V, impl=None):
+    """(kernel, fn(**wrapper_kwargs) -> tuple of outputs). ``impl``: (KDA module, GDN module) of another
+    version of the kernels, run on the same inputs (which the current modules make)."""
     from rewy_hf.kernels import triton_gdn_bwd as G
     from rewy_hf.kernels import triton_kda_bwd as KB
 
+    KI, GI = impl or (KB, G)
     if name.endswith("intra"):
         x = inputs(name.split("-")[0], B, T, H, K, V)
         dq, dk, dG, dv, dw, db, dL = KB.rewy_kda_bwd_wy(**x)
-        dAqk = (0.1 * torch.randn(B, T, H, 64, device=DEVICE)).contiguous()
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        dAqk = (0.1 * torch.randn(B, T, H, 64, device=DEVICE, generator=gen)).contiguous()
         args = dict(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=dAqk, dL=dL, dq=dq, dk=dk, dG=dG, db_part=db)
-        return KB.rewy_kda_bwd_intra_kernel, lambda **kw: KB.rewy_kda_bwd_intra(**args, inplace=False, **kw)
+        return KI.rewy_kda_bwd_intra_kernel, lambda **kw: KI.rewy_kda_bwd_intra(**args, inplace=False, **kw)
     if name.endswith("wy"):
         x = inputs(name.split("-")[0], B, T, H, K, V)
-        return KB.rewy_kda_bwd_wy_kernel, lambda **kw: KB.rewy_kda_bwd_wy(**x, **kw)
+        return KI.rewy_kda_bwd_wy_kernel, lambda **kw: KI.rewy_kda_bwd_wy(**x, **kw)
     if name == "gdn-local":
         x = inputs("gdn", B, T, H, K, V)
-        return G.rewy_gdn_bwd_local_kernel, lambda **kw: G.rewy_gdn_bwd_local(**x, **kw)
+        return GI.rewy_gdn_bwd_local_kernel, lambda **kw: GI.rewy_gdn_bwd_local(**x, **kw)
     raise ValueError(name)
+
+
+def load_baseline(folder: str):
+    """(KDA module, GDN module) from another version's kernel files in ``folder``; a missing file
+    falls back to the current module, so one changed file is enough."""
+    from rewy_hf.kernels import triton_gdn_bwd as G
+    from rewy_hf.kernels import triton_kda_bwd as KB
+
+    mods = []
+    for current in (KB, G):
+        path = os.path.join(folder, os.path.basename(current.__file__))
+        if not os.path.exists(path):
+            mods.append(current)
+            continue
+        spec = importlib.util.spec_from_file_location(f"baseline_{os.path.basename(path)[:-3]}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods.append(mod)
+    if all(m is c for m, c in zip(mods, (KB, G))):
+        raise FileNotFoundError(f"{folder} holds neither {os.path.basename(KB.__file__)} nor {os.path.basename(G.__file__)}")
+    return tuple(mods)
+
+
+def run_baseline(name: str, a, ref, ms_ref) -> float:
+    """The other version's kernel (its first listed config) on the same inputs: time and difference."""
+    kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V, impl=load_baseline(a.baseline))
+    saved = kern.configs
+    kern.configs = saved[:1]
+    kern.cache.clear()
+    try:
+        outs = [o.clone() for o in fn() if o is not None]
+        diff = max(rel(o, r) for o, r in zip(outs, ref))
+        ms = triton.testing.do_bench(lambda: fn(), return_mode="median") if DEVICE == "cuda" else float("nan")
+    finally:
+        kern.configs = saved
+        kern.cache.clear()
+    print(f"  baseline {a.baseline}: {ms:8.3f} ms against {ms_ref:8.3f} ms for the current first config"
+          f" ({ms / ms_ref:.3f}x the current time); diff {diff:.1e}", flush=True)
+    return diff
 
 
 def rel(a, b) -> float:
@@ -144,7 +195,7 @@ def run_kernel(name: str, a) -> float:
     sweep = sweeps(name)       # reads the kernel's autotune list: before it is replaced below
     sweep = [sweep[i] for i in a.pick if i < len(sweep)] if a.pick else sweep[:a.limit or None]
     saved = kern.configs
-    ref, rows, worst = None, [], 0.0
+    ref, rows, worst, ms_first = None, [], 0.0, float("nan")
     t_end = time.time() + a.budget
     try:
         for kw, cfg in sweep:
@@ -177,12 +228,16 @@ def run_kernel(name: str, a) -> float:
             worst = max(worst, diff)
             ms = triton.testing.do_bench(lambda: fn(**kw), return_mode="median") if DEVICE == "cuda" else float("nan")
             rows.append((ms, label, diff))
+            if len(rows) == 1:
+                ms_first = ms
             per = " ".join(f"{d:.0e}" for d in diffs)
             print(f"  {ms:8.3f} ms  diff {diff:.1e} [per output {per}; rerun {rerun:.0e}]"
                   f"  (first call {compile_s:5.1f} s)  {label}", flush=True)
     finally:
         kern.configs = saved
         kern.cache.clear()
+    if a.baseline and ref is not None:
+        worst = max(worst, run_baseline(name, a, ref, ms_first))
     print(f"{name}: fastest first", flush=True)
     for ms, label, diff in sorted(rows)[:6]:
         print(f"  {ms:8.3f} ms  {label}", flush=True)
@@ -204,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="run each config this many times and compare the runs")
     p.add_argument("--limit", type=int, default=0, help="time only the first N configs of each sweep (0: all)")
     p.add_argument("--pick", type=int, nargs="+", default=None, help="only these positions of each sweep")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="another version's triton_kda_bwd.py / triton_gdn_bwd.py, timed on the same inputs")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a plumbing check under TRITON_INTERPRET=1 at a small shape, nothing timed")
     a = p.parse_args(argv)
@@ -217,6 +274,13 @@ def main(argv=None) -> int:
         first_config_only()     # the stages feeding the swept kernel cannot autotune without a GPU
     if a.T % 64:
         p.error("--T must be a multiple of 64")
+    if a.baseline:
+        if not os.path.isdir(a.baseline):
+            p.error(f"--baseline {a.baseline}: no such folder (put the other version's kernel files there)")
+        try:
+            load_baseline(a.baseline)
+        except FileNotFoundError as e:
+            p.error(f"--baseline: {e}")
     worst = max(run_kernel(n, a) for n in a.kernel)
     return 0 if worst <= a.tolerance else 1
 

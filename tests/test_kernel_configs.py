@@ -46,3 +46,47 @@ def test_configs_agree_on_the_same_inputs(kernel, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert out.count(" diff ") == len(picks), out          # both configs ran; neither failed to compile
+
+
+@pytest.mark.parametrize("kernel", ["kda-intra", "gdn-local"])
+def test_baseline_version_runs_on_the_same_inputs(kernel, tmp_path, capsys):
+    """--baseline with a copy of the current kernel files: the same code on the same inputs must agree
+    to rounding, which also proves both sides saw the same inputs (they are seeded, not drawn from
+    the global generator)."""
+    import shutil
+
+    from rewy_hf.kernels import triton_gdn_bwd, triton_kda_bwd
+
+    for mod in (triton_kda_bwd, triton_gdn_bwd):
+        shutil.copy(mod.__file__, tmp_path)
+    module = _load()
+    device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu"]
+    status = module.main([*device, "--kernel", kernel, "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+                          "--V", "64", "--pick", "0", "--tolerance", "1e-6", "--baseline", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    line = next(x for x in out.splitlines() if "baseline" in x)
+    assert float(line.rsplit("diff ", 1)[1]) <= 1e-6, line
+
+
+def test_baseline_folder_without_kernel_files_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _load().main(["--device", "cpu", "--kernel", "kda-intra", "--baseline", str(tmp_path)])
+    assert "holds neither" in capsys.readouterr().err
+
+
+def test_baseline_that_computes_otherwise_is_reported(tmp_path, capsys):
+    """A baseline whose Matrix Intra adds the row gradient twice: its outputs must differ from the
+    current kernel's, and the exit status must say so."""
+    from rewy_hf.kernels import triton_kda_bwd
+
+    src = open(triton_kda_bwd.__file__).read()
+    old = "b_dq = tl.load(dq + off_k, mask=m_ik, other=0.0) + b_Rq"
+    assert src.count(old) == 1
+    (tmp_path / "triton_kda_bwd.py").write_text(src.replace(old, old + " * 2.0"))
+    device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu"]
+    status = _load().main([*device, "--kernel", "kda-intra", "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+                           "--V", "64", "--pick", "0", "--baseline", str(tmp_path)])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "baseline" in x)
+    assert status == 1 and float(line.rsplit("diff ", 1)[1]) > 1e-3, out

@@ -24,10 +24,13 @@
 # Next first call (nvidia-h200-x2, carry [".whl"]): time branch next/full-chunk-kernels, not yet run on a GPU:
 # constant bounds masks when every chunk is full (Matrix Intra, Residual WY, GDN local) and 32-bit in-chunk
 # offsets in the GDN local kernel; static SASS instructions -11 % (intra), -21 % (WY), -8 % (GDN local) in an
-# offline sm_90 compile (benchmarks/kernel_registers.py); interpreter tests pass. With that branch checked out here:
-#   T_configs=100 CONFIG_ARGS="--limit 3 --repeat 2" T_tests=240 TESTS_K="kda or gdn2 or gdn or delta" \
-#       bash tools/h200_next.sh pair "configs:kda-intra,gdn2-intra,kda-wy,gdn-local" "tests"
-# Against main (kernel alone, (2, 8192, 16), ms): intra 1.13 / 1.25 (KDA / GDN2), WY 0.69 (KDA), GDN local 0.63.
+# offline sm_90 compile (benchmarks/kernel_registers.py); interpreter tests pass. With that branch checked out
+# here and main's kernels beside it as the baseline (an untracked folder, so it travels with the tree):
+#   mkdir -p baseline && for f in triton_kda_bwd triton_gdn_bwd; do git show main:kernels/$f.py > baseline/$f.py; done
+#   T_configs=100 CONFIG_ARGS="--pick 0 1 --repeat 2 --baseline baseline" T_tests=240 TESTS_K="kda or gdn2 or gdn or delta" \
+#       bash tools/h200_next.sh pair "configs:kda-intra,gdn2-intra,kda-wy,gdn2-wy,gdn-local" "tests"
+# (kernel_configs.py --baseline times main's kernel on the same inputs in the same process; main's kernel alone at
+# (2, 8192, 16) was, in ms: intra 1.13 / 1.25 (KDA / GDN2), WY 0.69 / 0.79, GDN local 0.63.)
 # Keep what is faster and passes, merge it, then bench:
 #   T_bench_kda=530 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"   (and bench-gdn for GDN / DeltaNet)
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
