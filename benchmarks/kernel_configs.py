@@ -161,7 +161,8 @@ def load_baseline(folder: str):
         spec.loader.exec_module(mod)
         mods.append(mod)
     if all(m is c for m, c in zip(mods, (KB, G))):
-        raise FileNotFoundError(f"{folder} holds neither {os.path.basename(KB.__file__)} nor {os.path.basename(G.__file__)}")
+        names = " nor ".join(os.path.basename(m.__file__) for m in (KB, G))
+        raise FileNotFoundError(f"{folder} holds neither {names}")
     return tuple(mods)
 
 
