@@ -8,7 +8,7 @@ does it remove?" in seconds on the CPU machine, before spending device time.
 The instruction count is static (each instruction once, loops not
 unrolled); ``--opcodes N`` prints the N most frequent opcodes.
 What it cannot say is how fast the kernel runs: on the H200 a variant with
-half the spills was 18 % slower (docs/performance.md, "Register pressure").
+half the spills was 18-28 % slower (docs/performance.md, "What limits the kernels").
 
 The local triton may be newer than the GPU machine's (3.9 here, 3.6.0 there),
 so the counts are indicative; ncu on the device has the final word
