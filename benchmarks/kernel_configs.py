@@ -168,7 +168,7 @@ def load_baseline(folder: str):
 
 def run_baseline(name: str, a, ref, ms_ref) -> float:
     """The other version's kernel (its first listed config) on the same inputs: time and difference."""
-    kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V, impl=load_baseline(a.baseline))
+    kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V, impl=a.baseline_modules)
     saved = kern.configs
     kern.configs = saved[:1]
     kern.cache.clear()
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
         if not os.path.isdir(a.baseline):
             p.error(f"--baseline {a.baseline}: no such folder (put the other version's kernel files there)")
         try:
-            load_baseline(a.baseline)
+            a.baseline_modules = load_baseline(a.baseline)     # once, for every kernel of the run
         except FileNotFoundError as e:
             p.error(f"--baseline: {e}")
     worst = max(run_kernel(n, a) for n in a.kernel)
