@@ -53,7 +53,7 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name in ("kda-intra", "gdn2-intra"):
         bk = block_k or KB.INTRA_BLOCK_K
         const = dict(heads, BC=KB.BC_SUB, BK=bk, NC=64 // KB.BC_SUB, NDB=triton.cdiv(K, 64) + 1,
-                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=False,
+                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=False, FULL=K % bk == 0,
                      PREC=KB.INTRA_PRECISION, DPREC=KB.DIAG_PRECISION)
         return KB.rewy_kda_bwd_intra_kernel, "intra", const
     if name in ("kda-wy", "gdn2-wy"):

@@ -185,6 +185,7 @@ CASES = {
     "kda_bound_gates": ("kda", [64], 1, 1, 32, 32, "bound", False, False, None),
     "kda_varlen": ("kda", [70, 23, 128], 1, 2, 32, 32, "logsigmoid", True, False, None),
     "gdn2_ragged_K64": ("gdn2", [130], 2, 2, 64, 64, "logsigmoid", False, True, 32),
+    "gdn2_full_chunks": ("gdn2", [128], 1, 2, 64, 64, "logsigmoid", False, False, None),
     "gdn2_mixed_varlen": ("gdn2", [40, 100], 1, 1, 32, 32, "mixed", True, False, None),
 }
 
