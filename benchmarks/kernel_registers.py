@@ -59,11 +59,11 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name in ("kda-wy", "gdn2-wy"):
         bk = block_k or 64
         const = dict(heads, V=V, BK=bk, NK=triton.cdiv(K, bk), VEC=name == "gdn2-wy", STATE_V_FIRST=False,
-                     IS_VARLEN=False, WPREC=KB.WY_PRECISION)
+                     IS_VARLEN=False, WPREC=KB.WY_PRECISION, FULL_T=True)
         return KB.rewy_kda_bwd_wy_kernel, "wy", const
     if name == "gdn-local":
         return G.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
-                                                              IS_VARLEN=False)
+                                                              IS_VARLEN=False, FULL_T=True)
     raise ValueError(f"unknown kernel {name!r}: kda-intra, gdn2-intra, kda-wy, gdn2-wy or gdn-local")
 
 

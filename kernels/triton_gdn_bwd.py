@@ -55,6 +55,7 @@ def rewy_gdn_bwd_local_kernel(
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FULL_T: tl.constexpr,
 ):
     # Plain pointer arithmetic with masks (no block pointers): the same code
     # runs on the GPU and under the interpreter of every Triton version we use.
@@ -76,26 +77,55 @@ def rewy_gdn_bwd_local_kernel(
         T_seq = T
         chunk = i_b * tl.cdiv(T, BT) + i_t
     o_i = tl.arange(0, BT)
-    rows = i_t * BT + o_i
-    valid = rows < T_seq
-    flat = bos + rows                             # token index in [B * T]
-    tok = flat.to(tl.int64)
+    # FULL_T (every chunk has BT rows) and block widths that divide K and V make the bounds masks
+    # constants, which Triton folds away.
+    if FULL_T:
+        valid = tl.full([BT], 1, tl.int1)
+    else:
+        valid = (i_t * BT + o_i) < T_seq
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
+    if K % BK == 0:
+        m_k = tl.full([BK], 1, tl.int1)
+    else:
+        m_k = o_k < K
     m_tk = valid[:, None] & m_k[None, :]
-    state = ((chunk * HV + i_hv) * K * V).to(tl.int64)
-    row_v = (tok * HV + i_hv)[:, None] * V
+    # Scalar 64-bit bases at the chunk's first token (and its state); 32-bit offsets inside the
+    # chunk, which take half the registers and address instructions of 64-bit offset tiles.
+    tok0 = (bos + i_t * BT).to(tl.int64)
+    row_hv = tok0 * HV + i_hv
+    g += row_hv
+    beta += row_hv
+    A += row_hv * BT
+    v += row_hv * V
+    v_new += row_hv * V
+    do += row_hv * V
+    dv2 += row_hv * V
+    dv += row_hv * V
+    q += (tok0 * H + i_h) * K
+    k += (tok0 * H + i_h) * K
+    dq += row_hv * K
+    dk += row_hv * K
+    part = (i_k.to(tl.int64) * B * T + tok0) * HV + i_hv   # this key block's share of db and dg
+    db += part
+    dg += part
+    state = (chunk.to(tl.int64) * HV + i_hv) * K * V
+    h += state
+    dh += state
+    row_v = (o_i * HV)[:, None] * V
     first = i_k == 0                              # writes the key-independent outputs
 
     if USE_G:
-        b_g = tl.load(g + tok * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-        last = (bos + tl.minimum(T_seq, i_t * BT + BT) - 1).to(tl.int64)
-        b_g_last = tl.load(g + last * HV + i_hv).to(tl.float32)
+        b_g = tl.load(g + o_i * HV, mask=valid, other=0.0).to(tl.float32)
+        if FULL_T:
+            last = BT - 1
+        else:
+            last = tl.minimum(T_seq - i_t * BT, BT) - 1   # last valid row of the chunk
+        b_g_last = tl.load(g + last * HV).to(tl.float32)
     else:
         b_g = tl.zeros([BT], dtype=tl.float32)
         b_g_last = 0.0
-    b_beta = tl.load(beta + tok * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-    b_A = tl.load(A + (tok * HV + i_hv)[:, None] * BT + o_i[None, :], mask=valid[:, None], other=0.0)
+    b_beta = tl.load(beta + o_i * HV, mask=valid, other=0.0).to(tl.float32)
+    b_A = tl.load(A + (o_i * HV)[:, None] * BT + o_i[None, :], mask=valid[:, None], other=0.0)
     b_At = tl.trans(b_A)
 
     # One pass over V. Key-independent: dY = A^T dVn (-> dv, dbeta), dAqk = dO Vn^T,
@@ -109,10 +139,14 @@ def rewy_gdn_bwd_local_kernel(
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = valid[:, None] & (o_v < V)[None, :]
-        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        if V % BV == 0:
+            m_v = tl.full([BV], 1, tl.int1)
+        else:
+            m_v = o_v < V
+        m_tv = valid[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
         off_tv = row_v + o_v[None, :]
-        off_kv = state + o_k[:, None] * V + o_v[None, :]
+        off_kv = o_k[:, None] * V + o_v[None, :]
         b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0)
         b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
         b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
@@ -135,7 +169,7 @@ def rewy_gdn_bwd_local_kernel(
     b_dx = -tl.dot(b_At.to(tl.float32), b_dhw)
     b_dL = -b_dyvn
 
-    off_qk = (tok * H + i_h)[:, None] * K + o_k[None, :]
+    off_qk = (o_i * H)[:, None] * K + o_k[None, :]
     b_q = tl.load(q + off_qk, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + off_qk, mask=m_tk, other=0.0).to(tl.float32)
 
@@ -156,18 +190,17 @@ def rewy_gdn_bwd_local_kernel(
     b_dq = tl.dot(b_P2, b_k) + scale * b_dqg * b_eg[:, None]
     b_dkc = b_dkc * b_ekc[:, None]
     b_dk = b_dkg + b_dkc + b_da * b_beta[:, None]
-    off_out = (tok * HV + i_hv)[:, None] * K + o_k[None, :]
+    off_out = (o_i * HV)[:, None] * K + o_k[None, :]
     tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     b_dbeta += tl.sum(b_da * b_k, axis=1)
-    part = (i_k * B * T + flat).to(tl.int64) * HV + i_hv   # this key block's share
-    tl.store(db + part, b_dbeta, mask=valid)
+    tl.store(db + o_i * HV, b_dbeta, mask=valid)
 
     if USE_G:
         b_dG = tl.sum(b_k * b_beta[:, None] * b_da - b_k * b_dkg + b_q * b_dq - b_k * b_dkc, axis=1)
         b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_k)
         b_dG = tl.where(valid, b_dG, 0.0)
-        tl.store(dg + part, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
+        tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
 
 
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
@@ -211,5 +244,6 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
         dq, dk, dv_, dg if dg is not None else db, db,
         cu_seqlens if varlen else beta, chunk_indices if varlen else beta,
         scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
+        FULL_T=not varlen and T % BT == 0,
     )
     return dq, dk, dv_, (dg.sum(0) if NK > 1 else dg[0]) if dg is not None else None, db.sum(0) if NK > 1 else db[0]

@@ -154,6 +154,7 @@ def rewy_kda_bwd_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, WPREC: tl.constexpr,
+    FULL_T: tl.constexpr,
 ):
     i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -197,14 +198,25 @@ def rewy_kda_bwd_wy_kernel(
     dh += (i_tg * HV + i_hv) * K * V
 
     o_r = tl.arange(0, BT)
-    m_t = (i_t * BT + o_r) < T
-    last = tl.minimum(T - i_t * BT, BT) - 1          # last valid row of the chunk
+    # FULL_T (every chunk has BT rows) and block widths that divide K and V make the bounds masks
+    # constants, which Triton folds away (fewer address and select instructions).
+    if FULL_T:
+        m_t = tl.full([BT], 1, tl.int1)
+    else:
+        m_t = (i_t * BT + o_r) < T
+    if FULL_T:
+        last = BT - 1                                 # last valid row of the chunk
+    else:
+        last = tl.minimum(T - i_t * BT, BT) - 1
     m_AT = m_t[None, :] & m_t[:, None]
 
     if i_k < NK:
         # ---- key side: one block of BK key channels ----
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        if K % BK == 0:
+            m_k = tl.full([BK], 1, tl.int1)
+        else:
+            m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)    # dVn h^T  (= -dW)
         b_dqg = tl.zeros([BT, BK], dtype=tl.float32)   # dO h^T
@@ -212,7 +224,10 @@ def rewy_kda_bwd_wy_kernel(
         b_dgc = tl.zeros([BK], dtype=tl.float32)       # sum_v h * dh
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
+            if V % BV == 0:
+                m_v = tl.full([BV], 1, tl.int1)
+            else:
+                m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
             off_tv = o_r[:, None] * (HV * V) + o_v[None, :]
             if STATE_V_FIRST:
@@ -274,7 +289,10 @@ def rewy_kda_bwd_wy_kernel(
             b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            if V % BV == 0:
+                m_tv = m_t[:, None] & tl.full([BV], 1, tl.int1)[None, :]
+            else:
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
             off_tv = o_r[:, None] * (HV * V) + o_v[None, :]
             b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0)
             b_dy = tl.dot(b_AT, b_dvn.to(b_AT.dtype))
@@ -549,7 +567,7 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
         dq, dk, dv, dG, db, dw if vec else dv, dL,
         cu_seqlens, chunk_indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
-        IS_VARLEN=cu_seqlens is not None, WPREC=WY_PRECISION,
+        IS_VARLEN=cu_seqlens is not None, WPREC=WY_PRECISION, FULL_T=cu_seqlens is None and T % BT == 0,
     )
     return dq, dk, dG, dv, dw, db, dL
 
