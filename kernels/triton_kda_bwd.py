@@ -64,9 +64,7 @@ bounded operands; a factor that underflows belongs to an entry that is
 itself below 2^-126. The four 16 x 16 diagonal blocks use, per key channel,
 the midpoint m of the block's cumulative gates as reference: both factors
 lie in [2^{-s/2}, 2^{s/2}] where s = max - min of the block's cumulative
-log2-gate. The cumulative gate of same-signed gates is monotone along the
-block, so its max and min are its first and last rows and the kernel reads
-just those two (mixed-sign gates are outside the bound above anyway). The tensor-core diagonal path is taken when s <= ``SPAN_LIMIT``
+log2-gate. The tensor-core diagonal path is taken when s <= ``SPAN_LIMIT``
 (120 in log2 units = 83 nats over the block's 15 gate steps; FLA's
 ``safe_gate`` range lower_bound >= -5 gives at most 75 nats, and
 log-sigmoid gates far less). A block beyond it takes an exact elementwise
@@ -466,14 +464,11 @@ def rewy_kda_bwd_intra_kernel(
             b_dAqd = tl.where((o_c[:, None] >= o_c[None, :]) & m_ii, b_dAqd, 0.0)
             b_dLd = tl.load(dL + off_d, mask=m_i[:, None], other=0.0).to(tl.float32)
             b_dLd = tl.where((o_c[:, None] > o_c[None, :]) & m_ii, b_dLd, 0.0)
-            # G is a cumulative sum of same-signed log-gates, so monotone along the rows: its extremes over
-            # the block are its first and last valid rows (two row loads instead of two row reductions).
-            g_a = tl.load(g + (I * BC) * (HV * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
-            g_z = tl.load(g + (tl.minimum(I * BC + BC, n_valid) - 1) * (HV * K) + o_k, mask=m_k,
-                          other=0.0).to(tl.float32)
-            span = tl.max(tl.abs(g_a - g_z), axis=0)
+            g_hi = tl.max(tl.where(m_ik, b_g, float("-inf")), axis=0)
+            g_lo = tl.min(tl.where(m_ik, b_g, float("inf")), axis=0)
+            span = tl.max(tl.where(m_k, g_hi - g_lo, 0.0), axis=0)
             if span <= span_limit:
-                mid = 0.5 * (g_a + g_z)
+                mid = tl.where(m_k, 0.5 * (g_hi + g_lo), 0.0)
                 b_ep = _exp2_where(m_ik, b_g - mid[None, :])    # in [2^{-s/2}, 2^{s/2}]
                 b_en = _exp2_where(m_ik, mid[None, :] - b_g)
                 b_kn = b_k * b_en
