@@ -13,12 +13,13 @@ chunk-local cumulative log-gates (FLA keeps them in log2 units, so e^G is
 strictly lower gated key Gram L, A = (I + L)^{-1} (FLA's ``Akk``),
 W = A X, U = A Y, Vn = U - W h.
 
-1. ``rewy_kda_bwd_wy_kernel``, grid (chunks, batch x value heads, NK + 1).
-   Programs 0..NK-1 each own a block of BK key channels: over the value axis
-   they form dW = -dVn h^T, d(q e^G) = dO h^T, d(k e^{G_C-G}) = Vn dh^T and the
-   decay term sum_v h*dh, then Residual WY's dX = A^T dW, and write the
-   inter-chunk parts of dq, dk, the gate gradient (before its cumulative sum)
-   and the erase-gate gradient. Program NK owns the value side:
+1. ``rewy_kda_bwd_wy_kernel``, grid (chunks x (NK + 1), batch x value heads;
+   a chunk's programs adjacent). Programs 0..NK-1 each own a block of BK key
+   channels: over the value axis they form dW = -dVn h^T, d(q e^G) = dO h^T,
+   d(k e^{G_C-G}) = Vn dh^T and the decay term sum_v h*dh, then Residual
+   WY's dX = A^T dW, and write the inter-chunk parts of dq, dk, the gate
+   gradient (before its cumulative sum) and the erase-gate gradient.
+   Program NK owns the value side:
    dY = A^T dVn (giving dv and the write-gate gradient) and
        dL = -dY Vn^T.
    That last line is Residual WY collapsed one step further: Residual WY
@@ -29,8 +30,8 @@ W = A X, U = A Y, Vn = U - W h.
    KDA's erase gate is a scalar per token, so its gradient is a sum over K:
    each K block writes its partial into its own slot of a [.., NK + 1]
    buffer (slot NK from the value side); nothing is reduced with atomics.
-2. ``rewy_kda_bwd_intra_kernel``, grid (chunks, batch x value heads, K
-   blocks): the gated-Gram backward of L (rows a = b*k, columns k) and of
+2. ``rewy_kda_bwd_intra_kernel``, grid (chunks x K blocks, batch x value
+   heads): the gated-Gram backward of L (rows a = b*k, columns k) and of
    Aqk (rows q, columns k) by Matrix Intra, over the chunk's four 16-row
    sub-blocks (last first), plus the assembly of the final dq, dk, db and the
    gate gradient with its reverse cumulative sum inside the chunk, carried
@@ -156,7 +157,9 @@ def rewy_kda_bwd_wy_kernel(
     VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, WPREC: tl.constexpr,
     FULL_T: tl.constexpr,
 ):
-    i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # The NK + 1 programs of one chunk are adjacent in launch order, so the chunk's tiles that several of
+    # them read (dVn, dO, Vn, A, q, k, g) come from L2 for all but the first.
+    i_t, i_k, i_bh = tl.program_id(0) // (NK + 1), tl.program_id(0) % (NK + 1), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -335,7 +338,8 @@ def rewy_kda_bwd_intra_kernel(
     BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, NKI: tl.constexpr, VEC: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr, FULL: tl.constexpr,
 ):
-    i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the key blocks of one chunk are adjacent in launch order: they share its dAqk and dL tiles through L2
+    i_t, i_k, i_bh = tl.program_id(0) // NKI, tl.program_id(0) % NKI, tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -561,7 +565,7 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     dw = _alloc((B, T, HV, V), dev, w_gate.dtype) if vec else None
     db = _alloc((B, T, HV, K), dev) if vec else _alloc((B, T, HV, NK + 1), dev)
     dL = _alloc((B, T, HV, BT), dev)
-    grid = (NT, B * HV, NK + 1)
+    grid = (NT * (NK + 1), B * HV)
     rewy_kda_bwd_wy_kernel[grid](
         q, k, v, v_new, g, beta, w_gate if vec else beta, A, h, dh, do, dv2,
         dq, dk, dv, dG, db, dw if vec else dv, dL,
@@ -605,7 +609,7 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
         dq_o, dk_o = (_alloc((B, T, HV, K), dev, dqk_dtype) for _ in range(2))
     if vec and db_dtype is not None:
         db_o = _alloc((B, T, HV, K), dev, db_dtype)
-    rewy_kda_bwd_intra_kernel[(NT, B * HV, NKI)](
+    rewy_kda_bwd_intra_kernel[(NT * NKI, B * HV)](
         q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
         dq_o, dk_o, dg_o, db_o,
         cu_seqlens, chunk_indices, T, float(span_limit),

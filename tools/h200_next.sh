@@ -64,7 +64,7 @@ bench-gdn|bench-kda|bench-gdn:*|bench-kda:*)
   if [ -f $O/kda_choice.env ]; then source $O/kda_choice.env; fi
   # cd /tmp: the repo's rewy_hf/ (without kernels/) must not shadow the assembled package
   (cd /tmp && timeout $(lim $4 520) python3 -m rewy_hf bench --device cuda --op $2 --lift-gdn-guard \
-      --shapes $3 --policy both --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
+      --shapes $3 --policy ${BENCH_POLICY:-both} --boundary both --backend triton --json $O/$1.json --markdown $O/$1.md > $O/$1.log 2>&1)
   tail -n 45 $O/$1.log ;;
 configs|configs:*)
   # configs:k1,k2 (kernels of benchmarks/kernel_configs.py; plain "configs": both Matrix Intra kernels);
