@@ -21,18 +21,14 @@
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only.
-# Next first call (nvidia-h200-x2, carry [".whl"]): time branch next/full-chunk-kernels, not yet run on a GPU:
-# constant bounds masks when every chunk is full (Matrix Intra, Residual WY, GDN local) and 32-bit in-chunk
-# offsets in the GDN local kernel; static SASS instructions -11 % (intra), -21 % (WY), -8 % (GDN local) in an
-# offline sm_90 compile (benchmarks/kernel_registers.py); interpreter tests pass. With that branch checked out
-# here and main's kernels beside it as the baseline (an untracked folder, so it travels with the tree):
-#   mkdir -p baseline && for f in triton_kda_bwd triton_gdn_bwd; do git show main:kernels/$f.py > baseline/$f.py; done
-#   T_configs=100 CONFIG_ARGS="--pick 0 1 --repeat 2 --baseline baseline" T_tests=240 TESTS_K="kda or gdn2 or gdn or delta" \
-#       bash tools/h200_next.sh pair "configs:kda-intra,gdn2-intra,kda-wy,gdn2-wy,gdn-local" "tests"
-# (kernel_configs.py --baseline times main's kernel on the same inputs in the same process; main's kernel alone at
-# (2, 8192, 16) was, in ms: intra 1.13 / 1.25 (KDA / GDN2), WY 0.69 / 0.79, GDN local 0.63.)
-# Keep what is faster and passes, merge it, then bench:
-#   T_bench_kda=530 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"   (and bench-gdn for GDN / DeltaNet)
+# Next first call (nvidia-h200-x2, carry [".whl"]): the KDA / GDN2 bench on the chunk-adjacent launch order
+# (a7f3b23; kernel alone it cut Residual WY 0.637 -> 0.549 ms KDA, 0.745 -> 0.686 ms GDN2, outputs identical;
+# the sixth session's bench, 1.84x / 1.97x full, predates it), then the GPU tests on it:
+#   T_bench_kda=500 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
+#   T_tests=300 TESTS_K="kda or gdn2" bash tools/h200_next.sh pair "tests" "model-gdn2"   (T_model_gdn2=420)
+# A cold bench's first row takes 2-3 minutes (compilation); BENCH_POLICY=full halves the rest.
+# Per-kernel A/B of a kernel change: put the old kernel files in an untracked folder and run
+#   T_configs=100 CONFIG_ARGS="--pick 0 --repeat 2 --baseline baseline" bash tools/h200_next.sh "configs:kda-wy,kda-intra"
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
 # and SHAPES_GDN / SHAPES_KDA (e.g. SHAPES_KDA=1,32768,32 to finish a run cut short; combine the JSON files with
 # rewy-hf bench --from-json), kda-profile takes KDA_SECTIONS (profile, extras or both), tests TESTS_K (a pytest -k expression).
