@@ -96,8 +96,12 @@ def sweeps(name: str):
         listed = [({"block_k": KB.INTRA_BLOCK_K}, c) for c in KB.rewy_kda_bwd_intra_kernel.configs]
         # the first sweep (2026-11-30) also covered width 16 and 1 stage with 4 or 8 warps: all slower
         extra = [(64, 2, 4), (64, 1, 2), (64, 1, 3), (128, 2, 2), (128, 2, 3), (128, 4, 2), (128, 4, 3),
-                 (32, 1, 3), (32, 2, 3), (32, 2, 2), (32, 4, 2), (32, 8, 1)]
-        make = lambda bk, nw, ns: ({"block_k": bk}, C({}, num_warps=nw, num_stages=ns))    # noqa: E731
+                 (32, 1, 3), (32, 2, 3), (32, 2, 2), (32, 4, 2), (32, 8, 1),
+                 # register caps at the shipped shape: 255 registers allow 4 two-warp programs per SM,
+                 # 168 allow 6 and 128 allow 8, at the price of spills (benchmarks/kernel_registers.py)
+                 (64, 2, 3, 168), (64, 2, 3, 128), (64, 2, 2, 168)]
+        make = lambda bk, nw, ns, reg=None: ({"block_k": bk}, C({}, num_warps=nw, num_stages=ns,    # noqa: E731
+                                                                maxnreg=reg))
     elif name.endswith("wy"):
         listed = [({}, c) for c in KB.rewy_kda_bwd_wy_kernel.configs]
         # 4 warps with 2 or 3 stages gave different outputs from one run to the next on the H200

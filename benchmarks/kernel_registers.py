@@ -73,8 +73,10 @@ def _jit_function(kernel):
     return kernel
 
 
-def compile_for(kernel, group: str, const: dict, num_warps: int, num_stages: int, arch: int = 90):
-    """The kernel compiled for sm_<arch> as the launcher would specialize it (16-byte aligned pointers)."""
+def compile_for(kernel, group: str, const: dict, num_warps: int, num_stages: int, arch: int = 90,
+                maxnreg: int | None = None):
+    """The kernel compiled for sm_<arch> as the launcher would specialize it (16-byte aligned pointers);
+    ``maxnreg`` caps the registers per thread as a ``triton.Config`` with that field does."""
     fn = _jit_function(kernel)
     names = fn.arg_names
     sig = {}
@@ -91,7 +93,8 @@ def compile_for(kernel, group: str, const: dict, num_warps: int, num_stages: int
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def _cuobjdump(compiled, flag: str) -> str:
@@ -128,6 +131,7 @@ def main() -> int:
     p.add_argument("--kernel", nargs="+", default=["kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local"])
     p.add_argument("--warps", type=int, default=None, help="with --stages: this config instead of the autotune list")
     p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--maxnreg", type=int, default=None, help="with --warps / --stages: a register cap per thread")
     p.add_argument("--block-k", type=int, default=None, help="key channels per program (default: the wrapper's)")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -139,20 +143,24 @@ def main() -> int:
         p.error("TRITON_INTERPRET=1 makes Triton's kernels Python functions, which cannot be compiled: unset it")
     if (a.warps is None) != (a.stages is None):
         p.error("--warps and --stages go together")
+    if a.maxnreg and a.warps is None:
+        p.error("--maxnreg needs --warps and --stages (it caps one config)")
     rows = []
     for name in a.kernel:
         try:
             kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k)
         except ValueError as e:
             p.error(str(e))
-        configs = ([triton.Config({}, num_warps=a.warps, num_stages=a.stages)] if a.warps
+        configs = ([triton.Config({}, num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg)] if a.warps
                    else kernel.configs)
         for c in configs:
-            compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch)
+            compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch,
+                                   c.maxnreg)
             use = resource_usage(compiled)
             ops = opcode_counts(compiled)
             use["instructions"] = sum(ops.values())
-            knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages}
+            knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
+                     **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
             rows.append(dict(kernel=name, **knobs, **use))
             cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
             print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"

@@ -47,3 +47,21 @@ def test_refusals_name_the_problem():
     assert r.returncode == 2 and "kda-intra, gdn2-intra, kda-wy, gdn2-wy or gdn-local" in r.stderr
     r = _run("--kernel", "kda-intra", interpret=True)
     assert r.returncode == 2 and "unset it" in r.stderr
+
+
+def test_a_register_cap_is_honoured_by_spilling(tmp_path):
+    """--maxnreg caps registers per thread as a triton.Config's maxnreg does: the uncapped Matrix Intra
+    kernel needs more than 168 registers, so under the cap ptxas keeps to it and moves the rest to
+    local memory (more spill bytes than without the cap)."""
+    out = {}
+    for cap in (None, 168):
+        path = tmp_path / f"cap{cap}.json"
+        args = ["--kernel", "kda-intra", "--warps", "2", "--stages", "3", "--json", str(path)]
+        r = _run(*args, *(["--maxnreg", str(cap)] if cap else []))
+        assert r.returncode == 0, r.stderr[-2000:]
+        (out[cap],) = json.loads(path.read_text())
+    assert out[None]["registers"] > 168 >= out[168]["registers"]
+    assert out[168]["maxnreg"] == 168 and "maxnreg" not in out[None]
+    assert out[168]["spill_bytes"] > out[None]["spill_bytes"]
+    r = _run("--kernel", "kda-intra", "--maxnreg", "168")
+    assert r.returncode == 2 and "--maxnreg needs --warps and --stages" in r.stderr
