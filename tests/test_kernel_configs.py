@@ -48,6 +48,21 @@ def test_configs_agree_on_the_same_inputs(kernel, capsys):
     assert out.count(" diff ") == len(picks), out          # both configs ran; neither failed to compile
 
 
+def test_wy_key_blocks_of_another_width_agree(capsys):
+    """KDA's Residual WY with 32-channel key blocks against the reference's 64 (K = 64: one key block
+    against two): its erase-gate partials then come in buffers of different widths, which the sweep
+    compares through their sum over the slots, the quantity Matrix Intra consumes."""
+    module = _load()
+    sweep = module.sweeps("kda-wy")
+    other = next(i for i, (kw, _) in enumerate(sweep) if kw.get("block_k") == 32)
+    device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu"]
+    status = module.main([*device, "--kernel", "kda-wy", "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+                          "--V", "64", "--pick", "0", str(other), "--tolerance", "1e-5"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.count(" diff ") == 2 and "block_k=32" in out, out
+
+
 @pytest.mark.parametrize("kernel", ["kda-intra", "gdn-local"])
 def test_baseline_version_runs_on_the_same_inputs(kernel, tmp_path, capsys):
     """--baseline with a copy of the current kernel files: the same code on the same inputs must agree

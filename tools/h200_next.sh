@@ -28,7 +28,10 @@
 #   T_tests=300 TESTS_K="kda or gdn2" bash tools/h200_next.sh pair "tests" "model-gdn2"   (T_model_gdn2=420)
 # A cold bench's first row takes 2-3 minutes (compilation); BENCH_POLICY=full halves the rest.
 # Then the Matrix Intra register caps (6 or 8 two-warp programs per SM instead of 4, with spills):
-#   T_configs=150 CONFIG_ARGS="--pick 0 15 16 17 --repeat 2" bash tools/h200_next.sh "configs:kda-intra,gdn2-intra"
+#   T_configs=150 CONFIG_ARGS="--pick 0 11 13 15 16 17 18 --repeat 2" bash tools/h200_next.sh "configs:kda-intra,gdn2-intra"
+# and 32-channel key blocks for Residual WY (no spills offline; the chunk-adjacent order shares the value tiles):
+#   T_configs=100 CONFIG_ARGS="--pick 0 13 14 15 --repeat 2" bash tools/h200_next.sh "configs:kda-wy,gdn2-wy"
+# (the 32-channel intra configs 11, 13, 18 were slower before the chunk-adjacent order; 18 has 134 registers)
 # Per-kernel A/B of a kernel change: put the old kernel files in an untracked folder and run
 #   T_configs=100 CONFIG_ARGS="--pick 0 --repeat 2 --baseline baseline" bash tools/h200_next.sh "configs:kda-wy,kda-intra"
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
