@@ -205,11 +205,9 @@ def rewy_kda_bwd_wy_kernel(
     # constants, which Triton folds away (fewer address and select instructions).
     if FULL_T:
         m_t = tl.full([BT], 1, tl.int1)
-    else:
-        m_t = (i_t * BT + o_r) < T
-    if FULL_T:
         last = BT - 1                                 # last valid row of the chunk
     else:
+        m_t = (i_t * BT + o_r) < T
         last = tl.minimum(T - i_t * BT, BT) - 1
     m_AT = m_t[None, :] & m_t[:, None]
 
