@@ -154,7 +154,8 @@ def stage(name: str, B, T, H, K, V, impl=None):
 
 def load_baseline(folder: str):
     """(KDA module, GDN module) from another version's kernel files in ``folder``; a missing file
-    falls back to the current module, so one changed file is enough."""
+    falls back to the current module, so one changed file is enough; the helpers the files import
+    (triton_masks.py) come from the current package."""
     from rewy_hf.kernels import triton_gdn_bwd as G
     from rewy_hf.kernels import triton_kda_bwd as KB
 
@@ -164,7 +165,10 @@ def load_baseline(folder: str):
         if not os.path.exists(path):
             mods.append(current)
             continue
-        spec = importlib.util.spec_from_file_location(f"baseline_{os.path.basename(path)[:-3]}", path)
+        # named inside rewy_hf.kernels, so the file's relative imports (.triton_masks) resolve to the
+        # current package's helpers
+        spec = importlib.util.spec_from_file_location(
+            f"{KB.__package__}.baseline_{os.path.basename(path)[:-3]}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         mods.append(mod)

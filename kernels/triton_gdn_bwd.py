@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_masks import bounds_mask
+
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
 # time is paid per config. Chosen from a sweep on the H200 at (2, 8192, 16), K = V = 128
 # (benchmarks/kernel_configs.py): BV 32 with 4 warps and 3 stages 0.633 ms, BV 128 with
@@ -77,17 +79,10 @@ def rewy_gdn_bwd_local_kernel(
         T_seq = T
         chunk = i_b * tl.cdiv(T, BT) + i_t
     o_i = tl.arange(0, BT)
-    # FULL_T (every chunk has BT rows) and block widths that divide K and V make the bounds masks
-    # constants, which Triton folds away.
-    if FULL_T:
-        valid = tl.full([BT], 1, tl.int1)
-    else:
-        valid = (i_t * BT + o_i) < T_seq
+    # FULL_T: every chunk has BT rows; with block widths that divide K and V the masks are constants
+    valid = bounds_mask(i_t * BT + o_i, T_seq, FULL_T)
     o_k = i_k * BK + tl.arange(0, BK)
-    if K % BK == 0:
-        m_k = tl.full([BK], 1, tl.int1)
-    else:
-        m_k = o_k < K
+    m_k = bounds_mask(o_k, K, K % BK == 0)
     m_tk = valid[:, None] & m_k[None, :]
     # Scalar 64-bit bases at the chunk's first token (and its state); 32-bit offsets inside the
     # chunk, which take half the registers and address instructions of 64-bit offset tiles.
@@ -139,10 +134,7 @@ def rewy_gdn_bwd_local_kernel(
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        if V % BV == 0:
-            m_v = tl.full([BV], 1, tl.int1)
-        else:
-            m_v = o_v < V
+        m_v = bounds_mask(o_v, V, V % BV == 0)
         m_tv = valid[:, None] & m_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         off_tv = row_v + o_v[None, :]
