@@ -33,6 +33,7 @@ Usage: python benchmarks/kernel_configs.py --kernel kda-intra gdn-local [--B 2 -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -178,19 +179,27 @@ def load_baseline(folder: str):
     return tuple(mods)
 
 
-def run_baseline(name: str, a, ref, ms_ref) -> float:
-    """The other version's kernel (its first listed config) on the same inputs: time and difference."""
-    kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V, impl=a.baseline_modules)
+@contextlib.contextmanager
+def only_config(kern, cfg):
+    """The autotuned ``kern`` with ``cfg`` as its only config (its cache cleared, so that config runs),
+    restored afterwards."""
     saved = kern.configs
-    kern.configs = saved[:1]
+    kern.configs = [cfg]
     kern.cache.clear()
     try:
-        outs = comparable(name, fn())
-        diff = max(rel(o, r) for o, r in zip(outs, ref))
-        ms = triton.testing.do_bench(lambda: fn(), return_mode="median") if DEVICE == "cuda" else float("nan")
+        yield
     finally:
         kern.configs = saved
         kern.cache.clear()
+
+
+def run_baseline(name: str, a, ref, ms_ref) -> float:
+    """The other version's kernel (its first listed config) on the same inputs: time and difference."""
+    kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V, impl=a.baseline_modules)
+    with only_config(kern, kern.configs[0]):
+        outs = comparable(name, fn())
+        diff = max(rel(o, r) for o, r in zip(outs, ref))
+        ms = triton.testing.do_bench(lambda: fn(), return_mode="median") if DEVICE == "cuda" else float("nan")
     print(f"  baseline {a.baseline}: {ms:8.3f} ms against {ms_ref:8.3f} ms for the current first config"
           f" ({ms / ms_ref:.3f}x the current time); diff {diff:.1e}", flush=True)
     return diff
@@ -217,48 +226,42 @@ def run_kernel(name: str, a) -> float:
     print(f"\n{name} at (B, T, H, K, V) = ({a.B}, {a.T}, {a.H}, {a.K}, {a.V}); {where}", flush=True)
     sweep = sweeps(name)       # reads the kernel's autotune list: before it is replaced below
     sweep = [sweep[i] for i in a.pick if i < len(sweep)] if a.pick else sweep[:a.limit or None]
-    saved = kern.configs
     ref, rows, worst, ms_first = None, [], 0.0, float("nan")
     t_end = time.time() + a.budget
-    try:
-        for kw, cfg in sweep:
-            if time.time() > t_end:
-                print("  budget spent; later configs skipped", flush=True)
-                break
-            kern.configs = [cfg]
-            kern.cache.clear()
-            label = " ".join([f"{k}={v}" for k, v in {**kw, **cfg.kwargs}.items()]
-                             + [f"warps={cfg.num_warps}", f"stages={cfg.num_stages}"]
-                             + ([f"maxnreg={cfg.maxnreg}"] if cfg.maxnreg else []))
+    for kw, cfg in sweep:
+        if time.time() > t_end:
+            print("  budget spent; later configs skipped", flush=True)
+            break
+        label = " ".join([f"{k}={v}" for k, v in {**kw, **cfg.kwargs}.items()]
+                         + [f"warps={cfg.num_warps}", f"stages={cfg.num_stages}"]
+                         + ([f"maxnreg={cfg.maxnreg}"] if cfg.maxnreg else []))
+        with only_config(kern, cfg):
             t0 = time.time()
             try:
                 outs = comparable(name, fn(**kw))
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
                 # the same config again on the same inputs: any difference is a race or a miscompile
-                rerun = max((rel(o.clone(), r) for _ in range(a.repeat - 1)
+                rerun = max((rel(o, r) for _ in range(a.repeat - 1)
                              for o, r in zip(comparable(name, fn(**kw)), outs)), default=0.0)
             except Exception as e:    # noqa: BLE001 - a config that cannot compile is a result, not a failure
                 print(f"  {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:100]})", flush=True)
                 continue
             compile_s = time.time() - t0
-            if ref is None:
-                ref = outs
-                diffs = [0.0] * len(outs)
-            else:
-                diffs = [rel(o, r) for o, r in zip(outs, ref)]
-            diff = max(diffs + [rerun])
-            worst = max(worst, diff)
             ms = triton.testing.do_bench(lambda: fn(**kw), return_mode="median") if DEVICE == "cuda" else float("nan")
-            rows.append((ms, label, diff))
-            if len(rows) == 1:
-                ms_first = ms
-            per = " ".join(f"{d:.0e}" for d in diffs)
-            print(f"  {ms:8.3f} ms  diff {diff:.1e} [per output {per}; rerun {rerun:.0e}]"
-                  f"  (first call {compile_s:5.1f} s)  {label}", flush=True)
-    finally:
-        kern.configs = saved
-        kern.cache.clear()
+        if ref is None:
+            ref = outs
+            diffs = [0.0] * len(outs)
+        else:
+            diffs = [rel(o, r) for o, r in zip(outs, ref)]
+        diff = max(diffs + [rerun])
+        worst = max(worst, diff)
+        rows.append((ms, label, diff))
+        if len(rows) == 1:
+            ms_first = ms
+        per = " ".join(f"{d:.0e}" for d in diffs)
+        print(f"  {ms:8.3f} ms  diff {diff:.1e} [per output {per}; rerun {rerun:.0e}]"
+              f"  (first call {compile_s:5.1f} s)  {label}", flush=True)
     if a.baseline and ref is not None:
         worst = max(worst, run_baseline(name, a, ref, ms_first))
     print(f"{name}: fastest first", flush=True)
