@@ -38,137 +38,235 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_masks import bounds_mask
+
+
+_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+            for bv in (32, 64) for nw in (4, 2) for ns in (2, 3)]
+
 
 @triton.jit
-def _segment_kernel(
-    k, w, u, g, q, do, start, pz_out, h_out, vn_out,
-    scale, T, NT, L,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-    USE_G: tl.constexpr, USE_GK: tl.constexpr, AUGMENTED: tl.constexpr, REVERSE: tl.constexpr,
-):
-    """One segment of the forward (REVERSE=False) or backward (REVERSE=True)
-    recurrence for one column block of the state.
+def _walk(S1, S2, k, w, u, g, q, do, h_out, vn_out, scale, i_b, i_h, i_hv, c0, n, cols, T, NT,
+          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          BT: tl.constexpr, BKH: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr,
+          USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr,
+          HAS_INPUT: tl.constexpr, STORE: tl.constexpr, FULL_T: tl.constexpr):
+    """Walk chunks c0 .. c0 + n - 1 (backwards when REVERSE) for one block of BV state
+    columns, the state held as two row halves S1 = rows [0, BKH), S2 = rows [BKH, 2 BKH).
 
-    AUGMENTED: columns [0, K) of the state start as I and see no inputs,
-    columns [K, K + V) start at 0; the end state is written to pz_out
-    [B, NS, HV, K, K + V]. Otherwise the state (V columns) starts from
-    ``start`` [B, NS, HV, K, V] (fp32) and h_out / vn_out get the per-chunk
-    states and the per-token v_new (forward) or dh and dv2 (backward).
-    Backward reads w where the forward reads w, dv (FLA's local dv) where the
-    forward reads u, and q, do for the output term.
-    USE_GK (KDA, GDN2): g is the per-key log2 gate cumsum [B, T, HV, K] and, as
-    in FLA, k and q arrive already gated (kg = k e^{G_C - G}, qg = q e^{G}); the
-    state decays row by row by e^{G_C}.
-    """
-    i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    NS = tl.num_programs(1)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    HAS_INPUT: the columns are value columns and see u (forward) / dv, q, do
+    (backward); otherwise they are columns of the segment transition and see
+    only the homogeneous part. STORE: write the per-chunk state (before the
+    chunk, as FLA does) and v_new / dv2."""
     o_t = tl.arange(0, BT)
-    cols = i_c * BC + tl.arange(0, BC)               # state columns of this program
-    if AUGMENTED:
-        is_input = cols >= K                          # P columns see no inputs
-        v_cols = cols - K
-        m_c = cols < K + V
-        m_in = is_input & m_c
-        b_s = tl.where((o_k[:, None] == cols[None, :]) & m_k[:, None], 1.0, 0.0).to(tl.float32)
-    else:
-        v_cols = cols
-        m_c = cols < V
-        m_in = m_c
-        off_start = (((i_b * NS + i_s) * HV + i_hv) * K * V).to(tl.int64)
-        b_s = tl.load(start + off_start + o_k[:, None] * V + cols[None, :],
-                      mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-
-    c0 = i_s * L
-    n = tl.minimum(L, NT - c0)
+    o_k = tl.arange(0, BKH)
+    m_k1 = bounds_mask(o_k, K, K % BKH == 0)
+    m_k2 = bounds_mask(BKH + o_k, K, K % BKH == 0)
+    m_v = bounds_mask(cols, V, V % BV == 0)
     for j in range(0, n):
-        i_t = c0 + j
         if REVERSE:
             i_t = c0 + n - 1 - j
+        else:
+            i_t = c0 + j
         rows = i_t * BT + o_t
-        m_t = rows < T
+        m_t = bounds_mask(rows, T, FULL_T)
         tok = (i_b * T + rows).to(tl.int64)
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(k + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_w = tl.load(w + (tok * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        if STORE:
+            p_s = h_out + (((i_b * NT + i_t) * HV + i_hv) * K * V).to(tl.int64) + o_k[:, None] * V + cols[None, :]
+            tl.store(p_s, S1.to(h_out.dtype.element_ty), mask=m_k1[:, None] & m_v[None, :])
+            if TWO:
+                tl.store(p_s + BKH * V, S2.to(h_out.dtype.element_ty), mask=m_k2[:, None] & m_v[None, :])
+        p_k = k + (tok * H + i_h)[:, None] * K + o_k[None, :]
+        p_w = w + (tok * HV + i_hv)[:, None] * K + o_k[None, :]
+        b_k1 = tl.load(p_k, mask=m_t[:, None] & m_k1[None, :], other=0.0)
+        b_w1 = tl.load(p_w, mask=m_t[:, None] & m_k1[None, :], other=0.0)
+        if TWO:
+            b_k2 = tl.load(p_k + BKH, mask=m_t[:, None] & m_k2[None, :], other=0.0)
+            b_w2 = tl.load(p_w + BKH, mask=m_t[:, None] & m_k2[None, :], other=0.0)
         last = (i_b * T + tl.minimum(T, i_t * BT + BT) - 1).to(tl.int64)
+        # Per-row state decay over the chunk (d1, d2) and per-token key decay to the chunk end.
         if USE_G:
             b_g = tl.load(g + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
             b_gl = tl.load(g + last * HV + i_hv).to(tl.float32)
             b_kdecay = tl.where(m_t, tl.exp2(b_gl - b_g), 0.0)
+            d1 = tl.exp2(b_gl)
+            d2 = d1
         elif USE_GK:
-            b_gl = tl.exp2(tl.load(g + (last * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
-            b_kdecay = tl.where(m_t, 1.0, 0.0)
+            d1 = tl.exp2(tl.load(g + (last * HV + i_hv) * K + o_k, mask=m_k1, other=0.0).to(tl.float32))[:, None]
+            d2 = d1
+            if TWO:
+                d2 = tl.exp2(tl.load(g + (last * HV + i_hv) * K + BKH + o_k, mask=m_k2,
+                                     other=0.0).to(tl.float32))[:, None]
         else:
-            b_gl = 0.0
-            b_kdecay = tl.where(m_t, 1.0, 0.0)
-        off_tv = (tok * HV + i_hv)[:, None] * V + v_cols[None, :]
-        m_tv = m_t[:, None] & m_in[None, :]
-        if not AUGMENTED:
-            off_state = (((i_b * NT + i_t) * HV + i_hv) * K * V).to(tl.int64)
-            tl.store(h_out + off_state + o_k[:, None] * V + cols[None, :], b_s.to(h_out.dtype.element_ty),
-                     mask=m_k[:, None] & m_c[None, :])
-        # u (forward) or FLA's local dv (backward): the input term of this chunk.
-        b_in = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+            d1 = 1.0
+            d2 = 1.0
+        p_tv = (tok * HV + i_hv)[:, None] * V + cols[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        dt = b_k1.dtype
         if REVERSE:
             # dv2 = dv + k_g D;  D <- e^{g_C} D + scale q_g^T do - w^T dv2
-            b_kg = (b_k.to(tl.float32) * b_kdecay[:, None]).to(b_k.dtype)
-            b_dv2 = b_in + tl.dot(b_kg, b_s.to(b_k.dtype))
-            if not AUGMENTED:
-                tl.store(vn_out + off_tv, b_dv2.to(vn_out.dtype.element_ty), mask=m_tv)
-            b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
-            b_q = tl.load(q + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
             if USE_G:
-                b_q = b_q * tl.exp2(b_g)[:, None]
-            b_s = b_s * b_gl if USE_GK else b_s * tl.exp2(b_gl)
-            b_s += scale * tl.dot(tl.trans(b_q.to(b_k.dtype)), b_do.to(b_k.dtype))
-            b_s -= tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
+                b_k1 = (b_k1 * b_kdecay[:, None]).to(dt)
+                if TWO:
+                    b_k2 = (b_k2 * b_kdecay[:, None]).to(dt)
+            b_x = tl.dot(b_k1, S1.to(dt))
+            if TWO:
+                b_x = tl.dot(b_k2, S2.to(dt), b_x)
+            if HAS_INPUT:
+                b_x += tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+                if STORE:
+                    tl.store(vn_out + p_tv, b_x.to(vn_out.dtype.element_ty), mask=m_tv)
+            b_x = b_x.to(dt)
+            S1 = S1 * d1 - tl.dot(tl.trans(b_w1), b_x)
+            if TWO:
+                S2 = S2 * d2 - tl.dot(tl.trans(b_w2), b_x)
+            if HAS_INPUT:
+                b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+                p_q = q + (tok * H + i_h)[:, None] * K + o_k[None, :]
+                b_q1 = tl.load(p_q, mask=m_t[:, None] & m_k1[None, :], other=0.0)
+                if USE_G:
+                    b_q1 = (b_q1 * tl.exp2(b_g)[:, None]).to(dt)
+                S1 += scale * tl.dot(tl.trans(b_q1), b_do)
+                if TWO:
+                    b_q2 = tl.load(p_q + BKH, mask=m_t[:, None] & m_k2[None, :], other=0.0)
+                    if USE_G:
+                        b_q2 = (b_q2 * tl.exp2(b_g)[:, None]).to(dt)
+                    S2 += scale * tl.dot(tl.trans(b_q2), b_do)
         else:
-            # v_new = u - w h;  h <- e^{g_C} h + k_g^T v_new
-            b_vn = b_in - tl.dot(b_w, b_s.to(b_w.dtype))
-            if not AUGMENTED:
-                tl.store(vn_out + off_tv, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
-            b_vn = b_vn * b_kdecay[:, None]
-            b_s = (b_s * b_gl if USE_GK else b_s * tl.exp2(b_gl)) + tl.dot(tl.trans(b_k), b_vn.to(b_k.dtype))
+            # v_new = u - w h;  h <- e^{g_C} h + k^T (v_new e^{g_C - g})
+            b_x = -tl.dot(b_w1, S1.to(dt))
+            if TWO:
+                b_x -= tl.dot(b_w2, S2.to(dt))
+            if HAS_INPUT:
+                b_x += tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+                if STORE:
+                    tl.store(vn_out + p_tv, b_x.to(vn_out.dtype.element_ty), mask=m_tv)
+            if USE_G:
+                b_x = b_x * b_kdecay[:, None]
+            b_x = b_x.to(dt)
+            S1 = S1 * d1 + tl.dot(tl.trans(b_k1), b_x)
+            if TWO:
+                S2 = S2 * d2 + tl.dot(tl.trans(b_k2), b_x)
+    return S1, S2
 
-    if AUGMENTED:
-        off_pz = (((i_b * NS + i_s) * HV + i_hv) * K * (K + V)).to(tl.int64)
-        tl.store(pz_out + off_pz + o_k[:, None] * (K + V) + cols[None, :], b_s, mask=m_k[:, None] & m_c[None, :])
+
+@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "USE_G", "USE_GK", "REVERSE", "FINAL"])
+@triton.jit(do_not_specialize=["T", "NT", "L"])
+def _segment_kernel(
+    k, w, u, g, q, do, start, pz, h_out, vn_out,
+    scale, T, NT, L,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BKH: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, FINAL: tl.constexpr,
+    FULL_T: tl.constexpr,
+):
+    """One segment of the forward (REVERSE=False) or backward (REVERSE=True)
+    recurrence for one block of BV state columns.
+
+    First pass (FINAL=False): program blocks [0, cdiv(K, BV)) carry columns of
+    the segment transition, started from the identity and fed no inputs;
+    the others carry value columns started from zero. Both write their end
+    state into pz [B, NS, HV, K, K + V] (transition P left, zero-start state Z
+    right). Final pass (FINAL=True): value columns started from ``start``
+    [B, NS, HV, K, V] (fp32), writing h_out / vn_out: the per-chunk states and
+    the per-token v_new (forward) or dh and dv2 (backward).
+    USE_GK (KDA, GDN2): g is the per-key log2 gate cumsum [B, T, HV, K] and, as
+    in FLA, k and q arrive already gated; the state decays row by row."""
+    i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    NS = tl.num_programs(1)
+    TWO: tl.constexpr = K > BKH
+    NPB: tl.constexpr = (K + BV - 1) // BV         # transition column blocks in the first pass
+    o_k = tl.arange(0, BKH)
+    m_k1 = bounds_mask(o_k, K, K % BKH == 0)
+    m_k2 = bounds_mask(BKH + o_k, K, K % BKH == 0)
+    c0 = i_s * L
+    n = tl.minimum(L, NT - c0)
+    off_seg = ((i_b * NS + i_s) * HV + i_hv).to(tl.int64)
+    if FINAL:
+        cols = i_c * BV + tl.arange(0, BV)
+        m_c = bounds_mask(cols, V, V % BV == 0)
+        p_st = start + off_seg * K * V + o_k[:, None] * V + cols[None, :]
+        S1 = tl.load(p_st, mask=m_k1[:, None] & m_c[None, :], other=0.0)
+        S2 = tl.zeros([BKH, BV], dtype=tl.float32)
+        if TWO:
+            S2 = tl.load(p_st + BKH * V, mask=m_k2[:, None] & m_c[None, :], other=0.0)
+        S1, S2 = _walk(S1, S2, k, w, u, g, q, do, h_out, vn_out, scale, i_b, i_h, i_hv, c0, n, cols, T, NT,
+                       H, HV, K, V, BT, BKH, BV, TWO, USE_G, USE_GK, REVERSE, True, True, FULL_T)
+    else:
+        if i_c < NPB:
+            pcols = i_c * BV + tl.arange(0, BV)
+            S1 = tl.where(o_k[:, None] == pcols[None, :], 1.0, 0.0).to(tl.float32)
+            S2 = tl.where(BKH + o_k[:, None] == pcols[None, :], 1.0, 0.0).to(tl.float32)
+            S1, S2 = _walk(S1, S2, k, w, u, g, q, do, h_out, vn_out, scale, i_b, i_h, i_hv, c0, n, pcols, T, NT,
+                           H, HV, K, V, BT, BKH, BV, TWO, USE_G, USE_GK, REVERSE, False, False, FULL_T)
+            m_c = pcols < K
+            ocols = pcols
+        else:
+            cols = (i_c - NPB) * BV + tl.arange(0, BV)
+            S1 = tl.zeros([BKH, BV], dtype=tl.float32)
+            S2 = tl.zeros([BKH, BV], dtype=tl.float32)
+            S1, S2 = _walk(S1, S2, k, w, u, g, q, do, h_out, vn_out, scale, i_b, i_h, i_hv, c0, n, cols, T, NT,
+                           H, HV, K, V, BT, BKH, BV, TWO, USE_G, USE_GK, REVERSE, True, False, FULL_T)
+            m_c = cols < V
+            ocols = K + cols
+        p_pz = pz + off_seg * K * (K + V) + o_k[:, None] * (K + V) + ocols[None, :]
+        tl.store(p_pz, S1, mask=m_k1[:, None] & m_c[None, :])
+        if TWO:
+            tl.store(p_pz + BKH * (K + V), S2, mask=m_k2[:, None] & m_c[None, :])
 
 
 @triton.jit
-def _scan_kernel(pz, s0, starts, s_final,
-                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 HAS_S0: tl.constexpr, REVERSE: tl.constexpr, NS, HV):
+def _scan_kernel(pz, s0, starts, s_final, NS, HV,
+                 K: tl.constexpr, V: tl.constexpr, BKH: tl.constexpr, BV: tl.constexpr,
+                 HAS_S0: tl.constexpr, REVERSE: tl.constexpr):
     """Boundary states: S <- P_s S + Z_s over the segments (in reverse for the
-    backward), writing each segment's start state and the state after all."""
+    backward), writing each segment's start state and the state after all.
+    P is applied as four [BKH, BKH] blocks, so no program holds a K x K tile."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    TWO: tl.constexpr = K > BKH
+    o_k = tl.arange(0, BKH)
+    m_k1 = o_k < K
+    m_k2 = BKH + o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    m_v = o_v < V
     off_state = (i_bh * K * V).to(tl.int64)
+    p_s = o_k[:, None] * V + o_v[None, :]
+    S1 = tl.zeros([BKH, BV], dtype=tl.float32)
+    S2 = tl.zeros([BKH, BV], dtype=tl.float32)
     if HAS_S0:
-        b_s = tl.load(s0 + off_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
-    else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+        S1 = tl.load(s0 + off_state + p_s, mask=m_k1[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if TWO:
+            S2 = tl.load(s0 + off_state + BKH * V + p_s, mask=m_k2[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    p_pp = o_k[:, None] * (K + V) + o_k[None, :]
+    p_pz = o_k[:, None] * (K + V) + K + o_v[None, :]
     for j in range(0, NS):
-        i_s = j
         if REVERSE:
             i_s = NS - 1 - j
+        else:
+            i_s = j
         off_seg = ((i_b * NS + i_s) * HV + i_hv).to(tl.int64)
-        tl.store(starts + off_seg * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+        tl.store(starts + off_seg * K * V + p_s, S1, mask=m_k1[:, None] & m_v[None, :])
         base = pz + off_seg * K * (K + V)
-        b_p = tl.load(base + o_k[:, None] * (K + V) + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
-        b_z = tl.load(base + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv, other=0.0)
-        # fp32 product in full precision: errors here would reach every later segment.
-        b_s = tl.dot(b_p, b_s, input_precision="ieee") + b_z
-    tl.store(s_final + off_state + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+        # fp32 products in full precision: an error here would reach every later segment.
+        P11 = tl.load(base + p_pp, mask=m_k1[:, None] & m_k1[None, :], other=0.0)
+        N1 = tl.dot(P11, S1, input_precision="ieee") + tl.load(base + p_pz, mask=m_k1[:, None] & m_v[None, :],
+                                                               other=0.0)
+        if TWO:
+            tl.store(starts + off_seg * K * V + BKH * V + p_s, S2, mask=m_k2[:, None] & m_v[None, :])
+            P12 = tl.load(base + BKH + p_pp, mask=m_k1[:, None] & m_k2[None, :], other=0.0)
+            P21 = tl.load(base + BKH * (K + V) + p_pp, mask=m_k2[:, None] & m_k1[None, :], other=0.0)
+            P22 = tl.load(base + BKH * (K + V) + BKH + p_pp, mask=m_k2[:, None] & m_k2[None, :], other=0.0)
+            N1 = tl.dot(P12, S2, N1, input_precision="ieee")
+            N2 = tl.dot(P21, S1, input_precision="ieee") + tl.load(base + BKH * (K + V) + p_pz,
+                                                                   mask=m_k2[:, None] & m_v[None, :], other=0.0)
+            S2 = tl.dot(P22, S2, N2, input_precision="ieee")
+        S1 = N1
+    tl.store(s_final + off_state + p_s, S1, mask=m_k1[:, None] & m_v[None, :])
+    if TWO:
+        tl.store(s_final + off_state + BKH * V + p_s, S2, mask=m_k2[:, None] & m_v[None, :])
 
 
 def segments_for(B: int, HV: int, T: int, V: int, sm_count: int, BT: int = 64) -> int:
@@ -207,34 +305,38 @@ def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_firs
     raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode!r} is not understood; use off, auto or a segment count")
 
 
+MAX_K = 128
+
+
 def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, per_key_gate: bool):
     BT = 64
     NT = triton.cdiv(T, BT)
     L = triton.cdiv(NT, NS)
     NS = triton.cdiv(NT, L)
-    BK = max(16, triton.next_power_of_2(K))
-    if BK > 256:
-        raise ValueError(f"key head dim {K} > 256 is not supported by the sequence-parallel recurrence")
-    BC = 64 if BK <= 128 else 32
+    if K > MAX_K:
+        raise ValueError(f"key head dim {K} > {MAX_K} is not supported by the sequence-parallel recurrence; "
+                         f"unset REWY_HF_SEQUENCE_PARALLEL to use FLA's sequential kernels")
+    # The state is held as two row halves of BKH rows, so no program holds a K x K or K x V fp32 tile.
+    BKH = min(64, max(16, triton.next_power_of_2(K)))
     dev = fn_args["k"].device
     f32 = torch.float32
     pz = torch.empty(B, NS, HV, K, K + V, device=dev, dtype=f32)
-    common = dict(H=fn_args["k"].shape[2], HV=HV, K=K, V=V, BT=BT, BK=BK, BC=BC,
+    common = dict(H=fn_args["k"].shape[2], HV=HV, K=K, V=V, BT=BT, BKH=BKH,
                   USE_G=fn_args["g"] is not None and not per_key_gate,
-                  USE_GK=fn_args["g"] is not None and per_key_gate, REVERSE=reverse)
+                  USE_GK=fn_args["g"] is not None and per_key_gate, REVERSE=reverse, FULL_T=T % BT == 0)
     args = [fn_args[n] if fn_args[n] is not None else fn_args["k"] for n in ("k", "w", "u", "g", "q", "do")]
-    _segment_kernel[(triton.cdiv(K + V, BC), NS, B * HV)](
-        *args, pz, pz, pz, pz, fn_args["scale"], T, NT, L, AUGMENTED=True, **common)
+    _segment_kernel[lambda m: (triton.cdiv(K, m["BV"]) + triton.cdiv(V, m["BV"]), NS, B * HV)](
+        *args, pz, pz, pz, pz, fn_args["scale"], T, NT, L, FINAL=False, **common)
     starts = torch.empty(B, NS, HV, K, V, device=dev, dtype=f32)
     s_final = torch.empty(B, HV, K, V, device=dev, dtype=f32)
-    BV = 32 if BK > 64 else 64
+    BV = 32
     _scan_kernel[(triton.cdiv(V, BV), B * HV)](
-        pz, s0 if s0 is not None else pz, starts, s_final, K=K, V=V, BK=BK, BV=BV,
-        HAS_S0=s0 is not None, REVERSE=reverse, NS=NS, HV=HV, num_warps=8)   # P is a whole K x K fp32 tile
+        pz, s0 if s0 is not None else pz, starts, s_final, NS, HV, K=K, V=V, BKH=BKH, BV=BV,
+        HAS_S0=s0 is not None, REVERSE=reverse, num_warps=4)
     h = torch.empty(B, NT, HV, K, V, device=dev, dtype=dtype_h)
     vn = torch.empty_like(vn_like)
-    _segment_kernel[(triton.cdiv(V, BC), NS, B * HV)](
-        *args, starts, pz, h, vn, fn_args["scale"], T, NT, L, AUGMENTED=False, **common)
+    _segment_kernel[lambda m: (triton.cdiv(V, m["BV"]), NS, B * HV)](
+        *args, starts, pz, h, vn, fn_args["scale"], T, NT, L, FINAL=True, **common)
     return h, vn, s_final
 
 

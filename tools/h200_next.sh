@@ -10,6 +10,7 @@
 #   bash tools/h200_next.sh kda-prec     # benchmarks/kda_precision.py; bench-kda then uses its choice
 #   bash tools/h200_next.sh configs      # benchmarks/kernel_configs.py: launch configs outside the autotune lists;
 #                                        # configs:kda-wy,gdn-local picks kernels; T_configs per kernel, CONFIG_ARGS
+#   bash tools/h200_next.sh scan         # benchmarks/state_scan_timing.py (SCAN_ARGS): sequence-parallel recurrences vs FLA
 #   bash tools/h200_next.sh ncu          # Nsight Compute sections for one launch of each rewy backward kernel
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
@@ -76,6 +77,10 @@ configs|configs:*)
         >> $O/kernel_configs${CUDA_VISIBLE_DEVICES}.log 2>&1
   done
   tail -n 60 $O/kernel_configs${CUDA_VISIBLE_DEVICES}.log ;;
+scan)
+  # benchmarks/state_scan_timing.py: the sequence-parallel recurrences against FLA's sequential ones (SCAN_ARGS)
+  timeout $(lim scan 300) python3 benchmarks/state_scan_timing.py $SCAN_ARGS > $O/state_scan.log 2>&1
+  tail -n 60 $O/state_scan.log ;;
 ncu)
   # Nsight Compute on one launch of each of rewy's backward kernels at (2, 8192, 16): throughput, occupancy, stall
   # reasons. Says so and stops if ncu is not on the machine.
