@@ -123,6 +123,18 @@ def _alloc(shape, device, dtype=torch.float32):
     return torch.empty(shape, device=device, dtype=dtype)
 
 
+def _wy_config_ok(BK: int, config: triton.Config) -> bool:
+    """Whether the Residual WY kernel may run with ``config`` and key blocks of BK channels. With one
+    warpgroup (4 warps), value tiles of 64 and key blocks narrower than 64 (BK 16 or 32), triton 3.6.0
+    miscompiles the key side on the H200: dk, the gate and the erase-gate partials come out wrong
+    (20 % off at BK 32), or the launch faults with an illegal memory access (BK 16; BK 32 at
+    (2, 8192, 16)). The kernel's indexing is not at fault: the interpreter gives the right outputs,
+    compute-sanitizer finds no out-of-bounds access where the values are wrong, and the same code is
+    right with 8 warps, or value tiles of 128 or 32, at BK 32, and with 4 warps at BK 64.
+    The autotuner prunes such configs; ``rewy_kda_bwd_wy`` refuses a list that holds nothing else."""
+    return not (config.num_warps == 4 and config.kwargs.get("BV") == 64 and BK < 64)
+
+
 @triton.jit
 def _exp2_where(m, x):
     """exp2(x) where m, else 0, with the exponent masked first (no inf in dead lanes)."""
@@ -148,6 +160,9 @@ def _dot_prec(a, b, acc, NARROW: tl.constexpr, PREC: tl.constexpr):
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
              for bv, nw, ns in ((128, 4, 1), (64, 4, 1), (64, 8, 3))],
     key=["T", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
+    # (64, 4 warps) is miscompiled with key blocks narrower than 64: see _wy_config_ok
+    prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: [
+        c for c in configs if _wy_config_ok(nargs["BK"] if "BK" in nargs else kw["BK"], c)]},
 )
 @triton.jit(do_not_specialize=["T"])
 def rewy_kda_bwd_wy_kernel(
@@ -536,6 +551,9 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
         raise ValueError(f"chunk size {BT} != {BT_CHUNK}")
     vec = w_gate is not None
     BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
+    if not any(_wy_config_ok(BK, c) for c in rewy_kda_bwd_wy_kernel.configs):
+        raise ValueError(f"Residual WY with {BK}-channel key blocks: 4 warps with BV = 64 need block_k >= 64 "
+                         "(triton 3.6 miscompiles narrower key blocks there); use block_k=64, BV = 128 or 8 warps")
     NK = triton.cdiv(K, BK)
     NT, chunk_indices = _varlen(cu_seqlens, chunk_indices, T, B)
     dev = q.device

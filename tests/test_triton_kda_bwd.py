@@ -19,11 +19,13 @@ cannot pass. bfloat16 is not used: the interpreter's tl.dot is wrong for it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from rewy_hf.kernels import triton_kda_bwd as tk
 from rewy_hf.kernels.chunk_backward import local_backward, reverse_state_pass
@@ -319,6 +321,63 @@ def test_final_dtypes_refused_under_gva():
     inp = case.kernel_inputs(v_first)
     with pytest.raises(ValueError, match="GVA"):
         tk.rewy_kda_bwd(dAqk=case.fla(case.torch_partials()["dAqk"]), final_dtypes=True, **inp)
+
+
+# The WY kernel's shipped launch configs, (BV, warps, stages), as listed in its autotune decorator
+# (the conftest cuts every autotuner's list to its first config).
+WY_LISTED = ((128, 4, 1), (64, 4, 1), (64, 8, 3))
+
+
+@contextlib.contextmanager
+def _wy_config(bv, warps, stages):
+    """The WY kernel with one launch config (as benchmarks/kernel_configs.py's sweep runs it)."""
+    kern = tk.rewy_kda_bwd_wy_kernel
+    saved = kern.configs
+    kern.configs = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)]
+    kern.cache.clear()
+    try:
+        yield
+    finally:
+        kern.configs = saved
+        kern.cache.clear()
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn2"])
+@pytest.mark.parametrize("bv, warps, stages", [(64, 4, 1), (64, 8, 3), (128, 4, 1)])
+def test_wy_32_channel_key_blocks_under_each_value_tile(kind, bv, warps, stages):
+    """benchmarks/kernel_configs.py's 32-channel sweep at K = V = 128 (four key blocks, two value
+    tiles of 64). With 4 warps and BV = 64, triton 3.6 miscompiled the key side on the H200 (wrong dk
+    / dG / db, or an illegal memory access that also failed the next config): the wrapper must refuse
+    that config by name instead of launching it. The others must match 64-channel key blocks."""
+    case = Case(kind, [128], 2, 2, 128, 128, seed=11)
+    inp = case.kernel_inputs()
+    with _wy_config(128, 4, 1):
+        ref = list(tk.rewy_kda_bwd_wy(**inp, block_k=64))
+    with _wy_config(bv, warps, stages):
+        if (bv, warps) == (64, 4):
+            with pytest.raises(ValueError, match="4 warps with BV = 64 need block_k >= 64"):
+                tk.rewy_kda_bwd_wy(**inp, block_k=32)
+            return
+        out = list(tk.rewy_kda_bwd_wy(**inp, block_k=32))
+    if kind == "kda":       # one erase-gate slot per key block (+ the value side's): compare their sum
+        assert out[5].shape[-1] == 5 and ref[5].shape[-1] == 3
+        out[5], ref[5] = out[5].sum(-1), ref[5].sum(-1)
+    names = ("dq", "dk", "dG", "dv", "dw", "db", "dL")
+    errors = {n: rel(o, r) for n, o, r in zip(names, out, ref) if r is not None}
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_wy_autotuner_prunes_the_miscompiled_config():
+    """With the shipped list, narrow key blocks lose only (BV 64, 4 warps); 64-channel ones keep all."""
+    listed = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in WY_LISTED]
+    prune = tk.rewy_kda_bwd_wy_kernel.early_config_prune
+    assert prune is not None
+
+    def kept(bk):
+        return [(c.kwargs["BV"], c.num_warps, c.num_stages) for c in prune(listed, {}, BK=bk)]
+
+    assert kept(64) == list(WY_LISTED)
+    assert kept(32) == kept(16) == [(128, 4, 1), (64, 8, 3)]
 
 
 # ---------------------------------------------------------------------------
