@@ -39,8 +39,11 @@ _BF16 = {
     "intra": {"q", "k", "beta"},
     "wy": {"q", "k", "v", "v_new", "beta", "wg", "A", "h", "dh", "do", "dv2", "dv", "dw"},
     "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
+    "state-scan": set(),
+    "state-segment": {"k", "w", "u", "q", "do", "h_out", "vn_out"},
 }
-_SCALARS = {"T": "i32", "scale": "fp32", "span_limit": "fp32"}
+_SCALARS = {"T": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
+KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "state-scan", "state-segment")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices"}
 
 
@@ -64,7 +67,16 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name == "gdn-local":
         return G.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
                                                               IS_VARLEN=False, FULL_T=True)
-    raise ValueError(f"unknown kernel {name!r}: kda-intra, gdn2-intra, kda-wy, gdn2-wy or gdn-local")
+    if name in ("state-scan", "state-segment"):
+        # the sequence-parallel recurrences, backward direction, per-key gates (KDA's form)
+        from rewy_hf.kernels import triton_state_scan as S
+
+        bkh = min(64, max(16, triton.next_power_of_2(K)))
+        if name == "state-scan":
+            return S._scan_kernel, name, dict(K=K, V=V, BKH=bkh, BV=S.SCAN_BV, HAS_S0=True, REVERSE=True)
+        return S._segment_kernel, name, dict(heads, V=V, BKH=bkh, USE_G=False, USE_GK=True, REVERSE=True,
+                                             FINAL=False, FULL_T=True)
+    raise ValueError(f"unknown kernel {name!r}: {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
 
 
 def _jit_function(kernel):
@@ -128,7 +140,8 @@ def resource_usage(compiled) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", nargs="+", default=["kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local"])
+    p.add_argument("--kernel", nargs="+", default=list(KERNELS[:5]),
+                   help=f"any of {', '.join(KERNELS)} (default: the five backward kernels)")
     p.add_argument("--warps", type=int, default=None, help="with --stages: this config instead of the autotune list")
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--maxnreg", type=int, default=None, help="with --warps / --stages: a register cap per thread")
@@ -151,8 +164,9 @@ def main() -> int:
             kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k)
         except ValueError as e:
             p.error(str(e))
+        # a kernel without an autotune list is compiled as launched: 4 warps, Triton's default 3 stages
         configs = ([triton.Config({}, num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg)] if a.warps
-                   else kernel.configs)
+                   else getattr(kernel, "configs", [triton.Config({}, num_warps=4, num_stages=3)]))
         for c in configs:
             compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch,
                                    c.maxnreg)

@@ -41,8 +41,9 @@ import triton.language as tl
 from .triton_masks import bounds_mask
 
 
-_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-            for bv in (32, 64) for nw in (4, 2) for ns in (2, 3)]
+# 4 warps only: with 2 the two fp32 state halves spill (0.6-12 KB per thread, sm_90 offline,
+# benchmarks/kernel_registers.py --kernel state-segment).
+_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv in (32, 64) for ns in (2, 3)]
 
 
 @triton.jit
@@ -250,19 +251,21 @@ def _scan_kernel(pz, s0, starts, s_final, NS, HV,
         off_seg = ((i_b * NS + i_s) * HV + i_hv).to(tl.int64)
         tl.store(starts + off_seg * K * V + p_s, S1, mask=m_k1[:, None] & m_v[None, :])
         base = pz + off_seg * K * (K + V)
-        # fp32 products in full precision: an error here would reach every later segment.
+        # Near-fp32 products (three tf32 passes): an error here would reach every later segment. Triton's
+        # exact-fp32 ("ieee") dot compiles to scalar FMAs at 32 registers with 8 KB of spills per thread
+        # (sm_90, offline), which cost about 0.35 ms per segment on the H200.
         P11 = tl.load(base + p_pp, mask=m_k1[:, None] & m_k1[None, :], other=0.0)
-        N1 = tl.dot(P11, S1, input_precision="ieee") + tl.load(base + p_pz, mask=m_k1[:, None] & m_v[None, :],
+        N1 = tl.dot(P11, S1, input_precision="tf32x3") + tl.load(base + p_pz, mask=m_k1[:, None] & m_v[None, :],
                                                                other=0.0)
         if TWO:
             tl.store(starts + off_seg * K * V + BKH * V + p_s, S2, mask=m_k2[:, None] & m_v[None, :])
             P12 = tl.load(base + BKH + p_pp, mask=m_k1[:, None] & m_k2[None, :], other=0.0)
             P21 = tl.load(base + BKH * (K + V) + p_pp, mask=m_k2[:, None] & m_k1[None, :], other=0.0)
             P22 = tl.load(base + BKH * (K + V) + BKH + p_pp, mask=m_k2[:, None] & m_k2[None, :], other=0.0)
-            N1 = tl.dot(P12, S2, N1, input_precision="ieee")
-            N2 = tl.dot(P21, S1, input_precision="ieee") + tl.load(base + BKH * (K + V) + p_pz,
+            N1 = tl.dot(P12, S2, N1, input_precision="tf32x3")
+            N2 = tl.dot(P21, S1, input_precision="tf32x3") + tl.load(base + BKH * (K + V) + p_pz,
                                                                    mask=m_k2[:, None] & m_v[None, :], other=0.0)
-            S2 = tl.dot(P22, S2, N2, input_precision="ieee")
+            S2 = tl.dot(P22, S2, N2, input_precision="tf32x3")
         S1 = N1
     tl.store(s_final + off_state + p_s, S1, mask=m_k1[:, None] & m_v[None, :])
     if TWO:
@@ -291,8 +294,9 @@ def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_firs
     Opt-in through REWY_HF_SEQUENCE_PARALLEL: ``auto`` splits where the sequential
     kernels would leave most SMs idle (triton_state_scan.segments_for), an integer
     forces that many segments. Packed sequences and the V-first state layout
-    keep the sequential kernels. Off by default until its GPU timing is in
-    docs/performance.md."""
+    keep the sequential kernels. Off by default: on the H200 it was slower than
+    FLA's sequential kernels at every shape measured (docs/performance.md,
+    "The sequence split")."""
     mode = os.environ.get(SEQUENCE_PARALLEL_ENV, "off").strip().lower()
     if mode in ("", "0", "off") or cu_seqlens is not None or state_v_first:
         return 1
@@ -306,6 +310,7 @@ def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_firs
 
 
 MAX_K = 128
+SCAN_BV = 16    # [64, 16] state halves next to four fp32 [64, 64] blocks of P: no spills (sm_90, offline)
 
 
 def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, per_key_gate: bool):
@@ -329,9 +334,8 @@ def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, pe
         *args, pz, pz, pz, pz, fn_args["scale"], T, NT, L, FINAL=False, **common)
     starts = torch.empty(B, NS, HV, K, V, device=dev, dtype=f32)
     s_final = torch.empty(B, HV, K, V, device=dev, dtype=f32)
-    BV = 32
-    _scan_kernel[(triton.cdiv(V, BV), B * HV)](
-        pz, s0 if s0 is not None else pz, starts, s_final, NS, HV, K=K, V=V, BKH=BKH, BV=BV,
+    _scan_kernel[(triton.cdiv(V, SCAN_BV), B * HV)](
+        pz, s0 if s0 is not None else pz, starts, s_final, NS, HV, K=K, V=V, BKH=BKH, BV=SCAN_BV,
         HAS_S0=s0 is not None, REVERSE=reverse, num_warps=4)
     h = torch.empty(B, NT, HV, K, V, device=dev, dtype=dtype_h)
     vn = torch.empty_like(vn_like)

@@ -42,9 +42,23 @@ def test_stages_take_shared_memory_and_registers_stay_in_range(tmp_path):
     assert "HMMA" in lines[first + 1].split()           # the opcode line printed under that config
 
 
+def test_segment_scan_runs_on_tensor_cores_without_spills(tmp_path):
+    """The sequence split's scan applies each segment's fp32 transition with tf32x3 products. Its
+    earlier exact-fp32 ("ieee") products compiled to scalar FMAs held to 32 registers with 8 KB of
+    spills per thread, about 0.35 ms per segment on the H200 (docs/performance.md)."""
+    out = tmp_path / "rows.json"
+    r = _run("--kernel", "state-scan", "--opcodes", "60", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["spill_bytes"] == 0 and row["registers"] > 32
+    ops = r.stdout.splitlines()[1].split()
+    assert "HGMMA" in ops or "HMMA" in ops
+    assert "LDL" not in ops
+
+
 def test_refusals_name_the_problem():
     r = _run("--kernel", "kda")
-    assert r.returncode == 2 and "kda-intra, gdn2-intra, kda-wy, gdn2-wy or gdn-local" in r.stderr
+    assert r.returncode == 2 and "kda-intra, gdn2-intra, kda-wy, gdn2-wy, gdn-local, state-scan or state-segment" in r.stderr
     r = _run("--kernel", "kda-intra", interpret=True)
     assert r.returncode == 2 and "unset it" in r.stderr
 
