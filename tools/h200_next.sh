@@ -22,17 +22,14 @@
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only.
-# Next first call (nvidia-h200-x2, carry [".whl"]): the KDA / GDN2 bench on the chunk-adjacent launch order
-# (a7f3b23; kernel alone it cut Residual WY 0.637 -> 0.549 ms KDA, 0.745 -> 0.686 ms GDN2, outputs identical;
-# the sixth session's bench, 1.84x / 1.97x full, predates it), then the GPU tests on it:
-#   T_bench_kda=500 bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-#   T_tests=300 TESTS_K="kda or gdn2" bash tools/h200_next.sh pair "tests" "model-gdn2"   (T_model_gdn2=420)
-# A cold bench's first row takes 2-3 minutes (compilation); BENCH_POLICY=full halves the rest.
-# Then the Matrix Intra register caps (6 or 8 two-warp programs per SM instead of 4, with spills):
-#   T_configs=150 CONFIG_ARGS="--pick 0 11 13 15 16 17 18 --repeat 2" bash tools/h200_next.sh "configs:kda-intra,gdn2-intra"
-# and 32-channel key blocks for Residual WY (no spills offline; the chunk-adjacent order shares the value tiles):
-#   T_configs=100 CONFIG_ARGS="--pick 0 13 14 15 --repeat 2" bash tools/h200_next.sh "configs:kda-wy,gdn2-wy"
-# (the 32-channel intra configs 11, 13, 18 were slower before the chunk-adjacent order; 18 has 134 registers)
+# Next calls (seventh session ran out of device time before these; nvidia-h200-x2, carry [".whl"]):
+# 1. The GPU tests, with the new per-config test (every autotune config of every rewy kernel against the
+#    first, K = 128 and 32: covers the Residual WY pruning of the config triton 3.6 miscompiles) and the
+#    tf32x3 scan of the sequence split, next to the split's timing (is the scan now ~0.01 ms per call?):
+#   T_tests=450 T_scan=300 SCAN_ARGS="--shapes 1,16384,16 1,32768,32 --segments 4 8" bash tools/h200_next.sh pair "tests" "scan"
+# 2. The per-kernel KDA / GDN2 profile on the chunk-adjacent launch order (docs table is the sixth session's):
+#   T_kda_profile=200 KDA_SECTIONS=profile bash tools/h200_next.sh kda-profile
+# The Matrix Intra register caps and 32-channel configs were timed in the seventh session: all slower.
 # Per-kernel A/B of a kernel change: put the old kernel files in an untracked folder and run
 #   T_configs=100 CONFIG_ARGS="--pick 0 --repeat 2 --baseline baseline" bash tools/h200_next.sh "configs:kda-wy,kda-intra"
 # Each mode's time limit is T_<mode> seconds when set (e.g. T_bench_gdn=400). The benches take OPS_GDN / OPS_KDA
@@ -48,6 +45,7 @@ tests)
   # --timeout: one slow or stuck test fails alone and prints where it was, instead of the whole run being killed
   (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 150 ${TESTS_K:+-k "$TESTS_K"} \
       test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
+      test_gpu_launch_configs.py \
       test_bench_command.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
 stages)
