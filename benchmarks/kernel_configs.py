@@ -33,7 +33,6 @@ Usage: python benchmarks/kernel_configs.py --kernel kda-intra gdn-local [--B 2 -
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import itertools
 import os
@@ -43,6 +42,8 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+
+from rewy_hf.cpu_triton import only_config
 
 
 DEVICE = "cuda"
@@ -177,20 +178,6 @@ def load_baseline(folder: str):
         names = " nor ".join(os.path.basename(m.__file__) for m in (KB, G))
         raise FileNotFoundError(f"{folder} holds neither {names}")
     return tuple(mods)
-
-
-@contextlib.contextmanager
-def only_config(kern, cfg):
-    """The autotuned ``kern`` with ``cfg`` as its only config (its cache cleared, so that config runs),
-    restored afterwards."""
-    saved = kern.configs
-    kern.configs = [cfg]
-    kern.cache.clear()
-    try:
-        yield
-    finally:
-        kern.configs = saved
-        kern.cache.clear()
 
 
 def run_baseline(name: str, a, ref, ms_ref) -> float:

@@ -42,14 +42,21 @@ def sides(x: dict, ns: int):
 
     from rewy_hf.kernels.triton_state_scan import state_backward, state_forward
 
-    fwd_fla = lambda: chunk_gated_delta_rule_fwd_h(k=x["k"], w=x["w"], u=x["u"], g=x["g"], gk=x["gk"],   # noqa: E731
-                                                   initial_state=x["h0"], output_final_state=True, chunk_size=64)
-    fwd_rewy = lambda: state_forward(x["k"], x["w"], x["u"], x["g"], x["h0"], NS=ns, gk=x["gk"])   # noqa: E731
-    bwd_fla = lambda: chunk_gated_delta_rule_bwd_dhu(q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"],   # noqa: E731
-                                                     g=x["g"], gk=x["gk"], h0=x["h0"], dht=x["dht"],
-                                                     scale=x["scale"], chunk_size=64)
-    bwd_rewy = lambda: state_backward(x["q"], x["k"], x["w"], x["do"], x["dv"], x["g"], x["dht"], x["scale"],   # noqa: E731
-                                      NS=ns, gk=x["gk"])
+    def fwd_fla():
+        return chunk_gated_delta_rule_fwd_h(k=x["k"], w=x["w"], u=x["u"], g=x["g"], gk=x["gk"],
+                                            initial_state=x["h0"], output_final_state=True, chunk_size=64)
+
+    def fwd_rewy():
+        return state_forward(x["k"], x["w"], x["u"], x["g"], x["h0"], NS=ns, gk=x["gk"])
+
+    def bwd_fla():
+        return chunk_gated_delta_rule_bwd_dhu(q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"], g=x["g"],
+                                              gk=x["gk"], h0=x["h0"], dht=x["dht"], scale=x["scale"], chunk_size=64)
+
+    def bwd_rewy():
+        return state_backward(x["q"], x["k"], x["w"], x["do"], x["dv"], x["g"], x["dht"], x["scale"], NS=ns,
+                              gk=x["gk"])
+
     return dict(forward=(fwd_fla, fwd_rewy), backward=(bwd_fla, bwd_rewy))
 
 
@@ -59,15 +66,9 @@ def rel(a, b) -> float:
 
 def phase_times(fn) -> list[float]:
     """Device ms of each kernel one call launches, in launch order."""
-    from torch.profiler import ProfilerActivity, profile
+    from gdn_bwd_stages import kernel_times     # this folder is on sys.path when the script runs
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type.name == "CUDA" and "Memset" not in e.name]
-    return [(e.time_range.end - e.time_range.start) / 1000.0 for e in sorted(ev, key=lambda e: e.time_range.start)]
+    return [ms for _, ms in kernel_times(fn)]
 
 
 def main() -> None:

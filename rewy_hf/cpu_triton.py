@@ -11,6 +11,7 @@ patched layer's core is rewy's, and an unpatched one needs a reference core
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -53,3 +54,17 @@ def first_config_only() -> None:
 
     autotuner.Autotuner.__init__ = first_config_only
     _PRUNED = True
+
+
+@contextlib.contextmanager
+def only_config(kernel, config):
+    """The autotuned ``kernel`` with ``config`` as its only config (its cache cleared, so that
+    config runs), restored afterwards: how the launch-config sweep and the tests run one config."""
+    saved = kernel.configs
+    kernel.configs = [config]
+    kernel.cache.clear()
+    try:
+        yield
+    finally:
+        kernel.configs = saved
+        kernel.cache.clear()

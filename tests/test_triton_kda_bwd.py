@@ -19,7 +19,6 @@ cannot pass. bfloat16 is not used: the interpreter's tl.dot is wrong for it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from rewy_hf.cpu_triton import only_config
 from rewy_hf.kernels import triton_kda_bwd as tk
 from rewy_hf.kernels.chunk_backward import local_backward, reverse_state_pass
 from rewy_hf.kernels.chunk_forward import ChunkInputs
@@ -328,18 +328,9 @@ def test_final_dtypes_refused_under_gva():
 WY_LISTED = ((128, 4, 1), (64, 4, 1), (64, 8, 3))
 
 
-@contextlib.contextmanager
 def _wy_config(bv, warps, stages):
     """The WY kernel with one launch config (as benchmarks/kernel_configs.py's sweep runs it)."""
-    kern = tk.rewy_kda_bwd_wy_kernel
-    saved = kern.configs
-    kern.configs = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)]
-    kern.cache.clear()
-    try:
-        yield
-    finally:
-        kern.configs = saved
-        kern.cache.clear()
+    return only_config(tk.rewy_kda_bwd_wy_kernel, triton.Config({"BV": bv}, num_warps=warps, num_stages=stages))
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn2"])
