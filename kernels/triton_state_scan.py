@@ -294,7 +294,8 @@ def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_firs
     Opt-in through REWY_HF_SEQUENCE_PARALLEL: ``auto`` splits where the sequential
     kernels would leave most SMs idle (triton_state_scan.segments_for), an integer
     forces that many segments. Packed sequences and the V-first state layout
-    keep the sequential kernels. Off by default: on the H200 it was slower than
+    keep the sequential kernels, and so does ``auto`` for key head dims above
+    MAX_K. Off by default: on the H200 it was slower than
     FLA's sequential kernels at every shape measured (docs/performance.md,
     "The sequence split")."""
     mode = os.environ.get(SEQUENCE_PARALLEL_ENV, "off").strip().lower()
@@ -302,9 +303,15 @@ def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_firs
         return 1
     B, T, HV, V = v.shape
     if mode == "auto":
+        if k.shape[-1] > MAX_K:
+            return 1
         sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 132
         return segments_for(B, HV, T, V, sms)
     if mode.isdigit() and int(mode) >= 1:
+        if int(mode) > 1 and k.shape[-1] > MAX_K:
+            raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode}: the sequence-parallel recurrences take key head dims "
+                             f"up to {MAX_K}, this call has {k.shape[-1]}; use auto (which keeps FLA's sequential "
+                             "kernels there) or off")
         return int(mode)
     raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode!r} is not understood; use off, auto or a segment count")
 

@@ -124,6 +124,11 @@ def test_sequence_parallel_switch(monkeypatch):
     assert sequence_segments(k, v, None, state_v_first=True) == 1
     monkeypatch.setenv(SEQUENCE_PARALLEL_ENV, "6")
     assert sequence_segments(k, v, None) == 6
+    wide = torch.empty(1, 16384, 16, 256)                       # key head dim above the split's 128
+    with pytest.raises(ValueError, match="key head dims up to 128, this call has 256; use auto"):
+        sequence_segments(wide, v, None)
+    monkeypatch.setenv(SEQUENCE_PARALLEL_ENV, "auto")
+    assert sequence_segments(wide, v, None) == 1                 # auto keeps FLA's sequential kernels there
     monkeypatch.setenv(SEQUENCE_PARALLEL_ENV, "sometimes")
     with pytest.raises(ValueError, match="REWY_HF_SEQUENCE_PARALLEL='sometimes' is not understood; use off, auto"):
         sequence_segments(k, v, None)
