@@ -70,11 +70,11 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name in ("state-scan", "state-segment"):
         # the sequence-parallel recurrences, backward direction, per-key gates (KDA's form)
         from rewy_hf.kernels import triton_state_scan as S
+        from rewy_hf.kernels.triton_blocks import key_block
 
-        bkh = min(64, max(16, triton.next_power_of_2(K)))
         if name == "state-scan":
-            return S._scan_kernel, name, dict(K=K, V=V, BKH=bkh, BV=S.SCAN_BV, HAS_S0=True, REVERSE=True)
-        return S._segment_kernel, name, dict(heads, V=V, BKH=bkh, USE_G=False, USE_GK=True, REVERSE=True,
+            return S._scan_kernel, name, dict(K=K, V=V, BKH=key_block(K), BV=S.SCAN_BV, HAS_S0=True, REVERSE=True)
+        return S._segment_kernel, name, dict(heads, V=V, BKH=key_block(K), USE_G=False, USE_GK=True, REVERSE=True,
                                              FINAL=False, FULL_T=True)
     raise ValueError(f"unknown kernel {name!r}: {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
 

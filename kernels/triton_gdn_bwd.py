@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_blocks import key_block
 from .triton_masks import bounds_mask
 
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
@@ -217,7 +218,7 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     BT = A.shape[-1]
     if K > 256:
         raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
-    BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
+    BK = block_k or key_block(K)
     NK = triton.cdiv(K, BK)
     # Gradients leave in the input dtype (accumulation is float32 in-kernel) unless the
     # caller must still sum value heads into key heads (GVA): fp32 copies cost peak memory.

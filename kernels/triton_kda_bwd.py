@@ -86,6 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_blocks import key_block
 from .triton_masks import bounds_mask
 
 BT_CHUNK = 64
@@ -550,7 +551,7 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     if BT != BT_CHUNK:
         raise ValueError(f"chunk size {BT} != {BT_CHUNK}")
     vec = w_gate is not None
-    BK = block_k or min(64, max(16, triton.next_power_of_2(K)))
+    BK = block_k or key_block(K)
     if not any(_wy_config_ok(BK, c) for c in rewy_kda_bwd_wy_kernel.configs):
         raise ValueError(f"Residual WY with {BK}-channel key blocks: 4 warps with BV = 64 need block_k >= 64 "
                          "(triton 3.6 miscompiles narrower key blocks there); use block_k=64, BV = 128 or 8 warps")

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_blocks import key_block
 from .triton_masks import bounds_mask
 
 
@@ -329,7 +330,7 @@ def _launch(B, T, HV, K, V, NS, fn_args, reverse: bool, dtype_h, s0, vn_like, pe
         raise ValueError(f"key head dim {K} > {MAX_K} is not supported by the sequence-parallel recurrence; "
                          f"unset REWY_HF_SEQUENCE_PARALLEL to use FLA's sequential kernels")
     # The state is held as two row halves of BKH rows, so no program holds a K x K or K x V fp32 tile.
-    BKH = min(64, max(16, triton.next_power_of_2(K)))
+    BKH = key_block(K)
     dev = fn_args["k"].device
     f32 = torch.float32
     pz = torch.empty(B, NS, HV, K, K + V, device=dev, dtype=f32)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
+from rewy_hf.kernels.triton_blocks import key_block
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def _allowed(kern, K: int, V: int) -> list:
     if kern.early_config_prune is None:
         return listed
     # the launch arguments the kernels' pruning reads: the key block (wrapper default) and V
-    return kern.early_config_prune(listed, {}, BK=min(64, max(16, triton.next_power_of_2(K))), V=V)
+    return kern.early_config_prune(listed, {}, BK=key_block(K), V=V)
 
 
 @pytest.mark.parametrize("K", [128, 32])
