@@ -195,13 +195,13 @@ def bench(op, B, T, H, K, V, policies, rows, mem):
             f"peak GiB FLA {mf:6.2f} ours {mr:6.2f}   [{elapsed():.0f}s]")
 
 
-def profile(op, B, T, H, K, V, policy):
+def profile(op, B, T, H, K, V, policy, impls=("fla", "ours")):
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     x, do, _ = make_inputs(op, B, T, H, H, K, V, "logsigmoid", seed=2, with_state=False)
-    for impl in ("fla", "ours"):
+    for impl in impls:
         leaves, o, _ = run_impl(impl, op, x, policy, K ** -0.5)
         ins = [t for t in leaves.values() if t is not None]
         torch.autograd.grad(o, ins, do, retain_graph=True)
@@ -236,6 +236,10 @@ def main() -> int:
     p.add_argument("--no-extras", action="store_true", help="skip the GVA / state_v_first / cu_seqlens checks")
     p.add_argument("--sections", default="check,bench,profile,extras",
                    help="comma list of check, bench, profile, extras (rewy-hf bench now covers check and bench)")
+    p.add_argument("--profile-shapes", nargs="+", default=["2,8192,16"], metavar="B,T,H",
+                   help="shapes of the per-kernel profile (default 2,8192,16)")
+    p.add_argument("--profile-impls", default="fla,ours",
+                   help="fla, ours or both: FLA's first calls at a new shape autotune for minutes")
     p.add_argument("--intra-precision", default=None, choices=["tf32", "tf32x3", "ieee", "bf16"],
                    help="input precision of rewy's fp32 Matrix Intra products (default: the module's, tf32)")
     a = p.parse_args()
@@ -297,7 +301,9 @@ def main() -> int:
     for op in ops:
         if "profile" in wanted and section(f"{op}: per-kernel profile of one backward (full policy)", 0.9):
             try:
-                profile(op, 2, 8192, 16, K, V, "full")
+                for shape in a.profile_shapes:
+                    B_, T_, H_ = (int(v_) for v_ in shape.split(","))
+                    profile(op, B_, T_, H_, K, V, "full", impls=tuple(a.profile_impls.split(",")))
             except Exception as e:
                 log(f"  profile failed: {type(e).__name__}: {e}")
     if "extras" in wanted and not a.no_extras and section("extras: GVA, state_v_first, cu_seqlens (full policy)", 0.9):
@@ -335,8 +341,21 @@ def main() -> int:
                     log(f"  {op} {policy}: geometric-mean speedup {geomean(sp):.2f}"
                         f" over {len(sp)} shape(s)")
     for kern in ("rewy_kda_bwd_wy_kernel", "rewy_kda_bwd_intra_kernel"):
-        best = getattr(getattr(triton_kda_bwd, kern), "best_config", None)
-        log(f"  {kern} last best config: {best}")
+        tuner = getattr(triton_kda_bwd, kern)
+        log(f"  {kern} last best config: {getattr(tuner, 'best_config', None)}")
+        # every autotune key seen in this process and its pick (the key includes the size class)
+        for key_, cfg in getattr(tuner, "cache", {}).items():
+            log(f"    key {key_}: {cfg}")
+    # FLA's reverse state recurrence, which both sides run: its pick varies between processes
+    from fla.ops.common import chunk_delta_h
+
+    for name_ in dir(chunk_delta_h):
+        tuner = getattr(chunk_delta_h, name_)
+        while tuner is not None and not hasattr(tuner, "cache"):
+            tuner = getattr(tuner, "fn", None)         # heuristics wrapper around the autotuner
+        if name_.startswith("chunk_gated_delta_rule_bwd_kernel") and getattr(tuner, "cache", None):
+            for key_, cfg in tuner.cache.items():
+                log(f"  FLA {name_} key {key_}: {cfg}")
     log(f"total {elapsed():.0f}s")
     return 0
 

@@ -42,7 +42,7 @@ _BF16 = {
     "state-scan": set(),
     "state-segment": {"k", "w", "u", "q", "do", "h_out", "vn_out"},
 }
-_SCALARS = {"T": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
+_SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
 KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "state-scan", "state-segment")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices"}
 

@@ -15,3 +15,10 @@ import triton
 def key_block(K: int) -> int:
     """Channels per key block for a key head dim of K: next power of two, clamped to [16, 64]."""
     return min(64, max(16, triton.next_power_of_2(K)))
+
+
+def size_class(chunks: int) -> int:
+    """Autotune key for a launch over ``chunks`` chunk tiles (batch x chunks x heads): the next power
+    of two. Keying on T itself would re-tune every new sequence length, which with packed sequences of
+    varying total length (``cu_seqlens``) or dynamic padding is every training step."""
+    return triton.next_power_of_2(max(1, chunks))

@@ -86,7 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_blocks import key_block
+from .triton_blocks import key_block, size_class
 from .triton_masks import bounds_mask
 
 BT_CHUNK = 64
@@ -160,16 +160,16 @@ def _dot_prec(a, b, acc, NARROW: tl.constexpr, PREC: tl.constexpr):
     # may be listed here. Every config listed was rerun on the same inputs and matched bit for bit.
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
              for bv, nw, ns in ((128, 4, 1), (64, 4, 1), (64, 8, 3))],
-    key=["T", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
+    key=["SIZE", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
     # (64, 4 warps) is miscompiled with key blocks narrower than 64: see _wy_config_ok
     prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: [
         c for c in configs if _wy_config_ok(nargs["BK"] if "BK" in nargs else kw["BK"], c)]},
 )
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "SIZE"])
 def rewy_kda_bwd_wy_kernel(
     q, k, v, v_new, g, beta, wg, A, h, dh, do, dv2,
     dq, dk, dv, dG, db, dw, dL,
-    cu_seqlens, chunk_indices, scale, T,
+    cu_seqlens, chunk_indices, scale, T, SIZE,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, WPREC: tl.constexpr,
@@ -330,15 +330,15 @@ def rewy_kda_bwd_wy_kernel(
     # 1.13 ms with (2 warps, 3 stages) against 1.46 (4, 3), 1.72 (4, 1) and 2.90 (8, 1)
     # (benchmarks/kernel_configs.py).
     configs=[triton.Config({}, num_warps=nw, num_stages=ns) for nw, ns in ((2, 3), (2, 2), (4, 3))],
-    key=["T", "H", "HV", "K", "BK", "VEC", "NDB", "NKI"],
+    key=["SIZE", "H", "HV", "K", "BK", "VEC", "NDB", "NKI"],
     # the kernel updates its partial inputs in place: benchmarking configs must not accumulate
     restore_value=["dq", "dk", "dG", "dbp"],
 )
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "SIZE"])
 def rewy_kda_bwd_intra_kernel(
     q, k, g, beta, dAqk, dL, dq, dk, dG, dbp,
     dq_o, dk_o, dg_o, db_o,
-    cu_seqlens, chunk_indices, T, span_limit,
+    cu_seqlens, chunk_indices, T, SIZE, span_limit,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, NKI: tl.constexpr, VEC: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr, FULL: tl.constexpr,
@@ -567,7 +567,7 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     rewy_kda_bwd_wy_kernel[grid](
         q, k, v, v_new, g, beta, w_gate if vec else beta, A, h, dh, do, dv2,
         dq, dk, dv, dG, db, dw if vec else dv, dL,
-        cu_seqlens, chunk_indices, scale, T,
+        cu_seqlens, chunk_indices, scale, T, size_class(NT * B * HV),
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
         IS_VARLEN=cu_seqlens is not None, WPREC=WY_PRECISION, FULL_T=cu_seqlens is None and T % BT == 0,
     )
@@ -610,7 +610,7 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
     rewy_kda_bwd_intra_kernel[(NT * NKI, B * HV)](
         q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
         dq_o, dk_o, dg_o, db_o,
-        cu_seqlens, chunk_indices, T, float(span_limit),
+        cu_seqlens, chunk_indices, T, size_class(NT * B * HV), float(span_limit),
         H=H, HV=HV, K=K, BT=BT, BC=BC_SUB, BK=BK, NC=BT // BC_SUB, NDB=NDB, NKI=NKI,
         VEC=vec, IS_VARLEN=cu_seqlens is not None, PREC=INTRA_PRECISION,
         DPREC=DIAG_PRECISION, FULL=cu_seqlens is None and T % BT == 0 and K % BK == 0,

@@ -371,6 +371,49 @@ def test_wy_autotuner_prunes_the_miscompiled_config():
     assert kept(32) == kept(16) == [(128, 4, 1), (64, 8, 3)]
 
 
+def _autotune_keys(monkeypatch, kernel_name, call, lens):
+    """The autotune key (Triton's: the values of the kernel's key arguments) of each launch of one
+    kernel while ``call`` runs on a case per total length: the launches are recorded, not run."""
+    tuner = getattr(tk, kernel_name)
+    names = tuner.fn.arg_names
+    keys = []
+
+    class Recorder:
+        configs = tuner.configs
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                bound = {**dict(zip(names, args)), **kwargs}
+                keys.append(tuple(bound[k] for k in tuner.keys))
+            return launch
+
+    monkeypatch.setattr(tk, kernel_name, Recorder())
+    for L in lens:
+        call(Case("kda", [L], 2, 2, 32, 32, seed=1).kernel_inputs())
+    return keys
+
+
+@pytest.mark.parametrize("kernel_name", ["rewy_kda_bwd_wy_kernel", "rewy_kda_bwd_intra_kernel"])
+def test_autotune_key_has_a_size_class_not_the_length(kernel_name, monkeypatch):
+    """Keyed on T, the two kernels re-tuned at every new total length: with packed sequences
+    (cu_seqlens) or dynamic padding, every training step. They are keyed on a power-of-two size
+    class of the launch instead: lengths of 2 and 2 (ragged) chunks share a key, 8 chunks do not."""
+    assert "T" not in getattr(tk, kernel_name).keys and "SIZE" in getattr(tk, kernel_name).keys
+
+    def call(inp):
+        if kernel_name == "rewy_kda_bwd_wy_kernel":
+            tk.rewy_kda_bwd_wy(**inp)
+        else:
+            B, T, HV = inp["v"].shape[:3]
+            z = torch.zeros(B, T, HV, 64)
+            tk.rewy_kda_bwd_intra(inp["q"], inp["k"], inp["g"], inp["beta"], z, z, *(torch.zeros_like(inp["g"]),) * 3,
+                                  torch.zeros(B, T, HV, 3))
+
+    k_128, k_100, k_512 = _autotune_keys(monkeypatch, kernel_name, call, [128, 100, 512])
+    assert k_128 == k_100 != k_512
+    assert tk.size_class(2 * 2 * 2) == 8 and tk.size_class(2 * 3 * 2) == 16 and tk.size_class(0) == 1
+
+
 # ---------------------------------------------------------------------------
 # The autograd Function end to end. FLA's state recurrences (forward h and
 # the reverse dh pass) do not run under the interpreter, so they are replaced

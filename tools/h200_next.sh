@@ -11,6 +11,7 @@
 #   bash tools/h200_next.sh configs      # benchmarks/kernel_configs.py: launch configs outside the autotune lists;
 #                                        # configs:kda-wy,gdn-local picks kernels; T_configs per kernel, CONFIG_ARGS
 #   bash tools/h200_next.sh scan         # benchmarks/state_scan_timing.py (SCAN_ARGS): sequence-parallel recurrences vs FLA
+#   bash tools/h200_next.sh gaps         # benchmarks/timing_gaps.py (GAP_ARGS): bench time vs chained runs, host time, kernel sum
 #   bash tools/h200_next.sh ncu          # Nsight Compute sections for one launch of each rewy backward kernel
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
 #   bash tools/h200_next.sh model-gdn2   # rewy-hf bench --model gdn2-1b (Triton backward)
@@ -21,7 +22,7 @@
 #   bash tools/h200_next.sh qla-b        # right after (warm machine), carry [".qla/b", ".whl"]: z3, then GDN bench
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
-# env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only.
+# env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (seventh session ran out of device time before these; nvidia-h200-x2, carry [".whl"]):
 # 1. The GPU tests, with the new per-config test (every autotune config of every rewy kernel against the
 #    first, K = 128 and 32: covers the Residual WY pruning of the config triton 3.6 miscompiles) and the
@@ -79,6 +80,10 @@ scan)
   # benchmarks/state_scan_timing.py: the sequence-parallel recurrences against FLA's sequential ones (SCAN_ARGS)
   timeout $(lim scan 300) python3 benchmarks/state_scan_timing.py $SCAN_ARGS > $O/state_scan.log 2>&1
   tail -n 60 $O/state_scan.log ;;
+gaps)
+  # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time and kernel sum
+  timeout $(lim gaps 200) python3 benchmarks/timing_gaps.py $GAP_ARGS > $O/gaps${CUDA_VISIBLE_DEVICES}.log 2>&1
+  tail -n 20 $O/gaps${CUDA_VISIBLE_DEVICES}.log ;;
 ncu)
   # Nsight Compute on one launch of each of rewy's backward kernels at (2, 8192, 16): throughput, occupancy, stall
   # reasons. Says so and stops if ncu is not on the machine.
@@ -94,9 +99,11 @@ kda-prec)
   timeout $(lim kda-prec 240) python3 benchmarks/kda_precision.py --choice $O/kda_choice.env > $O/kda_prec.log 2>&1
   tail -n 20 $O/kda_prec.log ;;
 kda-profile)
+  # PROFILE_ARGS: e.g. --profile-impls ours --profile-shapes 2,8192,16 1,16384,16 (FLA's cold first calls autotune
+  # for minutes; "ours" alone skips its backward kernels)
   timeout $(lim kda-profile 300) python3 benchmarks/kda_gpu_check.py --sections ${KDA_SECTIONS:-profile,extras} \
-      --budget $(( $(lim kda-profile 300) - 20 )) > $O/kda_profile.log 2>&1
-  tail -n 40 $O/kda_profile.log ;;
+      --budget $(( $(lim kda-profile 300) - 20 )) $PROFILE_ARGS > $O/kda_profile${CUDA_VISIBLE_DEVICES}.log 2>&1
+  tail -n 40 $O/kda_profile${CUDA_VISIBLE_DEVICES}.log ;;
 kda)
   timeout $(lim kda 540) python3 benchmarks/kda_gpu_check.py --budget $(( $(lim kda 540) - 40 )) > $O/kda.log 2>&1
   tail -n 60 $O/kda.log ;;
@@ -126,9 +133,10 @@ qla-b)
       --markdown $O/bench_gdn_flashqla.md > $O/bench_gdn_flashqla.log 2>&1)
   tail -n 40 $O/bench_gdn_flashqla.log ;;
 env:*)
-  # env:NAME=VALUE sets a variable for the rest of this queue only (e.g. one GPU runs with REWY_KDA_INTRA_PRECISION=bf16)
-  export "${1#env:}"; echo "exported ${1#env:}" ;;
-*) echo "unknown mode $1: tests|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b|env:NAME=VALUE"; return 2 ;;
+  # env:NAME=VALUE sets a variable for the rest of this queue only (e.g. one GPU runs with REWY_KDA_INTRA_PRECISION=bf16);
+  # a + in VALUE stands for a space (queues are split on spaces): env:CONFIG_ARGS=--B+1+--T+16384
+  kv=${1#env:}; kv=${kv//+/ }; export "$kv"; echo "exported $kv" ;;
+*) echo "unknown mode $1: tests|gaps|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b|env:NAME=VALUE"; return 2 ;;
 esac
 }
 

@@ -1,0 +1,142 @@
+"""Where the op bench's backward time goes beyond the kernels' own time (CUDA).
+
+``rewy-hf bench`` times one backward with ``triton.testing.do_bench`` (median,
+L2 flushed before each run). In the seventh session that time exceeded the sum
+of the backward's kernel times (torch.profiler) by about the same amount on
+both sides (0.15 ms at (2, 8192, 16), 0.31 ms at (1, 16384, 16), KDA full),
+which pulls the ratio of the faster side down. This script measures, for the
+bench's own inputs and sides, per backward:
+
+  bench    do_bench median, as the bench does
+  chained  N backward calls between two events, no flush, divided by N
+  cpu      host time to issue one backward (no synchronize): above the GPU
+           time, the measurement is bound by Python and launches, not kernels
+  kernels  sum of the device times of its kernels (torch.profiler)
+
+``--dhu-configs`` instead times FLA's reverse state recurrence
+(``chunk_gated_delta_rule_bwd_dhu``, per-key gates as KDA calls it), which both
+sides run, under each of its autotune configs. Its autotune key has neither B
+nor T, so a process keeps the config tuned at the first shape it sees.
+
+    python -P benchmarks/timing_gaps.py --op kda --policy full --shapes 2,8192,16 1,16384,16 --sides rewy fla
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _kernel_sum(run, reps: int = 5) -> float:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        total += (t if t is not None else getattr(e, "cuda_time_total", 0)) / 1000.0
+    return total / reps
+
+
+def measure(run, n: int = 20) -> dict:
+    import torch
+    import triton.testing
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    out = {"bench": float(triton.testing.do_bench(run, warmup=1, rep=200, return_mode="median"))}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    out["chained"] = start.elapsed_time(end) / n
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    out["cpu"] = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    out["kernels"] = _kernel_sum(run)
+    return out
+
+
+def dhu_configs(shapes) -> None:
+    import torch
+    import triton
+    import triton.testing
+    from fla.ops.common import chunk_delta_h
+
+    from rewy_hf.cpu_triton import only_config
+
+    tuner = chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
+    while not hasattr(tuner, "configs"):
+        tuner = tuner.fn                                      # heuristics wrapper around the autotuner
+    configs = list(tuner.configs)
+    print(f"FLA bwd_dhu, per-key gates, K = V = 128: ms per call under each of its {len(configs)} configs",
+          flush=True)
+    for text in shapes:
+        B, T, H = (int(x) for x in text.split(","))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+        gk = torch.nn.functional.logsigmoid(r(B, T, H, 128)).view(B, T // 64, 64, H, 128).cumsum(2).view(B, T, H, 128)
+        args = dict(q=r(B, T, H, 128).bfloat16(), k=(0.1 * r(B, T, H, 128)).bfloat16(),
+                    w=(0.1 * r(B, T, H, 128)).bfloat16(), do=r(B, T, H, 128).bfloat16(),
+                    dv=r(B, T, H, 128).bfloat16(), gk=gk * 1.4427, scale=128 ** -0.5)
+        times = []
+        for cfg in configs:
+            with only_config(tuner, cfg):
+                try:
+                    times.append(float(triton.testing.do_bench(
+                        lambda: chunk_delta_h.chunk_gated_delta_rule_bwd_dhu(**args), rep=100, return_mode="median")))
+                except triton.runtime.errors.OutOfResources:   # FLA's autotuner skips these too
+                    times.append(float("inf"))
+        order = sorted(range(len(configs)), key=times.__getitem__)
+        print(f"  ({text}): " + ", ".join(f"{times[i]:.3f} [{configs[i]}]" for i in order[:4])
+              + f" ... slowest {times[order[-1]]:.3f}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", default="kda", choices=["delta_rule", "gdn", "kda", "gdn2"])
+    p.add_argument("--policy", default="full", choices=["recompute", "full"])
+    p.add_argument("--shapes", nargs="+", default=["2,8192,16", "1,16384,16"], metavar="B,T,H")
+    p.add_argument("--sides", nargs="+", default=["rewy", "fla"], choices=["rewy", "fla"])
+    p.add_argument("--dhu-configs", action="store_true", help="time FLA's bwd_dhu under each of its configs")
+    a = p.parse_args(argv)
+    if a.dhu_configs:
+        dhu_configs(a.shapes)
+        return 0
+
+    import torch
+
+    from rewy_hf.bench_config import Shape
+    from rewy_hf.bench_ops import fla_impl, lift_gdn_guard, make_inputs, rewy_impl
+    from rewy_hf.bench_timing import runner
+
+    guard = lift_gdn_guard() if a.op == "gdn" else {}
+    print(f"{torch.cuda.get_device_name()}  op {a.op}  policy {a.policy}  (ms per backward)", flush=True)
+    print(f"{'shape':>14s} {'side':5s} {'bench':>7s} {'chained':>8s} {'cpu':>7s} {'kernels':>8s}", flush=True)
+    for text in a.shapes:
+        B, T, H = (int(x) for x in text.split(","))
+        inputs, do = make_inputs(a.op, Shape(B, T, H, 128, 128), "cuda", torch.bfloat16, seed=0)
+        for side in a.sides:
+            impl = rewy_impl(a.op, "triton", a.policy) if side == "rewy" else fla_impl(a.op, a.policy, guard)
+            m = measure(runner("B", impl.fn, inputs, do))
+            print(f"{text:>14s} {side:5s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} {m['kernels']:8.3f}",
+                  flush=True)
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
