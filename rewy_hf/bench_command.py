@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ops.add_argument("--reps", type=_count(1), default=None,
                      help="timed rounds per side, alternating (default 5 on CUDA, 3 on CPU); the median is "
                           "reported. On CUDA each round is one triton do_bench median over --rep-ms")
+    ops.add_argument("--keep-autotune-picks", action="store_true",
+                     help="CUDA: keep Triton's autotune picks from one shape to the next (default: forget them "
+                          "before each shape, so each is timed with the configs tuned at it, as a run at that "
+                          "shape alone would be; FLA's keys leave out B and T)")
     ops.add_argument("--rep-ms", type=float, default=50.0, help="CUDA: milliseconds of runs per round (default 50)")
     ops.add_argument("--check-max-tokens", type=_count(64), default=2**19, metavar="N",
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "
@@ -139,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_ops(args, device: str, guard: dict) -> int:
     from .bench_config import BOUNDARIES, OPS, POLICIES, expand, resolve_shapes
+    from .autotune_picks import forget_picks
     from .bench_ops import Settings, ShapeContext, baseline_description, baseline_label, free_memory, run_config
     from .bench_output import (environment, format_op_tables, format_row_line, geomeans, plot_op_speedups,
                                progress, writer)
@@ -156,6 +161,9 @@ def _run_ops(args, device: str, guard: dict) -> int:
     timing = (f"median of {s.reps} alternating rounds after {s.warmup} warm-up run(s) per side; each round one "
               f"triton.testing.do_bench median over {s.rep_ms:g} ms of runs" if cuda else
               f"median of {s.reps} alternating time.perf_counter runs after {s.warmup} warm-up run(s) per side")
+    autotune = ("Triton autotune picks (FLA's and rewy's) kept from shape to shape" if args.keep_autotune_picks
+                else "Triton autotune picks (FLA's and rewy's) forgotten before each shape, so each shape runs "
+                     "the configs tuned at it")
     check = ("input gradients vs " + ("rewy's torch backend (policy full) on the same BF16 values in float32"
                                       if cuda else "the float64 reference recurrence on the same values")
              + "; relative Frobenius error, worst over the gradients")
@@ -165,6 +173,7 @@ def _run_ops(args, device: str, guard: dict) -> int:
         "qkv_dtype": str(s.qkv_dtype).removeprefix("torch."), "gates_dtype": "float32",
         "beta_b_w_dtype": str(s.qkv_dtype).removeprefix("torch."),
         "reps": s.reps, "warmup": s.warmup, "rep_ms": s.rep_ms if cuda else None, "timing": timing,
+        "autotune": autotune if cuda else None,
         "check": check, "check_max_tokens": s.check_max_tokens, "gdn_guard": guard, "seed": s.seed},
         "rows": [], "complete": False}
     save = writer(args.json)
@@ -172,12 +181,15 @@ def _run_ops(args, device: str, guard: dict) -> int:
     if not cuda:
         print("NOTE: CPU run: rewy's torch backend against the reference path in float32, not against FLA; "
               "these speedups say nothing about a GPU.")
-    print(f"shapes: {origin}\ntiming: {timing}\ncheck: {check}\n", flush=True)
+    print(f"shapes: {origin}\ntiming: {timing}" + (f"\nautotune: {autotune}" if cuda else "")
+          + f"\ncheck: {check}\n", flush=True)
 
     rows = data["rows"]
     with progress(len(ops) * len(shapes) * len(policies), "rewy-hf bench") as bar:
         for op in ops:
             for shape in shapes:
+                if cuda and not args.keep_autotune_picks:
+                    forget_picks()
                 try:
                     ctx = ShapeContext(op, shape, s)
                 except Exception as exc:   # the reference itself failed (e.g. out of memory): say where

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 
 # Settings that must agree for rows of different files to be compared.
-_SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "check", "timing")
+_SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "check", "timing",
+         "autotune")
 
 
 class MergeError(ValueError):

@@ -210,7 +210,10 @@ def markdown_report(data: dict, base: str) -> str:
     if data.get("kind") == "model":
         body = format_model_result(data, st.get("model", "?"), st, markdown=True)
     else:
-        head += [f"Timing: {st.get('timing')}.", "", f"Check: {st.get('check')}.", ""]
+        head += [f"Timing: {st.get('timing')}.", ""]
+        if st.get("autotune"):
+            head += [f"Autotune: {st['autotune']}.", ""]
+        head += [f"Check: {st.get('check')}.", ""]
         rows = data.get("rows", [])
         body = "\n\n".join(format_op_tables(rows, st.get("boundaries", []), base, data.get("device", "cuda"),
                                              markdown=True))

@@ -315,6 +315,7 @@ def test_gpu_op_level_against_fla(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert code == 0, out
     assert data["baseline"].startswith("FLA") and data["settings"]["qkv_dtype"] == "bfloat16"
+    assert "forgotten before each shape" in data["settings"]["autotune"] and "\nautotune: Triton" in out
     for r in data["rows"]:
         assert r["ok"] and r["err_baseline"] is not None and r["err_rewy"] < 2e-2
         assert r["baseline_peak_mb"] > 0 and r["rewy_peak_mb"] > 0

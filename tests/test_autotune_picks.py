@@ -1,0 +1,58 @@
+"""The op bench forgets Triton's autotune picks before each shape (rewy_hf/autotune_picks.py)."""
+
+from __future__ import annotations
+
+import triton
+
+from rewy_hf.autotune_picks import autotuners, forget_picks
+from rewy_hf.cli import build_parser
+
+
+def _fla_dhu_tuner():
+    from fla.ops.common import chunk_delta_h
+
+    tuner = chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
+    assert not hasattr(tuner, "cache")          # FLA wraps its autotuner in triton.heuristics
+    return tuner.fn
+
+
+def test_picks_of_rewy_and_fla_kernels_are_forgotten():
+    """Both sides' autotuners are found, the heuristics-wrapped FLA ones too, and a pick made at
+    an earlier shape is gone afterwards, with the on-disk result cache off so it cannot come back."""
+    from rewy_hf.kernels import triton_kda_bwd as tk
+
+    ours, fla = tk.rewy_kda_bwd_wy_kernel, _fla_dhu_tuner()
+    found = autotuners()
+    assert any(t is ours for t in found) and any(t is fla for t in found)
+    assert len({id(t) for t in found}) == len(found)
+    for tuner in (ours, fla):
+        tuner.cache[("an earlier shape",)] = tuner.configs[0]
+        tuner.cache_results = True
+    try:
+        assert forget_picks() == len(found)
+        for tuner in (ours, fla):
+            assert tuner.cache == {} and tuner.cache_results is False
+    finally:
+        for tuner in (ours, fla):
+            tuner.cache.pop(("an earlier shape",), None)
+
+
+def test_only_the_named_modules_are_touched():
+    from rewy_hf.kernels import triton_kda_bwd as tk
+
+    fla, ours = _fla_dhu_tuner(), tk.rewy_kda_bwd_intra_kernel
+    fla.cache[("kept",)] = fla.configs[0]
+    ours.cache[("dropped",)] = ours.configs[0]
+    try:
+        forget_picks(("rewy_hf.",))
+        assert ("kept",) in fla.cache and ("dropped",) not in ours.cache
+        assert all(isinstance(t, triton.runtime.autotuner.Autotuner) for t in autotuners(("rewy_hf.",)))
+    finally:
+        fla.cache.pop(("kept",), None)
+        ours.cache.pop(("dropped",), None)
+
+
+def test_bench_keeps_picks_only_when_asked():
+    parser = build_parser()
+    assert parser.parse_args(["bench"]).keep_autotune_picks is False
+    assert parser.parse_args(["bench", "--keep-autotune-picks"]).keep_autotune_picks is True
