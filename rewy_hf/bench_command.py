@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_ops(args, device: str, guard: dict) -> int:
     from .bench_config import BOUNDARIES, OPS, POLICIES, expand, resolve_shapes
     from .autotune_picks import forget_picks
-    from .bench_ops import Settings, ShapeContext, baseline_description, baseline_label, free_memory, run_config
+    from .bench_ops import (Settings, ShapeContext, baseline_description, baseline_label, free_memory,
+                            load_kernel_modules, run_config)
     from .bench_output import (environment, format_op_tables, format_row_line, geomeans, plot_op_speedups,
                                progress, writer)
 
@@ -185,6 +186,8 @@ def _run_ops(args, device: str, guard: dict) -> int:
           + f"\ncheck: {check}\n", flush=True)
 
     rows = data["rows"]
+    if cuda and not args.keep_autotune_picks:
+        load_kernel_modules(ops)    # so that forget_picks sees every autotuner from the first shape on
     with progress(len(ops) * len(shapes) * len(policies), "rewy-hf bench") as bar:
         for op in ops:
             for shape in shapes:

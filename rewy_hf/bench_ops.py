@@ -140,6 +140,21 @@ def _fla_function(op: str) -> Callable:
     return f
 
 
+def load_kernel_modules(ops) -> None:
+    """Import FLA's op modules and rewy's Triton kernels for ``ops`` now rather than at their
+    first call. An autotuner not yet imported when the bench forgets the picks would keep its
+    on-disk result cache on, which can hold a pick made at another shape."""
+    import importlib
+
+    for op in ops:
+        try:
+            _fla_function(op)
+        except ImportError:     # no FLA: the rows say so when they run
+            pass
+    for name in ("triton_gdn", "triton_gdn_bwd", "triton_kda", "triton_kda_bwd", "triton_state_scan"):
+        importlib.import_module(f"rewy_hf.kernels.{name}")
+
+
 def fla_impl(op: str, policy: str, gdn_guard: dict) -> Impl:
     f = _fla_function(op)
     # FLA 0.6.0 has `disable_recompute` on chunk_kda and chunk_gdn2 only; its GDN

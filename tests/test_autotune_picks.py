@@ -56,3 +56,17 @@ def test_bench_keeps_picks_only_when_asked():
     parser = build_parser()
     assert parser.parse_args(["bench"]).keep_autotune_picks is False
     assert parser.parse_args(["bench", "--keep-autotune-picks"]).keep_autotune_picks is True
+
+
+def test_bench_loads_every_kernel_module_before_the_first_shape():
+    """Autotuners imported only at an op's first call would miss the first forget_picks and keep
+    their on-disk result cache; the bench imports FLA's op modules and rewy's kernels up front."""
+    import sys
+
+    from rewy_hf.bench_ops import _fla_function, load_kernel_modules
+
+    load_kernel_modules(["gdn2", "delta_rule"])
+    assert _fla_function("gdn2").__module__ in sys.modules
+    assert "rewy_hf.kernels.triton_state_scan" in sys.modules
+    names = {getattr(t.fn, "__name__", "") for t in autotuners()}
+    assert "rewy_gdn_bwd_local_kernel" in names and "chunk_gdn2_bwd_kernel_intra" in names

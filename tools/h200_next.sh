@@ -23,13 +23,16 @@
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
-# Next calls (seventh session ran out of device time before these; nvidia-h200-x2, carry [".whl"]):
-# 1. The GPU tests, with the new per-config test (every autotune config of every rewy kernel against the
-#    first, K = 128 and 32: covers the Residual WY pruning of the config triton 3.6 miscompiles) and the
-#    tf32x3 scan of the sequence split, next to the split's timing (is the scan now ~0.01 ms per call?):
-#   T_tests=450 T_scan=300 SCAN_ARGS="--shapes 1,16384,16 1,32768,32 --segments 4 8" bash tools/h200_next.sh pair "tests" "scan"
-# 2. The per-kernel KDA / GDN2 profile on the chunk-adjacent launch order (docs table is the sixth session's):
-#   T_kda_profile=200 KDA_SECTIONS=profile bash tools/h200_next.sh kda-profile
+# Next calls (eighth session ran out of device time before these; nvidia-h200-x2, carry [".whl"]):
+# 1.-3. The six-shape bench with per-shape autotune picks (the bench's default since the eighth session; the
+#    summary's KDA full 2.00x is a projection until this runs). H = 16 and H = 32 shapes in separate calls,
+#    since FLA's cold first calls at a new head count take minutes:
+#   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
+#   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
+#   T_bench_gdn=540 bash tools/h200_next.sh pair "bench-gdn:delta_rule" "bench-gdn:gdn"
+#    (the two KDA calls write the same file names: extract each call's logs.tgz into its own folder; combine with --from-json)
+# Done in the eighth session: all 46 GPU tests (per-config tests included), the tf32x3 scan's timing, the
+# per-kernel profile on the launch order, FLA's bwd_dhu per config (timing_gaps.py --dhu-configs).
 # The Matrix Intra register caps and 32-channel configs were timed in the seventh session: all slower.
 # Per-kernel A/B of a kernel change: put the old kernel files in an untracked folder and run
 #   T_configs=100 CONFIG_ARGS="--pick 0 --repeat 2 --baseline baseline" bash tools/h200_next.sh "configs:kda-wy,kda-intra"
