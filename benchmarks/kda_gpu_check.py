@@ -349,11 +349,11 @@ def main() -> int:
     # FLA's reverse state recurrence, which both sides run: its pick varies between processes
     from fla.ops.common import chunk_delta_h
 
+    from rewy_hf.autotune_picks import autotuner_of
+
     for name_ in dir(chunk_delta_h):
-        tuner = getattr(chunk_delta_h, name_)
-        while tuner is not None and not hasattr(tuner, "cache"):
-            tuner = getattr(tuner, "fn", None)         # heuristics wrapper around the autotuner
-        if name_.startswith("chunk_gated_delta_rule_bwd_kernel") and getattr(tuner, "cache", None):
+        tuner = autotuner_of(getattr(chunk_delta_h, name_))
+        if name_.startswith("chunk_gated_delta_rule_bwd_kernel") and tuner is not None and tuner.cache:
             for key_, cfg in tuner.cache.items():
                 log(f"  FLA {name_} key {key_}: {cfg}")
     log(f"total {elapsed():.0f}s")

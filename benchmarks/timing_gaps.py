@@ -11,7 +11,9 @@ bench's own inputs and sides, per backward:
   chained  N backward calls between two events, no flush, divided by N
   cpu      host time to issue one backward (no synchronize): above the GPU
            time, the measurement is bound by Python and launches, not kernels
-  kernels  sum of the device times of its kernels (torch.profiler)
+  kernels  sum of the device times of the kernels of one profiled call
+           (gdn_bwd_stages.kernel_times, memsets left out; the eighth
+           session's runs averaged five calls with memsets counted)
 
 Autotune picks are forgotten before each shape, as the bench now does (the
 eighth session's runs of this script predate that: they ran (2, 8192, 16)
@@ -30,22 +32,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-
-
-def _kernel_sum(run, reps: int = 5) -> float:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            run()
-        torch.cuda.synchronize()
-    total = 0.0
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        total += (t if t is not None else getattr(e, "cuda_time_total", 0)) / 1000.0
-    return total / reps
 
 
 def measure(run, n: int = 20) -> dict:
@@ -70,38 +56,33 @@ def measure(run, n: int = 20) -> dict:
         run()
     out["cpu"] = (time.perf_counter() - t0) * 1e3 / n
     torch.cuda.synchronize()
-    out["kernels"] = _kernel_sum(run)
+    from gdn_bwd_stages import kernel_times     # this folder is on sys.path when the script runs
+
+    out["kernels"] = sum(ms for _, ms in kernel_times(run))
     return out
 
 
 def dhu_configs(shapes) -> None:
-    import torch
     import triton
     import triton.testing
     from fla.ops.common import chunk_delta_h
+    from state_scan_timing import inputs, sides     # this folder is on sys.path when the script runs
 
+    from rewy_hf.autotune_picks import autotuner_of
     from rewy_hf.cpu_triton import only_config
 
-    tuner = chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
-    while not hasattr(tuner, "configs"):
-        tuner = tuner.fn                                      # heuristics wrapper around the autotuner
+    tuner = autotuner_of(chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64)
     configs = list(tuner.configs)
     print(f"FLA bwd_dhu, per-key gates, K = V = 128: ms per call under each of its {len(configs)} configs",
           flush=True)
     for text in shapes:
         B, T, H = (int(x) for x in text.split(","))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-        gk = torch.nn.functional.logsigmoid(r(B, T, H, 128)).view(B, T // 64, 64, H, 128).cumsum(2).view(B, T, H, 128)
-        args = dict(q=r(B, T, H, 128).bfloat16(), k=(0.1 * r(B, T, H, 128)).bfloat16(),
-                    w=(0.1 * r(B, T, H, 128)).bfloat16(), do=r(B, T, H, 128).bfloat16(),
-                    dv=r(B, T, H, 128).bfloat16(), gk=gk * 1.4427, scale=128 ** -0.5)
+        fla_bwd_dhu = sides(inputs("kda", B, T, H), 1)["backward"][0]
         times = []
         for cfg in configs:
             with only_config(tuner, cfg):
                 try:
-                    times.append(float(triton.testing.do_bench(
-                        lambda: chunk_delta_h.chunk_gated_delta_rule_bwd_dhu(**args), rep=100, return_mode="median")))
+                    times.append(float(triton.testing.do_bench(fla_bwd_dhu, rep=100, return_mode="median")))
                 except triton.runtime.errors.OutOfResources:   # FLA's autotuner skips these too
                     times.append(float("inf"))
         order = sorted(range(len(configs)), key=times.__getitem__)

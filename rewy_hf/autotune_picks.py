@@ -23,21 +23,28 @@ from triton.runtime.autotuner import Autotuner
 BENCH_MODULES = ("fla.", "rewy_hf.")
 
 
+def autotuner_of(obj) -> Autotuner | None:
+    """The autotuner inside a kernel object, also under ``triton.heuristics`` (FLA puts
+    heuristics outside its autotuners); None for anything else."""
+    for _ in range(4):                              # heuristics -> autotuner -> jit function
+        if isinstance(obj, Autotuner):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
 def autotuners(prefixes: tuple[str, ...] = BENCH_MODULES) -> list[Autotuner]:
-    """Every autotuner bound at module level in the loaded modules under ``prefixes``,
-    also those wrapped by ``triton.heuristics`` (FLA puts heuristics outside)."""
+    """Every autotuner bound at module level in the loaded modules under ``prefixes``."""
     found: dict[int, Autotuner] = {}
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(prefixes):
             continue
         for obj in list(vars(module).values()):
-            for _ in range(4):                      # heuristics -> autotuner -> jit function
-                if isinstance(obj, Autotuner):
-                    found[id(obj)] = obj
-                    break
-                obj = getattr(obj, "fn", None)
-                if obj is None:
-                    break
+            tuner = autotuner_of(obj)
+            if tuner is not None:
+                found[id(tuner)] = tuner
     return list(found.values())
 
 
