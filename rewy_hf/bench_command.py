@@ -186,12 +186,13 @@ def _run_ops(args, device: str, guard: dict) -> int:
           + f"\ncheck: {check}\n", flush=True)
 
     rows = data["rows"]
-    if cuda and not args.keep_autotune_picks:
+    tune_per_shape = cuda and not args.keep_autotune_picks
+    if tune_per_shape:
         load_kernel_modules(ops)    # so that forget_picks sees every autotuner from the first shape on
     with progress(len(ops) * len(shapes) * len(policies), "rewy-hf bench") as bar:
         for op in ops:
             for shape in shapes:
-                if cuda and not args.keep_autotune_picks:
+                if tune_per_shape:
                     forget_picks()
                 try:
                     ctx = ShapeContext(op, shape, s)
