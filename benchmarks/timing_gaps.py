@@ -19,6 +19,11 @@ Autotune picks are forgotten before each shape, as the bench now does (the
 eighth session's runs of this script predate that: they ran (2, 8192, 16)
 first, whose picks are also the best ones at (1, 16384, 16)).
 
+``--host-profile`` adds, per shape and side, the Python functions that take
+the host's time while it issues a backward (cProfile over 20 calls without
+a synchronize, top entries by own time, ms per backward). The ninth session
+found DeltaNet and GDN at H = 16 about as long on the host as on the GPU.
+
 ``--dhu-configs`` instead times FLA's reverse state recurrence
 (``chunk_gated_delta_rule_bwd_dhu``, per-key gates as KDA calls it), which both
 sides run, under each of its autotune configs. Its autotune key has neither B
@@ -62,6 +67,31 @@ def measure(run, n: int = 20) -> dict:
     return out
 
 
+def host_profile(run, n: int = 20, top: int = 12) -> list[str]:
+    """The ``top`` functions by own host time over ``n`` unsynchronized calls, in ms per call."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    run()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats      # {(file, line, name): (calls, ncalls, own, cumulative, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in stats.values()) * 1e3 / n
+    lines = [f"    host total {total:.3f} ms per backward (under cProfile, which adds its own cost)"]
+    for (path, line, name), (_, calls, own, cum, _) in rows:
+        where = "/".join(path.split("/")[-2:]) + f":{line}"
+        lines.append(f"    {own * 1e3 / n:7.3f} own {cum * 1e3 / n:7.3f} cum {calls / n:5.1f}x  {name} ({where})")
+    return lines
+
+
 def dhu_configs(shapes) -> None:
     import triton
     import triton.testing
@@ -97,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=["2,8192,16", "1,16384,16"], metavar="B,T,H")
     p.add_argument("--sides", nargs="+", default=["rewy", "fla"], choices=["rewy", "fla"])
     p.add_argument("--dhu-configs", action="store_true", help="time FLA's bwd_dhu under each of its configs")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also list the Python functions that take the host's time per backward (cProfile)")
     a = p.parse_args(argv)
     if a.dhu_configs:
         dhu_configs(a.shapes)
@@ -118,9 +150,12 @@ def main(argv=None) -> int:
         inputs, do = make_inputs(a.op, Shape(B, T, H, 128, 128), "cuda", torch.bfloat16, seed=0)
         for side in a.sides:
             impl = rewy_impl(a.op, "triton", a.policy) if side == "rewy" else fla_impl(a.op, a.policy, guard)
-            m = measure(runner("B", impl.fn, inputs, do))
+            run = runner("B", impl.fn, inputs, do)
+            m = measure(run)
             print(f"{text:>14s} {side:5s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} {m['kernels']:8.3f}",
                   flush=True)
+            if a.host_profile:
+                print("\n".join(host_profile(run)), flush=True)
             torch.cuda.empty_cache()
     return 0
 

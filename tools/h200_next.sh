@@ -23,14 +23,14 @@
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
-# Next calls (eighth session ran out of device time before these; nvidia-h200-x2, carry [".whl"]):
-# 1.-3. The six-shape bench with per-shape autotune picks (the bench's default since the eighth session; the
-#    summary's KDA full 2.00x is a projection until this runs). H = 16 and H = 32 shapes in separate calls,
-#    since FLA's cold first calls at a new head count take minutes:
-#   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-#   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-#   T_bench_gdn=540 bash tools/h200_next.sh pair "bench-gdn:delta_rule" "bench-gdn:gdn"
-#    (the two KDA calls write the same file names: extract each call's logs.tgz into its own folder; combine with --from-json)
+# Next calls (nvidia-h200-x2, carry [".whl"]):
+# 1. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time):
+#   T_gaps=340 bash tools/h200_next.sh pair "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+4,4096,16+--host-profile gaps" \
+#       "env:GAP_ARGS=--op+delta_rule+--policy+recompute+--shapes+4,4096,16+--host-profile gaps"
+# 2. The model-level steps with the current kernels: pair "model-qwen" "model-gdn2"; then gdn2-1b (the recipe run).
+# Done in the ninth session: the six-shape bench of all four ops with per-shape autotune picks (three pair calls:
+#   bench-kda:kda / bench-kda:gdn2 with SHAPES_KDA set to the H = 16 shapes, then the H = 32 shapes; then
+#   bench-gdn:delta_rule / bench-gdn:gdn; 333, 263 and 480 s), and timing_gaps.py for GDN / DeltaNet recompute.
 # Done in the eighth session: all 46 GPU tests (per-config tests included), the tf32x3 scan's timing, the
 # per-kernel profile on the launch order, FLA's bwd_dhu per config (timing_gaps.py --dhu-configs).
 # The Matrix Intra register caps and 32-channel configs were timed in the seventh session: all slower.
