@@ -144,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_ops(args, device: str, guard: dict) -> int:
     from .bench_config import BOUNDARIES, OPS, POLICIES, expand, resolve_shapes
     from .autotune_picks import forget_picks
-    from .bench_ops import (Settings, ShapeContext, baseline_description, baseline_label, free_memory,
-                            load_kernel_modules, run_config)
+    from .bench_ops import (BOUND_CHECK, Settings, ShapeContext, baseline_description, baseline_label,
+                            free_memory, load_kernel_modules, run_config)
     from .bench_output import (environment, format_op_tables, format_row_line, geomeans, plot_op_speedups,
                                progress, writer)
 
@@ -167,7 +167,7 @@ def _run_ops(args, device: str, guard: dict) -> int:
                      "the configs tuned at it")
     check = ("input gradients vs " + ("rewy's torch backend (policy full) on the same BF16 values in float32"
                                       if cuda else "the float64 reference recurrence on the same values")
-             + "; relative Frobenius error, worst over the gradients")
+             + "; relative Frobenius error, worst over the gradients; " + BOUND_CHECK)
     data = {"kind": "ops", **env, "baseline": baseline_description(device, env["versions"]), "settings": {
         "ops": ops, "policies": policies, "boundaries": boundaries, "backend": s.backend,
         "shapes": [sh.__dict__ for sh in shapes], "shapes_origin": origin,

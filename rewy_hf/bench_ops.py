@@ -8,7 +8,10 @@ token-by-token reference recurrence (FLA's kernels need a GPU), float32.
 Every configuration is checked before it is timed: the input gradients of the
 baseline and of rewy against a higher-precision reference (CUDA: rewy's torch
 backend, policy full, on the same BF16 values in float32; CPU: the float64
-recurrence), as relative Frobenius errors, worst over the gradients.
+recurrence), as relative Frobenius errors, worst over the gradients. KDA and
+GDN2 are checked twice: on the log-sigmoid gates they are timed with, and on
+gates near FLA's safe lower bound with ``safe_gate=True`` on both sides, the
+regime where their intra-chunk decay factors span the widest range.
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ REWY_OPS = {"delta_rule": ops.chunk_delta_rule, "gdn": ops.chunk_gated_delta_rul
 REL_MARGIN = 1.1
 FLOOR = {"cuda": 1e-5, "cpu": 1e-4}
 UNTRUSTED_TOL = 1e-2
+
+# The second gradient check of the vector-gated ops: g = LOWER_BOUND * sigmoid(x + 3),
+# inside (-5, 0) and mostly near -4.8 per token, as a layer with use_gate_in_kernel
+# and lower_bound = -5 (FLA's safe_gate range) produces when its gate saturates.
+BOUND_OPS = ("kda", "gdn2")
+LOWER_BOUND = -5.0
+BOUND_CHECK = (f"KDA and GDN2 also on gates near FLA's safe lower bound ({LOWER_BOUND:g} * sigmoid(x + 3), "
+               "safe_gate=True on both sides); a row passes when both checks do")
 
 
 @dataclass
@@ -94,11 +105,18 @@ def baseline_description(device: str, versions: dict | None = None) -> str:
 
 # --- inputs -------------------------------------------------------------------------------------
 
-def make_inputs(op: str, s: Shape, device: str, qkv_dtype: torch.dtype, seed: int):
-    """Op inputs in FLA's argument order, and an output gradient."""
+def make_inputs(op: str, s: Shape, device: str, qkv_dtype: torch.dtype, seed: int, gates: str = "logsigmoid"):
+    """Op inputs in FLA's argument order, and an output gradient. ``gates``: "logsigmoid",
+    or "bound" (KDA / GDN2 only) for gates near the safe lower bound (see BOUND_OPS)."""
+    if gates == "bound" and op not in BOUND_OPS:
+        raise ValueError(f"gates at the safe lower bound are a check of {', '.join(BOUND_OPS)}, not of {op}")
     gen = torch.Generator(device=device).manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, device=device, generator=gen)  # noqa: E731
     u = lambda *shape: torch.rand(*shape, device=device, generator=gen)   # noqa: E731
+    if gates == "bound":
+        gate = lambda *shape: LOWER_BOUND * torch.sigmoid(r(*shape) + 3.0)  # noqa: E731
+    else:
+        gate = lambda *shape: F.logsigmoid(r(*shape))                       # noqa: E731
     B, T, H, K, V = s.B, s.T, s.H, s.K, s.V
     qkv = [r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)]
     # As FLA's layers hand them to the op: log-gates in float32 (computed in
@@ -106,22 +124,23 @@ def make_inputs(op: str, s: Shape, device: str, qkv_dtype: torch.dtype, seed: in
     if op == "delta_rule":
         gates, strengths = [], [u(B, T, H)]
     elif op == "gdn":
-        gates, strengths = [F.logsigmoid(r(B, T, H))], [u(B, T, H)]
+        gates, strengths = [gate(B, T, H)], [u(B, T, H)]
     elif op == "kda":
-        gates, strengths = [F.logsigmoid(r(B, T, H, K))], [u(B, T, H)]
+        gates, strengths = [gate(B, T, H, K)], [u(B, T, H)]
     else:
-        gates, strengths = [F.logsigmoid(r(B, T, H, K))], [u(B, T, H, K), u(B, T, H, V)]
+        gates, strengths = [gate(B, T, H, K)], [u(B, T, H, K), u(B, T, H, V)]
     do = r(B, T, H, V).to(qkv_dtype)
     return [x.to(qkv_dtype) for x in qkv] + gates + [x.to(qkv_dtype) for x in strengths], do
 
 
 # --- the sides ----------------------------------------------------------------------------------
 
-def rewy_impl(op: str, backend: str, policy: str) -> Impl:
+def rewy_impl(op: str, backend: str, policy: str, safe_gate: bool = False) -> Impl:
     f, name = REWY_OPS[op], DISPATCH_NAME[op]
+    kw = {"safe_gate": True} if safe_gate else {}
 
     def fn(*x):
-        o, _ = f(*x, backend=backend, policy=policy)
+        o, _ = f(*x, backend=backend, policy=policy, **kw)
         apply_grad_fault(o, name)   # REWY_HF_TEST_FAULT: lets the tests prove that the check can fail
         return o
 
@@ -155,7 +174,7 @@ def load_kernel_modules(ops) -> None:
         importlib.import_module(f"rewy_hf.kernels.{name}")
 
 
-def fla_impl(op: str, policy: str, gdn_guard: dict) -> Impl:
+def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> Impl:
     f = _fla_function(op)
     # FLA 0.6.0 has `disable_recompute` on chunk_kda and chunk_gdn2 only; its GDN
     # and DeltaNet ops always recompute, so that is what "full" times against there.
@@ -163,6 +182,8 @@ def fla_impl(op: str, policy: str, gdn_guard: dict) -> Impl:
         kw, fla_policy = {"disable_recompute": policy == "full"}, f"disable_recompute={policy == 'full'}"
     else:
         kw, fla_policy = {}, "recomputes (FLA's only mode for this op)"
+    if safe_gate:
+        kw["safe_gate"] = True
     impl = Impl(lambda *x: f(*x, **kw)[0], fla_policy)
     if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active"):
         impl.trusted = False
@@ -240,10 +261,25 @@ def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) 
     return out
 
 
+def bound_check(ctx: "ShapeContext", policy: str, with_baseline: bool) -> dict:
+    """The lower-bound gate check of one KDA / GDN2 configuration, as ``bound_*`` row fields;
+    the row's ``ok`` becomes the conjunction of both checks."""
+    s = ctx.s
+    rewy = rewy_impl(ctx.op, s.backend, policy, safe_gate=True)
+    base = None
+    if with_baseline:
+        base = fla_impl(ctx.op, policy, s.gdn_guard, safe_gate=True) if s.device == "cuda" else \
+            cpu_baseline_impl(ctx.op)
+    inputs, do, ref = ctx.bound
+    out = check(ctx.op, base, rewy, inputs, do, ref, s.device)
+    return {"bound_" + k: v for k, v in out.items()}
+
+
 # --- one configuration --------------------------------------------------------------------------
 
 class ShapeContext:
-    """Inputs and reference gradients of one (op, shape), shared by its policies."""
+    """Inputs and reference gradients of one (op, shape), shared by its policies; for
+    KDA / GDN2 also those of the lower-bound gate check (``bound``: inputs, do, reference)."""
 
     def __init__(self, op: str, shape: Shape, s: Settings):
         self.op, self.shape, self.s = op, shape, s
@@ -251,6 +287,10 @@ class ShapeContext:
         check_shape = shape.with_T(self.check_T)
         self.check_inputs, self.check_do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed)
         self.ref = reference_grads(op, self.check_inputs, self.check_do, s.device)
+        self.bound = None
+        if op in BOUND_OPS:
+            inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 2, gates="bound")
+            self.bound = (inputs, do, reference_grads(op, inputs, do, s.device))
 
     def timed_inputs(self):
         if self.check_T == self.shape.T:
@@ -273,6 +313,8 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     row["baseline_timing_only"] = bool(base is not None and not base.trusted)
     row["baseline_note"] = base.note if base else ""
     row.update(check(op, base, rewy, ctx.check_inputs, ctx.check_do, ctx.ref, s.device))
+    if ctx.bound is not None and not row.get("rewy_error"):
+        row.update(bound_check(ctx, policy, base is not None))
     if row.get("rewy_error"):
         row["seconds"] = round(time.perf_counter() - t_start, 2)
         return row
@@ -309,6 +351,8 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
             free_memory(s.device)
     if row.get("rewy_error"):
         row["ok"] = False
+    if "bound_ok" in row:
+        row["ok"] = bool(row["ok"] and row["bound_ok"])
     if op == "gdn" and "#640" in (row.get("baseline_error") or row.get("baseline_check_error") or ""):
         row["baseline_hint"] = ("FLA refuses its GDN backward here (Hopper, triton < 3.7.1); rerun with "
                                 "--lift-gdn-guard to time it (timing only)")

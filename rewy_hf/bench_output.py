@@ -152,7 +152,11 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
         header += [f"{bd}: {b} ms", f"{bd}: rewy ms", f"{bd} speedup"]
     if device == "cuda":
         header += [f"peak MB {b}", "peak MB rewy"]
-    header += [f"err {b}", "err rewy", "check T", "pass"]
+    header += [f"err {b}", "err rewy"]
+    bound = any("bound_ok" in r for r in rows)
+    if bound:
+        header += [f"bound err {b}", "bound err rewy"]
+    header += ["check T", "pass"]
     body = []
     for r in rows:
         label = f"{r['B']},{r['T']},{r['H']}" + ("" if header[0] == "B,T,H" else f",{r['K']},{r['V']}")
@@ -162,8 +166,10 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
         if device == "cuda":
             cells += [_mb(r.get("baseline_peak_mb")), _mb(r.get("rewy_peak_mb"))]
         err_b = "timing only" if r.get("baseline_timing_only") else _err(r.get("err_baseline"))
-        cells += [err_b, _err(r.get("err_rewy")), str(r["check_T"]) + ("*" if r["check_reduced"] else ""),
-                  "PASS" if r.get("ok") else "FAIL"]
+        cells += [err_b, _err(r.get("err_rewy"))]
+        if bound:
+            cells += [_err(r.get("bound_err_baseline")), _err(r.get("bound_err_rewy"))]
+        cells += [str(r["check_T"]) + ("*" if r["check_reduced"] else ""), "PASS" if r.get("ok") else "FAIL"]
         body.append(cells)
     gm = ["geometric mean" + (f" ({len(rows)} of {len(rows) + len(missing)} shapes)" if missing else "")]
     for bd in boundaries:
@@ -180,10 +186,14 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
                      + "; ".join(",".join(map(str, s[:3])) for s in missing))
     if timing_only:
         notes.append(f"* {base}: {next(r['baseline_note'] for r in rows if r.get('baseline_timing_only'))}")
+    if bound:
+        notes.append("bound err: the same check on gates near FLA's safe lower bound (safe_gate=True on both "
+                     "sides); pass needs both")
     if any(r["check_reduced"] for r in rows):
         notes.append("check T*: the gradient check ran at this reduced T (same B, H) to save time and memory")
     for r in rows:
-        for key in ("rewy_error", "baseline_error", "baseline_check_error", "baseline_hint"):
+        for key in ("rewy_error", "baseline_error", "baseline_check_error", "baseline_hint", "bound_rewy_error",
+                    "bound_baseline_check_error"):
             if r.get(key):
                 notes.append(f"{r['B']},{r['T']},{r['H']}: {key.replace('_', ' ')}: {r[key]}")
     if markdown:
@@ -228,7 +238,10 @@ def format_row_line(r: dict, boundaries: list[str], base: str) -> str:
         parts.append(f"{bd} {base} {_ms(r.get(f'baseline_{bd}_ms'))} / rewy {_ms(r.get(f'rewy_{bd}_ms'))} ms "
                      f"({_x(r.get(f'speedup_{bd}'))})")
     err_b = "timing only" if r.get("baseline_timing_only") else _err(r.get("err_baseline"))
-    parts.append(f"err {base} {err_b} rewy {_err(r.get('err_rewy'))} -> {'PASS' if r.get('ok') else 'FAIL'}")
+    errs = f"err {base} {err_b} rewy {_err(r.get('err_rewy'))}"
+    if "bound_ok" in r:
+        errs += f"; bound err {base} {_err(r.get('bound_err_baseline'))} rewy {_err(r.get('bound_err_rewy'))}"
+    parts.append(f"{errs} -> {'PASS' if r.get('ok') else 'FAIL'}")
     return "; ".join(parts)
 
 

@@ -104,6 +104,13 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
         assert r["err_rewy"] < 1e-4 and r["err_rewy"] == max(r["err_rewy_per_grad"].values())
         assert r["err_baseline"] < 1e-6
         assert r["check_T"] == 64 and r["check_reduced"] is False
+        # KDA / GDN2 are checked a second time, on gates near the safe lower bound
+        if r["op"] in ("kda", "gdn2"):
+            assert r["bound_ok"] is True and r["bound_err_rewy"] < 1e-3 and r["bound_err_baseline"] < 1e-6
+            assert set(r["bound_err_rewy_per_grad"]) == set(r["err_rewy_per_grad"])
+        else:
+            assert not any(k.startswith("bound_") for k in r)
+    assert "safe lower bound" in data["settings"]["check"]
     assert len(data["geomean"]) == 4 * 2 * 2
     assert all(g["speedup"] > 0 and g["shapes"] == 1 for g in data["geomean"])
     # The tables can be printed again from the JSON alone (e.g. after a GPU run without matplotlib).
@@ -114,6 +121,7 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     code, _, _ = _bench(["--from-json", str(report), "--markdown", str(md)], capsys)
     text = md.read_text()
     assert code == 0 and text.count("#### ") == 8 and text.count("| geometric mean |") == 8
+    assert text.count("| bound err ref | bound err rewy |") == 4    # the KDA and GDN2 tables only
     assert data["device_name"] in text and f"rewy-hf {data['versions']['rewy-hf']}" in text
     r0 = rows[0]
     assert f"| {r0['B']},{r0['T']},{r0['H']}," in text and f"{r0['speedup_B']:.2f}x" in text
@@ -197,6 +205,43 @@ def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
     rows = {r["op"]: r for r in json.loads(report.read_text())["rows"]}
     assert rows["kda"]["ok"] is False and rows["kda"]["err_rewy"] == pytest.approx(0.07, rel=1e-3)
     assert rows["gdn"]["ok"] is True, "the fault is scoped to the kda op"
+
+
+def test_bound_gates_sit_near_the_safe_lower_bound():
+    from rewy_hf.bench_ops import LOWER_BOUND, make_inputs
+
+    for op in ("kda", "gdn2"):
+        inputs, _ = make_inputs(op, Shape(1, 256, 2, 16, 16), "cpu", torch.float32, seed=0, gates="bound")
+        g = inputs[3]
+        assert g.shape == (1, 256, 2, 16) and bool(((g > LOWER_BOUND) & (g < 0)).all())
+        assert g.mean().item() < 0.9 * LOWER_BOUND      # mostly saturated, not spread over (-5, 0)
+        logsig, _ = make_inputs(op, Shape(1, 256, 2, 16, 16), "cpu", torch.float32, seed=0)
+        assert logsig[3].mean().item() > -2.0
+    with pytest.raises(ValueError, match="kda, gdn2, not of gdn"):
+        make_inputs("gdn", Shape(1, 64, 1, 16, 16), "cpu", torch.float32, seed=0, gates="bound")
+
+
+def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypatch):
+    """A core wrong only under safe_gate (the lower-bound path) passes the log-sigmoid
+    check and must still fail the row."""
+    from rewy_hf import bench_ops
+
+    kda = bench_ops.REWY_OPS["kda"]
+
+    def wrong_with_safe_gate(*args, safe_gate=False, **kwargs):
+        o, ht = kda(*args, safe_gate=safe_gate, **kwargs)
+        if safe_gate:
+            o.register_hook(lambda grad: grad * 1.07)
+        return o, ht
+
+    monkeypatch.setitem(bench_ops.REWY_OPS, "kda", wrong_with_safe_gate)
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench([*TINY, "--op", "kda", "--policy", "full", "--boundary", "B", "--json", str(report)],
+                          capsys)
+    assert code == 1 and "FAIL" in out
+    (row,) = json.loads(report.read_text())["rows"]
+    assert row["err_rewy"] < 1e-4 and row["bound_ok"] is False and row["ok"] is False
+    assert row["bound_err_rewy"] == pytest.approx(0.07, rel=1e-3)
 
 
 def test_reduced_check_is_stated(tmp_path, capsys):
@@ -318,6 +363,8 @@ def test_gpu_op_level_against_fla(tmp_path, capsys):
     assert "forgotten before each shape" in data["settings"]["autotune"] and "\nautotune: Triton" in out
     for r in data["rows"]:
         assert r["ok"] and r["err_baseline"] is not None and r["err_rewy"] < 2e-2
+        if r["op"] in ("kda", "gdn2"):      # FLA with safe_gate=True on gates near its lower bound, too
+            assert r["bound_ok"] and r["bound_err_baseline"] is not None and r["bound_err_rewy"] < 2e-2
         assert r["baseline_peak_mb"] > 0 and r["rewy_peak_mb"] > 0
         assert all(r[f"{s}_{b}_ms"] > 0 for s in ("baseline", "rewy") for b in ("B", "FB"))
 
