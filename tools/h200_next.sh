@@ -24,6 +24,9 @@
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200-x2, carry [".whl"]):
+# Each op's first shape spends about 3.5 minutes compiling FLA's kernels on a fresh machine (ninth session). Set
+# SAVE_CACHE=1 on the first call: if the compiled cache fits (it prints its size if not), carry it in later calls
+# (see SAVE_CACHE at the end of this file) and their first shapes skip the compilation.
 # 0. The KDA / GDN2 bench with its new lower-bound gate check (every row checked on gates near -5 with
 #    safe_gate=True as well; FLA's safe_gate kernels compile on the first shape, allow a minute more):
 #   T_bench_kda=560 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
