@@ -167,9 +167,12 @@ fi
 # bench spends about 4 minutes per op on them) comes back in 15 MiB parts, when it fits beside the 15 MiB of wheels
 # in a call's 64 MiB carry. Here: mkdir -p .triton-cache && cp /work/.device/N/tritoncache.part* .triton-cache/,
 # then carry [".whl", ".triton-cache"]; h200_env.sh unpacks it.
+# Every file of the cache travels: on a hit, Triton (3.9 at least) treats a group with a missing file as a miss,
+# so leaving out the text IRs (most of the size) would need the __grp__ files rewritten too.
 if [ "${SAVE_CACHE:-0}" = 1 ] && [ -d ~/.triton/cache ]; then
   tar czf /tmp/tritoncache.tgz -C ~/.triton cache
   size=$(stat -c %s /tmp/tritoncache.tgz)
+  echo "Triton cache: $((size / 1048576)) MiB compressed ($(du -sh ~/.triton/cache | cut -f1) on disk)"
   if [ $size -le $((45 * 1024 * 1024)) ]; then split -b 15m -d /tmp/tritoncache.tgz $O/tritoncache.part
-  else echo "Triton cache is $((size / 1048576)) MiB compressed: too large to carry, not returned"; fi
+  else echo "too large to carry beside the wheels: not returned"; fi
 fi
