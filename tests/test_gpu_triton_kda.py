@@ -97,6 +97,45 @@ def test_kda_as_fla_kda_layer_calls_it(policy):
 
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gate_saturated_at_the_safe_lower_bound(op, policy):
+    """The gate a Kimi-style layer computes in the op with ``lower_bound=-5`` and
+    ``safe_gate=True``: -5 * sigmoid(exp(A_log) * (g + dt_bias)), here saturated (about
+    -4.8 to -5 per token), where the intra-chunk decays span the widest range that the
+    safe gate allows. Gradients of every input and of A_log, dt_bias against the fp32
+    torch backend, and no worse than FLA's own (within 10 %)."""
+    B, T, H, K, V = 2, 333, 2, 128, 128
+    args, kw = _inputs(op, B, T, H, K, V, seed=8)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    args[3] = 3.0 + torch.randn(B, T, H, K, device="cuda", generator=gen)          # raw gate input
+    params = [torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen)),
+              0.1 * torch.randn(H * K, device="cuda", generator=gen)]
+    ours_fn = rewy_hf.chunk_kda if op == "kda" else rewy_hf.chunk_gdn2
+    if op == "kda":
+        from fla.ops.kda import chunk_kda as fla_fn
+    else:
+        from fla.ops.gdn2 import chunk_gdn2 as fla_fn
+    gate_kw = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+    do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda")
+
+    def grads(fn, xs):
+        leaves = [x.detach().requires_grad_() for x in xs]
+        *inputs, A_log, dt_bias, h0 = leaves
+        o, ht = fn(*inputs, A_log=A_log, dt_bias=dt_bias, **gate_kw, **{**kw, "initial_state": h0})
+        return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves))
+
+    every = args + params + [kw["initial_state"]]
+    ref = grads(lambda *a, **k: ours_fn(*a, backend="torch", **k), [x.float() for x in every])
+    ours = grads(lambda *a, **k: ours_fn(*a, backend="triton", policy=policy, **k), every)
+    theirs = grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), every)
+    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+    # FLA's gradients near the reference too: rewy's gate is the one FLA computes
+    assert max(errs) < 2e-2 and max(fla_errs) < 2e-2, (errs, fla_errs)
+    assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_triton_packed_sequences(op, policy):
     """cu_seqlens (three sequences in one row, an initial state each) against the fp32
     torch backend and no worse than FLA's own packed backward (within 10 %). Its pass
