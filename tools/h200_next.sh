@@ -30,7 +30,8 @@
 # 0. The KDA / GDN2 bench with its new lower-bound gate check (every row checked on gates near -5 with
 #    safe_gate=True as well; FLA's safe_gate kernels compile on the first shape, allow a minute more):
 #   T_bench_kda=560 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-#   T_bench_kda=560 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
+#   T_bench_kda=560 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh pair "bench-kda:kda" \
+#       "bench-kda:gdn2 env:TESTS_K=saturated tests"      (the 4 new GPU tests of the gate at the safe lower bound)
 # 1. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time):
 #   T_gaps=340 bash tools/h200_next.sh pair "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+4,4096,16+--host-profile gaps" \
 #       "env:GAP_ARGS=--op+delta_rule+--policy+recompute+--shapes+4,4096,16+--host-profile gaps"
