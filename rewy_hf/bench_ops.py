@@ -262,8 +262,8 @@ def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) 
 
 
 def bound_check(ctx: "ShapeContext", policy: str, with_baseline: bool) -> dict:
-    """The lower-bound gate check of one KDA / GDN2 configuration, as ``bound_*`` row fields;
-    the row's ``ok`` becomes the conjunction of both checks."""
+    """The lower-bound gate check of one KDA / GDN2 configuration, as ``bound_*`` row fields
+    (the caller makes the row's ``ok`` the conjunction of both checks)."""
     s = ctx.s
     rewy = rewy_impl(ctx.op, s.backend, policy, safe_gate=True)
     base = None
@@ -315,6 +315,7 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     row.update(check(op, base, rewy, ctx.check_inputs, ctx.check_do, ctx.ref, s.device))
     if ctx.bound is not None and not row.get("rewy_error"):
         row.update(bound_check(ctx, policy, base is not None))
+        row["ok"] = bool(row["ok"] and row["bound_ok"])
     if row.get("rewy_error"):
         row["seconds"] = round(time.perf_counter() - t_start, 2)
         return row
@@ -351,8 +352,6 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
             free_memory(s.device)
     if row.get("rewy_error"):
         row["ok"] = False
-    if "bound_ok" in row:
-        row["ok"] = bool(row["ok"] and row["bound_ok"])
     if op == "gdn" and "#640" in (row.get("baseline_error") or row.get("baseline_check_error") or ""):
         row["baseline_hint"] = ("FLA refuses its GDN backward here (Hopper, triton < 3.7.1); rerun with "
                                 "--lift-gdn-guard to time it (timing only)")

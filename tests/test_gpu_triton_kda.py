@@ -29,11 +29,14 @@ def _inputs(op, B, T, H, K, V, seed=0):
     return [q, k, v, g, *extra], dict(initial_state=0.3 * r(B, H, K, V), output_final_state=True)
 
 
-def _grads(fn, args, kw, do, dht):
+def _grads(fn, args, kw, do, dht, params=None):
+    """Gradients of ``args``, of the keyword tensors ``params`` (e.g. A_log, dt_bias) and of
+    kw's initial state, in that order."""
     leaves = [a.detach().requires_grad_() for a in args]
+    named = {n: p.detach().requires_grad_() for n, p in (params or {}).items()}
     h0 = kw["initial_state"].detach().requires_grad_()
-    o, ht = fn(*leaves, **{**kw, "initial_state": h0})
-    return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + [h0]))
+    o, ht = fn(*leaves, **{**kw, **named, "initial_state": h0})
+    return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + list(named.values()) + [h0]))
 
 
 def _rel(x, ref):
@@ -73,22 +76,16 @@ def test_kda_as_fla_kda_layer_calls_it(policy):
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
     args = [r(B, T, H, K).bfloat16(), r(B, T, H, K).bfloat16(), r(B, T, HV, V).bfloat16(), r(B, T, HV, K),
             r(B, T, HV)]
-    params = [torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen)), 0.5 * r(HV * K)]
-    h0 = 0.3 * r(B, HV, V, K)
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-              state_v_first=True, output_final_state=True)
+    params = dict(A_log=torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen)),
+                  dt_bias=0.5 * r(HV * K))
+    kw = dict(initial_state=0.3 * r(B, HV, V, K), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, state_v_first=True, output_final_state=True)
     do, dht = torch.randn(B, T, HV, V, device="cuda"), torch.randn(B, HV, V, K, device="cuda")
-
-    def grads(fn, xs):
-        leaves = [x.detach().requires_grad_() for x in xs]
-        *inputs, A_log, dt_bias, s0 = leaves
-        o, ht = fn(*inputs, A_log=A_log, dt_bias=dt_bias, initial_state=s0, **kw)
-        return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves))
-
-    every = args + params + [h0]
-    ref = grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="torch", **k), [x.float() for x in every])
-    ours = grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="triton", policy=policy, **k), every)
-    theirs = grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), every)
+    ref = _grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="torch", **k), [a.float() for a in args], kw, do,
+                 dht, params)
+    ours = _grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="triton", policy=policy, **k), args, kw, do, dht,
+                  params)
+    theirs = _grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), args, kw, do, dht, params)
     errs = [_rel(x, r) for x, r in zip(ours, ref)]
     fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
     assert max(errs) < 2e-2, (errs, fla_errs)
@@ -107,26 +104,18 @@ def test_gate_saturated_at_the_safe_lower_bound(op, policy):
     args, kw = _inputs(op, B, T, H, K, V, seed=8)
     gen = torch.Generator(device="cuda").manual_seed(9)
     args[3] = 3.0 + torch.randn(B, T, H, K, device="cuda", generator=gen)          # raw gate input
-    params = [torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen)),
-              0.1 * torch.randn(H * K, device="cuda", generator=gen)]
+    params = dict(A_log=torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen)),
+                  dt_bias=0.1 * torch.randn(H * K, device="cuda", generator=gen))
+    kw.update(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
     ours_fn = rewy_hf.chunk_kda if op == "kda" else rewy_hf.chunk_gdn2
     if op == "kda":
         from fla.ops.kda import chunk_kda as fla_fn
     else:
         from fla.ops.gdn2 import chunk_gdn2 as fla_fn
-    gate_kw = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
     do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda")
-
-    def grads(fn, xs):
-        leaves = [x.detach().requires_grad_() for x in xs]
-        *inputs, A_log, dt_bias, h0 = leaves
-        o, ht = fn(*inputs, A_log=A_log, dt_bias=dt_bias, **gate_kw, **{**kw, "initial_state": h0})
-        return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves))
-
-    every = args + params + [kw["initial_state"]]
-    ref = grads(lambda *a, **k: ours_fn(*a, backend="torch", **k), [x.float() for x in every])
-    ours = grads(lambda *a, **k: ours_fn(*a, backend="triton", policy=policy, **k), every)
-    theirs = grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), every)
+    ref = _grads(lambda *a, **k: ours_fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht, params)
+    ours = _grads(lambda *a, **k: ours_fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht, params)
+    theirs = _grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), args, kw, do, dht, params)
     errs = [_rel(x, r) for x, r in zip(ours, ref)]
     fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
     # FLA's gradients near the reference too: rewy's gate is the one FLA computes
