@@ -19,13 +19,19 @@ from rewy_hf.kernels.triton_blocks import key_block
 
 pytestmark = pytest.mark.gpu
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_configs.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    """A benchmark script of this repository, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _kernel_configs():
-    spec = importlib.util.spec_from_file_location("kernel_configs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("kernel_configs")
     module.DEVICE = "cuda"
     return module
 
@@ -68,10 +74,7 @@ def test_each_sequence_split_config_matches_fla():
     from rewy_hf.kernels import triton_state_scan as S
 
     KC = _kernel_configs()
-    spec = importlib.util.spec_from_file_location(
-        "state_scan_timing", SCRIPT.parent / "state_scan_timing.py")
-    timing = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timing)
+    timing = _script("state_scan_timing")
     x = timing.inputs("kda", 1, 2048, 2)
     ref = chunk_gated_delta_rule_bwd_dhu(q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"], gk=x["gk"],
                                          h0=x["h0"], dht=x["dht"], scale=x["scale"], chunk_size=64)

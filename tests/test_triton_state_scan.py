@@ -77,15 +77,16 @@ def test_forward_and_backward_match_torch_states(kind, T, K, V, NS, with_h0):
 
 @pytest.mark.parametrize("BV", [32, 64])
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_each_column_block_width(monkeypatch, kind, BV):
+def test_each_column_block_width(kind, BV):
     """K = V = 128, both state row halves, with each column width the autotuner may pick
     (the interpreter otherwise runs only the first config)."""
     import triton
 
+    from rewy_hf.cpu_triton import only_config
     from rewy_hf.kernels import triton_state_scan as S
 
-    monkeypatch.setattr(S._segment_kernel, "configs", [triton.Config({"BV": BV}, num_warps=4, num_stages=2)])
-    _check_against_torch(kind, 256, 128, 128, 3, True)
+    with only_config(S._segment_kernel, triton.Config({"BV": BV}, num_warps=4, num_stages=2)):
+        _check_against_torch(kind, 256, 128, 128, 3, True)
 
 
 def _check_against_torch(kind, T, K, V, NS, with_h0):
