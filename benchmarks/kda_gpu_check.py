@@ -347,13 +347,11 @@ def main() -> int:
         for key_, cfg in getattr(tuner, "cache", {}).items():
             log(f"    key {key_}: {cfg}")
     # FLA's reverse state recurrence, which both sides run: its pick varies between processes
-    from fla.ops.common import chunk_delta_h
+    from rewy_hf.autotune_picks import autotuners
 
-    from rewy_hf.autotune_picks import autotuner_of
-
-    for name_ in dir(chunk_delta_h):
-        tuner = autotuner_of(getattr(chunk_delta_h, name_))
-        if name_.startswith("chunk_gated_delta_rule_bwd_kernel") and tuner is not None and tuner.cache:
+    for tuner in autotuners(("fla.ops.common.chunk_delta_h",)):
+        name_ = tuner.fn.__name__
+        if name_.startswith("chunk_gated_delta_rule_bwd_kernel"):
             for key_, cfg in tuner.cache.items():
                 log(f"  FLA {name_} key {key_}: {cfg}")
     log(f"total {elapsed():.0f}s")
