@@ -142,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ops(args, device: str, guard: dict) -> int:
-    from .bench_config import BOUNDARIES, OPS, POLICIES, expand, resolve_shapes
+    from .bench_config import BOUND_CHECK, BOUNDARIES, OPS, POLICIES, expand, resolve_shapes
     from .autotune_picks import forget_picks
-    from .bench_ops import (BOUND_CHECK, Settings, ShapeContext, baseline_description, baseline_label,
+    from .bench_ops import (Settings, ShapeContext, baseline_description, baseline_label,
                             free_memory, load_kernel_modules, run_config)
     from .bench_output import (environment, format_op_tables, format_row_line, geomeans, plot_op_speedups,
                                progress, writer)

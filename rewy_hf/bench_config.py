@@ -17,6 +17,14 @@ BOUNDARIES = ("B", "FB")
 # The name each op has in rewy's dispatch report and in REWY_HF_TEST_FAULT=...@<op>.
 DISPATCH_NAME = {"delta_rule": "delta_rule", "gdn": "gated_delta_rule", "kda": "kda", "gdn2": "gdn2"}
 
+# The second gradient check of the vector-gated ops: g = LOWER_BOUND * sigmoid(x + 3),
+# inside (-5, 0) and mostly near -4.8 per token, as a layer with use_gate_in_kernel
+# and lower_bound = -5 (FLA's safe_gate range) produces when its gate saturates.
+BOUND_OPS = ("kda", "gdn2")
+LOWER_BOUND = -5.0
+BOUND_CHECK = (f"KDA and GDN2 also on gates near FLA's safe lower bound ({LOWER_BOUND:g} * sigmoid(x + 3), "
+               "safe_gate=True on both sides); a row passes when both checks do")
+
 # The CPU comparison runs a token-by-token reference recurrence as its
 # baseline; at the GPU suite's sizes one call would take minutes, so CPU runs
 # default to this small shape instead (and say so).

@@ -9,15 +9,23 @@ configurations.
 Files from different devices, library versions or timing settings are
 refused, since their rows could not share a table, and so is a configuration
 timed twice, since the report could only silently pick one.
+
+The lower-bound gate check (BOUND_CHECK) only concerns KDA and GDN2 rows. A
+DeltaNet or GDN run from before that check existed held its rows to the same
+check as a run after it, so the two combine; KDA or GDN2 rows with and without
+the second check do not.
 """
 
 from __future__ import annotations
 
 import json
 
+from .bench_config import BOUND_CHECK, BOUND_OPS
+
 # Settings that must agree for rows of different files to be compared.
-_SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "check", "timing",
-         "autotune")
+# "check" is compared by _merged_check.
+_SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "timing", "autotune")
+_BOUND_CLAUSE = "; " + BOUND_CHECK
 
 
 class MergeError(ValueError):
@@ -53,7 +61,8 @@ def merge_runs(paths: list[str]) -> dict:
             if run["settings"].get(key) != first["settings"].get(key):
                 raise MergeError(f"--from-json: {path} was timed with a different {key} than {paths[0]}: "
                                  f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}")
-    merged = {**first, "settings": dict(first["settings"]), "rows": [], "sources": list(paths)}
+    merged = {**first, "settings": {**first["settings"], "check": _merged_check(paths, runs)}, "rows": [],
+              "sources": list(paths)}
     ops: list[str] = []
     for path, run in zip(paths, runs):
         merged["rows"] += [{**r, "source": path} for r in run["rows"]]
@@ -68,6 +77,26 @@ def merge_runs(paths: list[str]) -> dict:
         merged["complete"] = _covers_requests(runs, merged["rows"])
         merged["exit_code"] = 0 if merged["complete"] and merged["ok"] else 1
     return merged
+
+
+def _merged_check(paths: list[str], runs: list[dict]) -> str:
+    """The check every row of the combined report was held to, or MergeError."""
+    texts = [run["settings"].get("check", "") for run in runs]
+    mains = [t.removesuffix(_BOUND_CLAUSE) for t in texts]
+    for path, main in zip(paths[1:], mains[1:]):
+        if main != mains[0]:
+            raise MergeError(f"--from-json: {path} was checked differently than {paths[0]}: {main!r} vs {mains[0]!r}")
+    bound = [(path, text.endswith(_BOUND_CLAUSE)) for path, text, run in zip(paths, texts, runs)
+             if any(r["op"] in BOUND_OPS for r in run["rows"])]
+    if any(has != bound[0][1] for _, has in bound):
+        without = next(path for path, has in bound if not has)
+        with_ = next(path for path, has in bound if has)
+        raise MergeError(f"--from-json: the KDA / GDN2 rows of {without} were not checked on gates near the safe "
+                         f"lower bound, those of {with_} were; combine runs of one rewy-hf version, or rerun "
+                         f"{without}'s configurations")
+    if bound:
+        return mains[0] + (_BOUND_CLAUSE if bound[0][1] else "")
+    return texts[0]
 
 
 def _key(row: dict) -> tuple:

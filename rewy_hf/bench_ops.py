@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .bench_config import DISPATCH_NAME, Shape, check_T
+from .bench_config import BOUND_OPS, DISPATCH_NAME, LOWER_BOUND, Shape, check_T
 from .bench_timing import describe, free_memory, leaves, measure, peak_mb, runner
 from .reference_cores import fla_reference
 from .testing import apply_grad_fault
@@ -51,13 +51,6 @@ REL_MARGIN = 1.1
 FLOOR = {"cuda": 1e-5, "cpu": 1e-4}
 UNTRUSTED_TOL = 1e-2
 
-# The second gradient check of the vector-gated ops: g = LOWER_BOUND * sigmoid(x + 3),
-# inside (-5, 0) and mostly near -4.8 per token, as a layer with use_gate_in_kernel
-# and lower_bound = -5 (FLA's safe_gate range) produces when its gate saturates.
-BOUND_OPS = ("kda", "gdn2")
-LOWER_BOUND = -5.0
-BOUND_CHECK = (f"KDA and GDN2 also on gates near FLA's safe lower bound ({LOWER_BOUND:g} * sigmoid(x + 3), "
-               "safe_gate=True on both sides); a row passes when both checks do")
 
 
 @dataclass

@@ -147,6 +147,42 @@ def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
     assert code == 2 and "different device_name" in err and str(files[1]) in err
 
 
+def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tmp_path, capsys):
+    """The lower-bound check concerns KDA / GDN2 rows only: a DeltaNet run written before it
+    existed (its check text has no such clause) combines with a KDA run that has it, while
+    KDA rows with and without the second check, or runs checked differently, are refused."""
+    from rewy_hf.bench_config import BOUND_CHECK
+
+    paths = {op: tmp_path / f"{op}.json" for op in ("delta_rule", "kda", "gdn2")}
+    for op, path in paths.items():
+        assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
+
+    def older(op):      # the file as a rewy-hf without the second check wrote it
+        data = json.loads(paths[op].read_text())
+        assert data["settings"]["check"].endswith("; " + BOUND_CHECK)
+        data["settings"]["check"] = data["settings"]["check"].removesuffix("; " + BOUND_CHECK)
+        for row in data["rows"]:
+            for key in [k for k in row if k.startswith("bound_")]:
+                del row[key]
+        old = tmp_path / f"old_{op}.json"
+        old.write_text(json.dumps(data))
+        return str(old)
+
+    md = tmp_path / "merged.md"
+    code, out, _ = _bench(["--from-json", older("delta_rule"), str(paths["kda"]), "--markdown", str(md)], capsys)
+    assert code == 0 and "delta_rule, rewy policy full" in out and "kda, rewy policy full" in out
+    assert BOUND_CHECK in md.read_text() and "bound err" in md.read_text()
+    code, _, err = _bench(["--from-json", older("kda"), str(paths["gdn2"])], capsys)
+    assert code == 2 and "not checked on gates near the safe lower bound" in err and "old_kda.json" in err
+    code, _, err = _bench(["--from-json", older("kda"), older("gdn2")], capsys)
+    assert code == 0, err
+    changed = json.loads(paths["gdn2"].read_text())
+    changed["settings"]["check"] = changed["settings"]["check"].replace("relative", "absolute")
+    paths["gdn2"].write_text(json.dumps(changed))
+    code, _, err = _bench(["--from-json", str(paths["kda"]), str(paths["gdn2"])], capsys)
+    assert code == 2 and "checked differently" in err
+
+
 def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
     """FLA runs GDN through FlashQLA when flash-qla is installed: a GPU run's tables must
     not call that baseline plain FLA (the run's versions say which it was)."""
@@ -208,7 +244,8 @@ def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
 
 
 def test_bound_gates_sit_near_the_safe_lower_bound():
-    from rewy_hf.bench_ops import LOWER_BOUND, make_inputs
+    from rewy_hf.bench_config import LOWER_BOUND
+    from rewy_hf.bench_ops import make_inputs
 
     for op in ("kda", "gdn2"):
         inputs, _ = make_inputs(op, Shape(1, 256, 2, 16, 16), "cpu", torch.float32, seed=0, gates="bound")
