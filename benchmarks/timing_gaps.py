@@ -29,6 +29,12 @@ found DeltaNet and GDN at H = 16 about as long on the host as on the GPU.
 sides run, under each of its autotune configs. Its autotune key has neither B
 nor T, so a process keeps the config tuned at the first shape it sees.
 
+``--state-widths`` times both of FLA's sequential state recurrences (fwd_h
+and bwd_dhu) under FLA's own launch and under rewy's launch of the same
+kernels at each value-block width (kernels/state_launch.py, BV 64, 32, 16),
+per-key (KDA) and per-head (GDN) gates, outputs checked against FLA's launch;
+it names the width that REWY_HF_STATE_BLOCK_V=programs picks at each shape.
+
     python -P benchmarks/timing_gaps.py --op kda --policy full --shapes 2,8192,16 1,16384,16 --sides rewy fla
 """
 
@@ -120,6 +126,49 @@ def dhu_configs(shapes) -> None:
               + f" ... slowest {times[order[-1]]:.3f}", flush=True)
 
 
+def state_widths(shapes) -> None:
+    import os
+
+    import triton.testing
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from state_scan_timing import inputs, rel     # this folder is on sys.path when the script runs
+
+    from rewy_hf.autotune_picks import forget_picks
+    from rewy_hf.kernels import state_launch
+
+    widths = ("fla", *map(str, state_launch.WIDTHS))
+    print("state recurrences, K = V = 128, ms per call, fwd_h / bwd_dhu; rewy's launch of FLA's kernels at each "
+          "BV (worst relative error of its outputs against FLA's launch)", flush=True)
+    saved = os.environ.get(state_launch.STATE_BLOCK_V_ENV)
+    try:
+        for kind in ("kda", "gdn"):
+            for text in shapes:
+                B, T, H = (int(v) for v in text.split(","))
+                forget_picks()
+                x = inputs(kind, B, T, H)
+                fwd = lambda: state_launch.fwd_h(      # noqa: E731
+                    chunk_gated_delta_rule_fwd_h, k=x["k"], w=x["w"], u=x["u"], g=x["g"], gk=x["gk"],
+                    initial_state=x["h0"], output_final_state=True)
+                bwd = lambda: state_launch.bwd_dhu(    # noqa: E731
+                    chunk_gated_delta_rule_bwd_dhu, q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"], g=x["g"],
+                    gk=x["gk"], h0=x["h0"], dht=x["dht"], scale=x["scale"])
+                cells, ref = [], None
+                for width in widths:
+                    os.environ[state_launch.STATE_BLOCK_V_ENV] = width
+                    outs = [*fwd(), *bwd()]
+                    ref = ref or outs
+                    err = max(rel(a, b) for a, b in zip(outs, ref))
+                    ms = [float(triton.testing.do_bench(fn, rep=100, return_mode="median")) for fn in (fwd, bwd)]
+                    cells.append(f"{width}: {ms[0]:.3f} / {ms[1]:.3f}" + ("" if width == "fla" else f" ({err:.0e})"))
+                pick = state_launch.block_v(B, H, 128)
+                print(f"  {kind} ({text}): " + ", ".join(cells) + f"; programs picks {pick}", flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop(state_launch.STATE_BLOCK_V_ENV, None)
+        else:
+            os.environ[state_launch.STATE_BLOCK_V_ENV] = saved
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="kda", choices=["delta_rule", "gdn", "kda", "gdn2"])
@@ -127,11 +176,16 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=["2,8192,16", "1,16384,16"], metavar="B,T,H")
     p.add_argument("--sides", nargs="+", default=["rewy", "fla"], choices=["rewy", "fla"])
     p.add_argument("--dhu-configs", action="store_true", help="time FLA's bwd_dhu under each of its configs")
+    p.add_argument("--state-widths", action="store_true",
+                   help="time FLA's fwd_h / bwd_dhu under FLA's launch and rewy's at each value-block width")
     p.add_argument("--host-profile", action="store_true",
                    help="also list the Python functions that take the host's time per backward (cProfile)")
     a = p.parse_args(argv)
     if a.dhu_configs:
         dhu_configs(a.shapes)
+        return 0
+    if a.state_widths:
+        state_widths(a.shapes)
         return 0
 
     import torch

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import state_launch
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -46,7 +47,8 @@ def _states(f, ns, k, w, u, g2, h0, pk, final: bool):
     """h, v_new, final state: split along the sequence when ns > 1, else FLA's sequential kernel."""
     if ns > 1:
         return state_forward(k, w, u, g2, h0, ns)
-    return f["fwd_h"](k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=final, chunk_size=64, **pk)
+    return state_launch.fwd_h(f["fwd_h"], k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=final,
+                              chunk_size=64, **pk)
 
 
 def fold_gva(dq, dk, key_heads: int):
@@ -96,8 +98,8 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         if ns > 1:
             dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
         else:
-            dh, dh0, dv2 = f["bwd_dhu"](q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0, dht=dht, scale=scale,
-                                        chunk_size=64, **pk)
+            dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
+                                                dht=dht, scale=scale, chunk_size=64, **pk)
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)

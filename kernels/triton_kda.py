@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from . import state_launch
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn import RCP_LN2, fold_gva
 from .triton_kda_bwd import rewy_kda_bwd
@@ -76,8 +77,8 @@ def _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final: bool):
     """h, v_new, final state: split along the sequence when ns > 1, else FLA's sequential kernel."""
     if ns > 1:
         return state_forward(kg, w, u, None, h0, ns, gk=g2)
-    return f["fwd_h"](k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=final, chunk_size=CHUNK,
-                      state_v_first=state_v_first, cu_seqlens=cu, chunk_indices=ci)
+    return state_launch.fwd_h(f["fwd_h"], k=kg, w=w, u=u, gk=g2, initial_state=h0, output_final_state=final,
+                              chunk_size=CHUNK, state_v_first=state_v_first, cu_seqlens=cu, chunk_indices=ci)
 
 
 class ReWYTritonKDAFunction(torch.autograd.Function):
@@ -122,9 +123,9 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         if ns > 1:      # the sequence-parallel recurrences (opt-in, see triton_state_scan.py)
             dh, dh0, dv2 = state_backward(qg, kg, w, do, dv_local, None, dht, scale, ns, gk=g2)
         else:
-            dh, dh0, dv2 = f["bwd_dhu"](q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0, dht=dht, scale=scale,
-                                        state_v_first=state_v_first, cu_seqlens=cu, chunk_size=CHUNK,
-                                        chunk_indices=ci)
+            dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0,
+                                                dht=dht, scale=scale, state_v_first=state_v_first, cu_seqlens=cu,
+                                                chunk_size=CHUNK, chunk_indices=ci)
         # Without GVA the kernel writes dq, dk (and GDN2's db) in the input dtypes: no conversion pass after it.
         dq, dk, dv, dg, db, dw = rewy_kda_bwd(q, k, v, v_new, g2, beta, Akk, h, dh, do, dv2, dAqk, scale,
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,

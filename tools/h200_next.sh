@@ -23,19 +23,25 @@
 #                                        # against FlashQLA (FLA dispatches GDN to it once it imports)
 # Two GPUs: bash tools/h200_next.sh pair "verify bench-gdn" "kda bench-kda"  (one queue per GPU)
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
-# Next calls (nvidia-h200-x2, carry [".whl"]):
-# Each op's first shape spends about 3.5 minutes compiling FLA's kernels on a fresh machine (ninth session). Set
-# SAVE_CACHE=1 on the first call: if the compiled cache fits (it prints its size if not), carry it in later calls
-# (see SAVE_CACHE at the end of this file) and their first shapes skip the compilation.
-# 0. The KDA / GDN2 bench with its new lower-bound gate check (every row checked on gates near -5 with
-#    safe_gate=True as well; FLA's safe_gate kernels compile on the first shape, allow a minute more):
-#   T_bench_kda=560 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh pair "bench-kda:kda" "bench-kda:gdn2"
-#   T_bench_kda=560 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh pair "bench-kda:kda" \
-#       "bench-kda:gdn2 env:TESTS_K=saturated tests"      (the 4 new GPU tests of the gate at the safe lower bound)
-# 1. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time):
-#   T_gaps=340 bash tools/h200_next.sh pair "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+4,4096,16+--host-profile gaps" \
-#       "env:GAP_ARGS=--op+delta_rule+--policy+recompute+--shapes+4,4096,16+--host-profile gaps"
-# 2. The model-level steps with the current kernels: pair "model-qwen" "model-gdn2"; then gdn2-1b (the recipe run).
+# Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
+# chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
+# 0. The value-block width of FLA's state recurrences (kernels/state_launch.py, REWY_HF_STATE_BLOCK_V): its GPU
+#    tests (every width against FLA's launch; the ops' gradients with the rule on), then each width timed at the
+#    six shapes, KDA and GDN gates:
+#   T_tests=240 T_gaps=300 bash tools/h200_next.sh "env:TESTS_K=state_launch" tests \
+#       "env:GAP_ARGS=--state-widths+--shapes+8,2048,16+4,4096,16+2,8192,16+1,16384,16+4,4096,32+1,32768,32" gaps
+# 1. If BV 16 wins at (1, 16384, 16): the KDA bench with the rule on (both sides in one process; FLA's side is not
+#    affected by the variable), H = 16 then H = 32 (tenth session: 397 s and 179 + 479 s for KDA + GDN2):
+#   T_bench_kda=560 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh \
+#       "env:REWY_HF_STATE_BLOCK_V=programs" "bench-kda:kda"
+#   then SHAPES_KDA="4,4096,32 1,32768,32" the same; then GDN recompute (bench-gdn:gdn), where the recurrences
+#   run twice per backward.
+# 2. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time):
+#   T_gaps=340 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+4,4096,16+--host-profile gaps"
+# 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the tenth session (one H200): the KDA / GDN2 bench at all six shapes with the lower-bound gate check
+#   (bench-kda:kda and bench-kda:gdn2 with SHAPES_KDA set to the H = 16 shapes, then (4,4096,32), then
+#   (1,32768,32)), TESTS_K=saturated (4 passed) and TESTS_K="triton_kda or launch_configs" (25 passed).
 # Done in the ninth session: the six-shape bench of all four ops with per-shape autotune picks (three pair calls:
 #   bench-kda:kda / bench-kda:gdn2 with SHAPES_KDA set to the H = 16 shapes, then the H = 32 shapes; then
 #   bench-gdn:delta_rule / bench-gdn:gdn; 333, 263 and 480 s), and timing_gaps.py for GDN / DeltaNet recompute.
@@ -57,7 +63,7 @@ tests)
   # --timeout: one slow or stuck test fails alone and prints where it was, instead of the whole run being killed
   (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 150 ${TESTS_K:+-k "$TESTS_K"} \
       test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
-      test_gpu_launch_configs.py \
+      test_gpu_launch_configs.py test_gpu_state_launch.py \
       test_bench_command.py > $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
 stages)

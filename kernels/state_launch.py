@@ -1,0 +1,144 @@
+"""FLA's sequential state recurrences, launched with a value-block width chosen per call.
+
+FLA 0.6.0's ``chunk_gated_delta_rule_fwd_h`` and ``..._bwd_dhu`` run one
+program per (sequence, value head, block of BV value columns); each walks its
+sequence's chunks one after another. So the number of programs,
+N x HV x V / BV, is all the parallelism these two stages have. FLA's
+autotuner chooses BV among 64 and 32, keyed on heads and head dims only: the
+pick made at a process's first shape stays at every later batch size and
+sequence length, and with few sequences x heads even BV 32 leaves most of an
+H200's 132 SMs idle (64 programs at (1, 16384, 16)).
+
+``block_v`` chooses BV from the programs it gives instead: the widest of 64,
+32 and 16 that gives at least MIN_PROGRAMS programs, else 16. On the H200 this
+gives the width of the best of FLA's ``bwd_dhu`` configs at each of the six
+bench shapes (docs/performance.md, "the weak shapes were FLA's autotune
+pick"), and BV 16 where 32 gives fewer than 128 programs, a width FLA does
+not try. The kernels are FLA's own
+(imported, not copied); only the launch is here. num_warps and num_stages
+stay autotuned over FLA's own values, keyed on FLA's key plus BV.
+
+Opt-in through REWY_HF_STATE_BLOCK_V until timed on the H200: ``fla`` (the
+default) calls FLA's launch functions unchanged, ``programs`` uses
+``block_v``, and 16, 32 or 64 force that width (for timing each).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+STATE_BLOCK_V_ENV = "REWY_HF_STATE_BLOCK_V"
+WIDTHS = (64, 32, 16)
+# About one program per SM of an H200 (132): below that the sequential walk is the whole stage's time.
+MIN_PROGRAMS = 128
+
+# Built at first use (FLA is imported lazily); module-level so that
+# rewy_hf.autotune_picks finds them and the bench can forget their picks.
+_fwd_h_kernel = None
+_bwd_dhu_kernel = None
+
+
+def block_v(sequences: int, value_heads: int, V: int) -> int:
+    """The value-block width for N = ``sequences`` x HV = ``value_heads`` programs per block."""
+    for bv in WIDTHS:
+        if sequences * value_heads * triton.cdiv(V, bv) >= MIN_PROGRAMS:
+            return bv
+    return WIDTHS[-1]
+
+
+def state_block_v(sequences: int, value_heads: int, V: int) -> int | None:
+    """The width REWY_HF_STATE_BLOCK_V asks for at this shape; None: FLA's own launch."""
+    mode = os.environ.get(STATE_BLOCK_V_ENV, "fla").strip().lower()
+    if mode in ("", "fla"):
+        return None
+    if mode == "programs":
+        return block_v(sequences, value_heads, V)
+    if mode.isdigit() and int(mode) in WIDTHS:
+        return int(mode)
+    raise ValueError(f"{STATE_BLOCK_V_ENV}={mode!r} is not understood; use fla (FLA's launch, the default), "
+                     f"programs (the width from the program count) or one of {', '.join(map(str, WIDTHS))}")
+
+
+def _retuned(fla_kernel, key: list[str]):
+    """FLA's kernel (heuristics around its autotuner around the jit function) with an
+    autotuner of our own: FLA's (num_warps, num_stages) pairs, BV left to the caller."""
+    tuner = fla_kernel.fn
+    pairs = sorted({(c.num_warps, c.num_stages) for c in tuner.configs})
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
+    return triton.heuristics(fla_kernel.values)(triton.autotune(configs=configs, key=key)(tuner.fn))
+
+
+def _kernels():
+    global _fwd_h_kernel, _bwd_dhu_kernel
+    if _fwd_h_kernel is None:
+        from fla.ops.common import chunk_delta_h as fla
+
+        _fwd_h_kernel = _retuned(fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
+                                 ["H", "HV", "K", "V", "BT", "BV", "STATE_V_FIRST"])
+        _bwd_dhu_kernel = _retuned(fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64,
+                                   ["H", "HV", "K", "V", "BT", "BV", "USE_G", "STATE_V_FIRST"])
+    return _fwd_h_kernel, _bwd_dhu_kernel
+
+
+def _chunks(T: int, cu_seqlens, chunk_size: int, chunk_indices):
+    """(chunks per row of the state tensors, first chunk of each sequence): packed
+    sequences count their chunks one sequence at a time, as FLA does."""
+    if cu_seqlens is None:
+        return triton.cdiv(T, chunk_size), None
+    from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
+
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    return len(chunk_indices), prepare_chunk_offsets(cu_seqlens, chunk_size)
+
+
+def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_state=False, chunk_size=64,
+          state_v_first=False, cu_seqlens=None, chunk_indices=None):
+    """h, v_new, final state: FLA's ``chunk_gated_delta_rule_fwd_h`` (``fla_fwd_h``), or
+    its kernel at the width REWY_HF_STATE_BLOCK_V asks for."""
+    B, T, HV, V = u.shape
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    bv = state_block_v(N, HV, V)
+    if bv is None:
+        return fla_fwd_h(k=k, w=w, u=u, g=g, gk=gk, initial_state=initial_state,
+                         output_final_state=output_final_state, chunk_size=chunk_size, state_v_first=state_v_first,
+                         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    K = k.shape[-1]
+    NT, offsets = _chunks(T, cu_seqlens, chunk_size, chunk_indices)
+    state = (V, K) if state_v_first else (K, V)
+    h = k.new_empty(B, NT, HV, *state)
+    ht = k.new_zeros(N, HV, *state, dtype=torch.float32) if output_final_state else None
+    v_new = torch.empty_like(u)
+    kernel, _ = _kernels()
+    kernel[(triton.cdiv(V, bv) * N * HV,)](
+        k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets, T=T, H=k.shape[2], HV=HV, K=K, V=V, BT=chunk_size, BV=bv,
+        STATE_V_FIRST=state_v_first)
+    return h, v_new, ht
+
+
+def bwd_dhu(fla_bwd_dhu, q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=None, state_v_first=False,
+            cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """dh, dh0, dv2: FLA's ``chunk_gated_delta_rule_bwd_dhu`` (``fla_bwd_dhu``), or its
+    kernel at the width REWY_HF_STATE_BLOCK_V asks for."""
+    B, T, HV, V = do.shape
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    bv = state_block_v(N, HV, V)
+    if bv is None:
+        return fla_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, h0=h0, dht=dht, scale=scale,
+                           state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                           chunk_indices=chunk_indices)
+    K = q.shape[-1]
+    NT, offsets = _chunks(T, cu_seqlens, chunk_size, chunk_indices)
+    dh = q.new_empty(B, NT, HV, *((V, K) if state_v_first else (K, V)))
+    dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
+    dv2 = torch.empty_like(dv)
+    _, kernel = _kernels()
+    kernel[(triton.cdiv(V, bv) * N * HV,)](
+        q=q, k=k, w=w, g=g, gk=gk, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets, scale=scale, T=T, H=q.shape[2], HV=HV, K=K, V=V, BT=chunk_size, BV=bv,
+        STATE_V_FIRST=state_v_first)
+    return dh, dh0, dv2
