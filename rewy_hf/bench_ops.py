@@ -52,7 +52,6 @@ FLOOR = {"cuda": 1e-5, "cpu": 1e-4}
 UNTRUSTED_TOL = 1e-2
 
 
-
 @dataclass
 class Settings:
     device: str

@@ -36,8 +36,11 @@
 #       "env:REWY_HF_STATE_BLOCK_V=programs" "bench-kda:kda"
 #   then SHAPES_KDA="4,4096,32 1,32768,32" the same; then GDN recompute (bench-gdn:gdn), where the recurrences
 #   run twice per backward.
-# 2. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time):
-#   T_gaps=340 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+4,4096,16+--host-profile gaps"
+# 2. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time),
+#    with FLA's launch of the recurrences and with rewy's (REWY_HF_STATE_BLOCK_V=32, the same width at this shape,
+#    skips FLA's Python wrappers: on this CPU, with launches stubbed, 0.37-0.42 against 0.44-0.59 ms per backward):
+#   T_gaps=170 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+--host-profile" gaps \
+#       "env:REWY_HF_STATE_BLOCK_V=32" gaps
 # 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
 # Done in the tenth session (one H200): the KDA / GDN2 bench at all six shapes with the lower-bound gate check
 #   (bench-kda:kda and bench-kda:gdn2 with SHAPES_KDA set to the H = 16 shapes, then (4,4096,32), then
@@ -99,7 +102,9 @@ scan)
   tail -n 60 $O/state_scan.log ;;
 gaps)
   # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time and kernel sum
-  timeout $(lim gaps 200) python3 benchmarks/timing_gaps.py $GAP_ARGS > $O/gaps${CUDA_VISIBLE_DEVICES}.log 2>&1
+  # appends, so that runs in one queue under different env: settings share the log (each under its own header)
+  echo "== timing_gaps.py $GAP_ARGS (REWY_HF_STATE_BLOCK_V=${REWY_HF_STATE_BLOCK_V:-fla})" >> $O/gaps${CUDA_VISIBLE_DEVICES}.log
+  timeout $(lim gaps 200) python3 benchmarks/timing_gaps.py $GAP_ARGS >> $O/gaps${CUDA_VISIBLE_DEVICES}.log 2>&1
   tail -n 20 $O/gaps${CUDA_VISIBLE_DEVICES}.log ;;
 ncu)
   # Nsight Compute on one launch of each of rewy's backward kernels at (2, 8192, 16): throughput, occupancy, stall
