@@ -14,9 +14,9 @@ H200's 132 SMs idle (64 programs at (1, 16384, 16)).
 gives the width of the best of FLA's ``bwd_dhu`` configs at each of the six
 bench shapes (docs/performance.md, "the weak shapes were FLA's autotune
 pick"), and BV 16 where 32 gives fewer than 128 programs, a width FLA does
-not try. The kernels are FLA's own
-(imported, not copied); only the launch is here. num_warps and num_stages
-stay autotuned over FLA's own values, keyed on FLA's key plus BV.
+not try. The kernels are FLA's own (imported, not copied); only the launch
+is here. num_warps and num_stages stay autotuned over FLA's own values,
+keyed on FLA's key plus BV and the gate kind.
 
 Opt-in through REWY_HF_STATE_BLOCK_V until timed on the H200: ``fla`` (the
 default) calls FLA's launch functions unchanged, ``programs`` uses
@@ -77,9 +77,9 @@ def _kernels():
         from fla.ops.common import chunk_delta_h as fla
 
         _fwd_h_kernel = _retuned(fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
-                                 ["H", "HV", "K", "V", "BT", "BV", "STATE_V_FIRST"])
+                                 ["H", "HV", "K", "V", "BT", "BV", "USE_G", "USE_GK", "STATE_V_FIRST"])
         _bwd_dhu_kernel = _retuned(fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64,
-                                   ["H", "HV", "K", "V", "BT", "BV", "USE_G", "STATE_V_FIRST"])
+                                   ["H", "HV", "K", "V", "BT", "BV", "USE_G", "USE_GK", "STATE_V_FIRST"])
     return _fwd_h_kernel, _bwd_dhu_kernel
 
 
