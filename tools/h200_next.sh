@@ -38,7 +38,8 @@
 #   run twice per backward.
 # 2. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time),
 #    with FLA's launch of the recurrences and with rewy's (REWY_HF_STATE_BLOCK_V=32, the same width at this shape,
-#    skips FLA's Python wrappers: on this CPU, with launches stubbed, 0.37-0.42 against 0.44-0.59 ms per backward):
+#    skips FLA's Python wrappers; benchmarks/host_time_stubbed.py on the 2-core CPU, launches stubbed, least of 7 x 300
+#    calls, three alternating runs: rewy 0.44-0.51 ms per backward, 0.35-0.53 with that switch, FLA's op 0.57-0.62):
 #   T_gaps=170 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+--host-profile" gaps \
 #       "env:REWY_HF_STATE_BLOCK_V=32" gaps
 # 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
