@@ -36,7 +36,8 @@ WIDTHS = (64, 32, 16)
 MIN_PROGRAMS = 128
 
 # Built at first use (FLA is imported lazily); module-level so that
-# rewy_hf.autotune_picks finds them and the bench can forget their picks.
+# rewy_hf.autotune_picks finds them and the bench can forget their picks
+# (the bench builds them before its first shape: rewy_hf.bench_ops.load_kernel_modules).
 _fwd_h_kernel = None
 _bwd_dhu_kernel = None
 
@@ -71,7 +72,8 @@ def _retuned(fla_kernel, key: list[str]):
     return triton.heuristics(fla_kernel.values)(triton.autotune(configs=configs, key=key)(tuner.fn))
 
 
-def _kernels():
+def relaunched_kernels():
+    """rewy's (fwd_h, bwd_dhu) kernel objects, built on first use (needs FLA)."""
     global _fwd_h_kernel, _bwd_dhu_kernel
     if _fwd_h_kernel is None:
         from fla.ops.common import chunk_delta_h as fla
@@ -112,7 +114,7 @@ def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_
     h = k.new_empty(B, NT, HV, *state)
     ht = k.new_zeros(N, HV, *state, dtype=torch.float32) if output_final_state else None
     v_new = torch.empty_like(u)
-    kernel, _ = _kernels()
+    kernel, _ = relaunched_kernels()
     kernel[(triton.cdiv(V, bv) * N * HV,)](
         k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens,
         chunk_offsets=offsets, T=T, H=k.shape[2], HV=HV, K=K, V=V, BT=chunk_size, BV=bv,
@@ -136,7 +138,7 @@ def bwd_dhu(fla_bwd_dhu, q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, sc
     dh = q.new_empty(B, NT, HV, *((V, K) if state_v_first else (K, V)))
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(dv)
-    _, kernel = _kernels()
+    _, kernel = relaunched_kernels()
     kernel[(triton.cdiv(V, bv) * N * HV,)](
         q=q, k=k, w=w, g=g, gk=gk, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, cu_seqlens=cu_seqlens,
         chunk_offsets=offsets, scale=scale, T=T, H=q.shape[2], HV=HV, K=K, V=V, BT=chunk_size, BV=bv,

@@ -164,6 +164,12 @@ def load_kernel_modules(ops) -> None:
             pass
     for name in ("triton_gdn", "triton_gdn_bwd", "triton_kda", "triton_kda_bwd", "triton_state_scan"):
         importlib.import_module(f"rewy_hf.kernels.{name}")
+    from .kernels import state_launch
+
+    try:
+        state_launch.relaunched_kernels()   # built lazily, as they wrap FLA's; REWY_HF_STATE_BLOCK_V runs them
+    except ImportError:
+        pass
 
 
 def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> Impl:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from rewy_hf.autotune_picks import autotuners, forget_picks
+from rewy_hf.autotune_picks import autotuner_of, autotuners, forget_picks
 from rewy_hf.cli import build_parser
 
 
@@ -70,3 +70,8 @@ def test_bench_loads_every_kernel_module_before_the_first_shape():
     assert "rewy_hf.kernels.triton_state_scan" in sys.modules
     names = {getattr(t.fn, "__name__", "") for t in autotuners()}
     assert "rewy_gdn_bwd_local_kernel" in names and "chunk_gdn2_bwd_kernel_intra" in names
+    # rewy's relaunch of FLA's state recurrences (built lazily) is there from the first shape on too
+    from rewy_hf.kernels import state_launch
+
+    found = {id(t) for t in autotuners()}
+    assert all(id(autotuner_of(k)) in found for k in (state_launch._fwd_h_kernel, state_launch._bwd_dhu_kernel))

@@ -78,7 +78,7 @@ def test_the_kernels_are_flas_under_an_autotuner_of_rewys(monkeypatch):
 
     from rewy_hf.autotune_picks import autotuner_of, autotuners
 
-    fwd, bwd = state_launch._kernels()
+    fwd, bwd = state_launch.relaunched_kernels()
     for ours, theirs in ((fwd, fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64),
                          (bwd, fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64)):
         assert ours.values.keys() == theirs.values.keys()
