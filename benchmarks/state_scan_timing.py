@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import triton
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def shape_arg(text: str) -> tuple[int, int, int]:
+    """argparse type of a B,T,H shape (also timing_gaps.py's)."""
     B, T, H = (int(x) for x in text.split(","))
     return B, T, H
 
@@ -74,7 +75,7 @@ def phase_times(fn) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", nargs="+", default=["kda", "gdn"], choices=["kda", "gdn"])
-    p.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 16384, 16), (2, 8192, 16), (1, 32768, 32)])
+    p.add_argument("--shapes", nargs="+", type=shape_arg, default=[(1, 16384, 16), (2, 8192, 16), (1, 32768, 32)])
     p.add_argument("--segments", nargs="+", default=["auto", "4", "8", "16"],
                    help="segment counts to time; auto = the count triton_state_scan.segments_for picks")
     args = p.parse_args()

@@ -35,7 +35,10 @@ kernels at each value-block width (kernels/state_launch.py, BV 64, 32, 16),
 per-key (KDA) and per-head (GDN) gates, outputs checked against FLA's launch;
 it names the width that REWY_HF_STATE_BLOCK_V=programs picks at each shape.
 
-    python -P benchmarks/timing_gaps.py --op kda --policy full --shapes 2,8192,16 1,16384,16 --sides rewy fla
+    python benchmarks/timing_gaps.py --op kda --policy full --shapes 2,8192,16 1,16384,16 --sides rewy fla
+
+(without -P: the script imports its neighbours in benchmarks/, which Python puts on
+sys.path as the script's folder; the repository root, with its kernels/, is not.)
 """
 
 from __future__ import annotations
@@ -111,8 +114,8 @@ def dhu_configs(shapes) -> None:
     configs = list(tuner.configs)
     print(f"FLA bwd_dhu, per-key gates, K = V = 128: ms per call under each of its {len(configs)} configs",
           flush=True)
-    for text in shapes:
-        B, T, H = (int(x) for x in text.split(","))
+    for B, T, H in shapes:
+        text = f"{B},{T},{H}"
         fla_bwd_dhu = sides(inputs("kda", B, T, H), 1)["backward"][0]
         times = []
         for cfg in configs:
@@ -142,8 +145,8 @@ def state_widths(shapes) -> None:
     saved = os.environ.get(state_launch.STATE_BLOCK_V_ENV)
     try:
         for kind in ("kda", "gdn"):
-            for text in shapes:
-                B, T, H = (int(v) for v in text.split(","))
+            for B, T, H in shapes:
+                text = f"{B},{T},{H}"
                 forget_picks()
                 x = inputs(kind, B, T, H)
                 fwd = lambda: state_launch.fwd_h(      # noqa: E731
@@ -171,10 +174,12 @@ def state_widths(shapes) -> None:
 
 
 def main(argv=None) -> int:
+    from state_scan_timing import shape_arg     # this folder is on sys.path when the script runs
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="kda", choices=["delta_rule", "gdn", "kda", "gdn2"])
     p.add_argument("--policy", default="full", choices=["recompute", "full"])
-    p.add_argument("--shapes", nargs="+", default=["2,8192,16", "1,16384,16"], metavar="B,T,H")
+    p.add_argument("--shapes", nargs="+", type=shape_arg, default=[(2, 8192, 16), (1, 16384, 16)], metavar="B,T,H")
     p.add_argument("--sides", nargs="+", default=["rewy", "fla"], choices=["rewy", "fla"])
     p.add_argument("--dhu-configs", action="store_true", help="time FLA's bwd_dhu under each of its configs")
     p.add_argument("--state-widths", action="store_true",
@@ -199,8 +204,8 @@ def main(argv=None) -> int:
     guard = lift_gdn_guard() if a.op == "gdn" else {}
     print(f"{torch.cuda.get_device_name()}  op {a.op}  policy {a.policy}  (ms per backward)", flush=True)
     print(f"{'shape':>14s} {'side':5s} {'bench':>7s} {'chained':>8s} {'cpu':>7s} {'kernels':>8s}", flush=True)
-    for text in a.shapes:
-        B, T, H = (int(x) for x in text.split(","))
+    for B, T, H in a.shapes:
+        text = f"{B},{T},{H}"
         forget_picks()      # as the bench does: each shape runs the configs tuned at it
         inputs, do = make_inputs(a.op, Shape(B, T, H, 128, 128), "cuda", torch.bfloat16, seed=0)
         for side in a.sides:
