@@ -11,7 +11,11 @@ The numbers compare the two sides on one machine; they are not the H200
 host's times.
 
     python -P benchmarks/host_time_stubbed.py --side rewy --policy recompute
-    REWY_HF_STATE_BLOCK_V=32 python -P benchmarks/host_time_stubbed.py --side rewy
+    REWY_HF_STATE_BLOCK_V=fla python -P benchmarks/host_time_stubbed.py --side rewy
+
+(at this script's one sequence x one head, rewy's default launches FLA's state
+recurrences itself, at BV 16, as at (1, 16384, 16); ``fla`` goes through FLA's
+launch functions, as at the other bench shapes)
     python -P benchmarks/host_time_stubbed.py --side fla
 """
 

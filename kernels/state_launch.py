@@ -4,23 +4,25 @@ FLA 0.6.0's ``chunk_gated_delta_rule_fwd_h`` and ``..._bwd_dhu`` run one
 program per (sequence, value head, block of BV value columns); each walks its
 sequence's chunks one after another. So the number of programs,
 N x HV x V / BV, is all the parallelism these two stages have. FLA's
-autotuner chooses BV among 64 and 32, keyed on heads and head dims only: the
-pick made at a process's first shape stays at every later batch size and
-sequence length, and with few sequences x heads even BV 32 leaves most of an
-H200's 132 SMs idle (64 programs at (1, 16384, 16)).
+autotuner chooses BV among 64 and 32; with few sequences x heads even BV 32
+leaves most of an H200's 132 SMs idle (64 programs at (1, 16384, 16)).
 
-``block_v`` chooses BV from the programs it gives instead: the widest of 64,
-32 and 16 that gives at least MIN_PROGRAMS programs, else 16. On the H200 this
-gives the width of the best of FLA's ``bwd_dhu`` configs at each of the six
-bench shapes (docs/performance.md, "the weak shapes were FLA's autotune
-pick"), and BV 16 where 32 gives fewer than 128 programs, a width FLA does
-not try. The kernels are FLA's own (imported, not copied); only the launch
-is here. num_warps and num_stages stay autotuned over FLA's own values,
-keyed on FLA's key plus BV and the gate kind.
+``narrow_block_v`` adds the width FLA does not try: BV 16 where BV 32 gives
+fewer than MIN_PROGRAMS programs (and 16 gives more). Everywhere else FLA's
+own launch runs, unchanged. Timed on the H200 at the six bench shapes
+(eleventh session, ``benchmarks/timing_gaps.py --state-widths``), this is the
+fastest width at all six, for KDA and GDN gates: at (1, 16384, 16) BV 16 takes
+0.349 / 0.363 ms (KDA ``fwd_h`` / ``bwd_dhu``) against FLA's 0.400 / 0.372,
+and 0.249 / 0.426 against 0.299 / 0.539 (GDN); where 32 already gives 128
+programs, 16 was slower (e.g. 0.892 / 1.116 against 0.840 / 0.849 ms, KDA at
+(1, 32768, 32)), and BV 64 for GDN's ``bwd_dhu`` slower than FLA's pick of 32.
 
-Opt-in through REWY_HF_STATE_BLOCK_V until timed on the H200: ``fla`` (the
-default) calls FLA's launch functions unchanged, ``programs`` uses
-``block_v``, and 16, 32 or 64 force that width (for timing each).
+The kernels are FLA's own (imported, not copied); only the launch is here.
+num_warps and num_stages stay autotuned over FLA's own values, keyed on
+FLA's key plus BV and the gate kind.
+
+REWY_HF_STATE_BLOCK_V: ``auto`` (the default, the rule above), ``fla``
+(FLA's launch everywhere), or 16, 32 or 64 to force a width (for timing each).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton
 
 STATE_BLOCK_V_ENV = "REWY_HF_STATE_BLOCK_V"
 WIDTHS = (64, 32, 16)
+NARROW = 16
 # About one program per SM of an H200 (132): below that the sequential walk is the whole stage's time.
 MIN_PROGRAMS = 128
 
@@ -42,25 +45,27 @@ _fwd_h_kernel = None
 _bwd_dhu_kernel = None
 
 
-def block_v(sequences: int, value_heads: int, V: int) -> int:
-    """The value-block width for N = ``sequences`` x HV = ``value_heads`` programs per block."""
-    for bv in WIDTHS:
-        if sequences * value_heads * triton.cdiv(V, bv) >= MIN_PROGRAMS:
-            return bv
-    return WIDTHS[-1]
+def narrow_block_v(sequences: int, value_heads: int, V: int) -> int | None:
+    """16 where FLA's narrowest width (32) leaves fewer than MIN_PROGRAMS programs for
+    N = ``sequences`` x HV = ``value_heads`` and 16 gives more; None (FLA's launch) elsewhere."""
+    programs_32 = sequences * value_heads * triton.cdiv(V, 32)
+    if programs_32 < MIN_PROGRAMS and triton.cdiv(V, NARROW) > triton.cdiv(V, 32):
+        return NARROW
+    return None
 
 
 def state_block_v(sequences: int, value_heads: int, V: int) -> int | None:
     """The width REWY_HF_STATE_BLOCK_V asks for at this shape; None: FLA's own launch."""
-    mode = os.environ.get(STATE_BLOCK_V_ENV, "fla").strip().lower()
-    if mode in ("", "fla"):
+    mode = os.environ.get(STATE_BLOCK_V_ENV, "auto").strip().lower()
+    if mode in ("", "auto"):
+        return narrow_block_v(sequences, value_heads, V)
+    if mode == "fla":
         return None
-    if mode == "programs":
-        return block_v(sequences, value_heads, V)
     if mode.isdigit() and int(mode) in WIDTHS:
         return int(mode)
-    raise ValueError(f"{STATE_BLOCK_V_ENV}={mode!r} is not understood; use fla (FLA's launch, the default), "
-                     f"programs (the width from the program count) or one of {', '.join(map(str, WIDTHS))}")
+    raise ValueError(f"{STATE_BLOCK_V_ENV}={mode!r} is not understood; use auto (the default: BV 16 where FLA's "
+                     f"widths leave most SMs idle), fla (FLA's launch everywhere) or one of "
+                     f"{', '.join(map(str, WIDTHS))} to force a width")
 
 
 def _retuned(fla_kernel, key: list[str]):
@@ -85,7 +90,7 @@ def relaunched_kernels():
     return _fwd_h_kernel, _bwd_dhu_kernel
 
 
-def _chunks(T: int, cu_seqlens, chunk_size: int, chunk_indices):
+def chunks_of(T: int, cu_seqlens, chunk_size: int, chunk_indices):
     """(chunks per row of the state tensors, first chunk of each sequence): packed
     sequences count their chunks one sequence at a time, as FLA does."""
     if cu_seqlens is None:
@@ -109,7 +114,7 @@ def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_
                          output_final_state=output_final_state, chunk_size=chunk_size, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     K = k.shape[-1]
-    NT, offsets = _chunks(T, cu_seqlens, chunk_size, chunk_indices)
+    NT, offsets = chunks_of(T, cu_seqlens, chunk_size, chunk_indices)
     state = (V, K) if state_v_first else (K, V)
     h = k.new_empty(B, NT, HV, *state)
     ht = k.new_zeros(N, HV, *state, dtype=torch.float32) if output_final_state else None
@@ -134,7 +139,7 @@ def bwd_dhu(fla_bwd_dhu, q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, sc
                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                            chunk_indices=chunk_indices)
     K = q.shape[-1]
-    NT, offsets = _chunks(T, cu_seqlens, chunk_size, chunk_indices)
+    NT, offsets = chunks_of(T, cu_seqlens, chunk_size, chunk_indices)
     dh = q.new_empty(B, NT, HV, *((V, K) if state_v_first else (K, V)))
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(dv)

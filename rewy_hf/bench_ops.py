@@ -167,7 +167,7 @@ def load_kernel_modules(ops) -> None:
     from .kernels import state_launch
 
     try:
-        state_launch.relaunched_kernels()   # built lazily, as they wrap FLA's; REWY_HF_STATE_BLOCK_V runs them
+        state_launch.relaunched_kernels()   # built lazily, as they wrap FLA's; they run where B x H is small
     except ImportError:
         pass
 

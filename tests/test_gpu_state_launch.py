@@ -4,7 +4,7 @@ kernels/state_launch.py runs FLA's own fwd_h and bwd_dhu kernels with a BV that 
 autotuner may not pick (16 is not among FLA's widths). Each width computes the same
 products per value column, so every output must match FLA's own launch to float
 rounding (the bf16 outputs to a few units in their last place where the accumulation
-order differs), and the ops' gradients with the width rule switched on must stay as
+order differs), and the ops' gradients with the width rule (on by default) must stay as
 close to the fp32 reference as with FLA's launch."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_the_width_rule_keeps_the_ops_gradients(monkeypatch, op):
     backward) at a shape where the rule picks BV 16: gradients against the fp32 torch
     backend no worse than with FLA's launch (within 10 %, plus a small floor)."""
     B, T, H, K, V = 1, 1000, 2, 128, 128
-    assert state_launch.block_v(B, H, V) == 16
+    assert state_launch.narrow_block_v(B, H, V) == 16
     gen = torch.Generator(device="cuda").manual_seed(11)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)    # noqa: E731
     q, k, v = r(B, T, H, K).bfloat16(), F.normalize(r(B, T, H, K), dim=-1).bfloat16(), r(B, T, H, V).bfloat16()
@@ -95,7 +95,7 @@ def test_the_width_rule_keeps_the_ops_gradients(monkeypatch, op):
     ref = grads([a.float() for a in args], backend="torch")
     monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "fla")
     with_fla = grads(args, backend="triton", policy="recompute")
-    monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "programs")
+    monkeypatch.delenv(state_launch.STATE_BLOCK_V_ENV)     # the default: the rule
     with_rule = grads(args, backend="triton", policy="recompute")
     errs = [_rel(x, y) for x, y in zip(with_rule, ref)]
     fla_errs = [_rel(x, y) for x, y in zip(with_fla, ref)]

@@ -8,50 +8,54 @@ from __future__ import annotations
 import pytest
 
 from rewy_hf.kernels import state_launch
-from rewy_hf.kernels.state_launch import STATE_BLOCK_V_ENV, block_v, state_block_v
+from rewy_hf.kernels.state_launch import STATE_BLOCK_V_ENV, narrow_block_v, state_block_v
 
-# (sequences, value heads) of the six bench shapes, and the BV of the fastest of FLA's
-# 12 bwd_dhu configs there on the H200 (docs/performance.md, eighth session's
-# --dhu-configs run); (1, 16384, 16) had 32 among FLA's widths and takes 16 here.
-MEASURED = [((8, 16), 64), ((4, 16), 64), ((2, 16), 32), ((4, 32), 64), ((1, 32), 32)]
+# (sequences, value heads) of the six bench shapes, V = 128, and the width that was fastest
+# there on the H200 for both fwd_h and bwd_dhu, KDA and GDN gates (eleventh session,
+# timing_gaps.py --state-widths; None: FLA's own launch was the fastest or tied with it).
+MEASURED = [((8, 16), None), ((4, 16), None), ((2, 16), None), ((1, 16), 16), ((4, 32), None), ((1, 32), None)]
 
 
 @pytest.mark.parametrize("shape, width", MEASURED)
 def test_the_width_rule_gives_the_measured_best_width(shape, width):
-    assert block_v(*shape, 128) == width
+    assert narrow_block_v(*shape, 128) == width
 
 
-def test_the_width_rule_keeps_enough_programs_and_the_widest_block():
+def test_the_width_rule_narrows_only_where_flas_widths_leave_sms_idle():
     for n in (1, 2, 3, 5, 8, 16):
         for hv in (1, 4, 16, 32, 64):
-            for V in (64, 128, 256):
-                bv = block_v(n, hv, V)
-                programs = n * hv * -(-V // bv)
-                wider = [w for w in state_launch.WIDTHS if w > bv]
-                # enough programs, or the narrowest width; and no wider width that would have given enough
-                assert programs >= state_launch.MIN_PROGRAMS or bv == min(state_launch.WIDTHS)
-                assert all(n * hv * -(-V // w) < state_launch.MIN_PROGRAMS for w in wider)
-    assert block_v(1, 16, 128) == 16
+            for V in (8, 16, 24, 64, 128, 256):
+                bv = narrow_block_v(n, hv, V)
+                programs_32 = n * hv * -(-V // 32)
+                gains = n * hv * -(-V // 16) > programs_32
+                # BV 16 exactly where 32 gives fewer than 128 programs and 16 gives more
+                assert (bv == 16) == (programs_32 < state_launch.MIN_PROGRAMS and gains)
+                assert bv in (None, 16)
 
 
-def test_the_switch_is_off_by_default_and_names_its_values(monkeypatch):
+def test_the_rule_is_on_by_default_and_the_switch_names_its_values(monkeypatch):
     monkeypatch.delenv(STATE_BLOCK_V_ENV, raising=False)
-    assert state_block_v(1, 16, 128) is None
+    assert state_block_v(1, 16, 128) == 16 and state_block_v(8, 16, 128) is None
+    monkeypatch.setenv(STATE_BLOCK_V_ENV, "auto")
+    assert state_block_v(1, 16, 128) == 16 and state_block_v(1, 32, 128) is None
     monkeypatch.setenv(STATE_BLOCK_V_ENV, "fla")
     assert state_block_v(1, 16, 128) is None
-    monkeypatch.setenv(STATE_BLOCK_V_ENV, "programs")
-    assert state_block_v(1, 16, 128) == 16 and state_block_v(8, 16, 128) == 64
     monkeypatch.setenv(STATE_BLOCK_V_ENV, " 32 ")
     assert state_block_v(8, 16, 128) == 32
-    for bad in ("48", "auto", "-16"):
+    for bad in ("48", "programs", "-16"):
         monkeypatch.setenv(STATE_BLOCK_V_ENV, bad)
-        with pytest.raises(ValueError, match=f"{STATE_BLOCK_V_ENV}=.*programs"):
+        with pytest.raises(ValueError, match=f"{STATE_BLOCK_V_ENV}=.*auto.*fla"):
             state_block_v(1, 16, 128)
 
 
-def test_by_default_flas_launch_runs_unchanged(monkeypatch):
-    """Off (the default), rewy calls FLA's own launch functions with every argument as given."""
-    monkeypatch.delenv(STATE_BLOCK_V_ENV, raising=False)
+@pytest.mark.parametrize("mode", [None, "fla"])
+def test_where_the_rule_does_not_narrow_flas_launch_runs_unchanged(monkeypatch, mode):
+    """Where BV 32 gives enough programs (by default) or with REWY_HF_STATE_BLOCK_V=fla, rewy calls
+    FLA's own launch functions with every argument as given."""
+    if mode is None:
+        monkeypatch.delenv(STATE_BLOCK_V_ENV, raising=False)
+    else:
+        monkeypatch.setenv(STATE_BLOCK_V_ENV, mode)
     import torch
 
     calls = []
