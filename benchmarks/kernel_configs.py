@@ -140,7 +140,7 @@ def stage(name: str, B, T, H, K, V, impl=None):
     KI, GI = impl or (KB, G)
     if name.endswith("intra"):
         x = inputs(name.split("-")[0], B, T, H, K, V)
-        dq, dk, dG, dv, dw, db, dL, _ = KB.rewy_kda_bwd_wy(**x)
+        dq, dk, dG, dv, dw, db, dL = KB.rewy_kda_bwd_wy(**x)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         dAqk = (0.1 * torch.randn(B, T, H, 64, device=DEVICE, generator=gen)).contiguous()
         args = dict(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=dAqk, dL=dL, dq=dq, dk=dk, dG=dG, db_part=db)

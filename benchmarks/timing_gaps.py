@@ -24,10 +24,6 @@ the host's time while it issues a backward (cProfile over 20 calls without
 a synchronize, top entries by own time, ms per backward). The ninth session
 found DeltaNet and GDN at H = 16 about as long on the host as on the GPU.
 
-``--local-dv fla fused`` times rewy's side once per REWY_HF_LOCAL_DV setting:
-FLA's local dv and ``bwd_dhu`` against rewy's reverse recurrence with the
-local dv inside (kernels/triton_dhu_local.py), in the same process.
-
 ``--dhu-configs`` instead times FLA's reverse state recurrence
 (``chunk_gated_delta_rule_bwd_dhu``, per-key gates as KDA calls it), which both
 sides run, under each of its autotune configs. Its autotune key has neither B
@@ -49,7 +45,6 @@ sys.path as the script's folder; the repository root, with its kernels/, is not.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -136,6 +131,8 @@ def dhu_configs(shapes) -> None:
 
 
 def state_widths(shapes) -> None:
+    import os
+
     import triton.testing
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from state_scan_timing import inputs, rel     # this folder is on sys.path when the script runs
@@ -188,8 +185,6 @@ def main(argv=None) -> int:
     p.add_argument("--dhu-configs", action="store_true", help="time FLA's bwd_dhu under each of its configs")
     p.add_argument("--state-widths", action="store_true",
                    help="time FLA's fwd_h / bwd_dhu under FLA's launch and rewy's at each value-block width")
-    p.add_argument("--local-dv", nargs="+", choices=["fused", "fla"], default=None,
-                   help="time rewy's side once per REWY_HF_LOCAL_DV setting (A/B of kernels/triton_dhu_local.py)")
     p.add_argument("--host-profile", action="store_true",
                    help="also list the Python functions that take the host's time per backward (cProfile)")
     a = p.parse_args(argv)
@@ -206,26 +201,20 @@ def main(argv=None) -> int:
     from rewy_hf.bench_config import Shape
     from rewy_hf.bench_ops import fla_impl, lift_gdn_guard, make_inputs, rewy_impl
     from rewy_hf.bench_timing import runner
-    from rewy_hf.kernels.triton_dhu_local import LOCAL_DV_ENV
 
     guard = lift_gdn_guard() if a.op == "gdn" else {}
     print(f"{torch.cuda.get_device_name()}  op {a.op}  policy {a.policy}  (ms per backward)", flush=True)
-    print(f"{'shape':>14s} {'side':11s} {'bench':>7s} {'chained':>8s} {'cpu':>7s} {'kernels':>8s}", flush=True)
+    print(f"{'shape':>14s} {'side':5s} {'bench':>7s} {'chained':>8s} {'cpu':>7s} {'kernels':>8s}", flush=True)
     for B, T, H in a.shapes:
         text = f"{B},{T},{H}"
         forget_picks()      # as the bench does: each shape runs the configs tuned at it
         inputs, do = make_inputs(a.op, Shape(B, T, H, 128, 128), "cuda", torch.bfloat16, seed=0)
-        runs = [(side, None) for side in a.sides if side == "fla" or not a.local_dv]
-        runs += [("rewy", mode) for mode in (a.local_dv or []) if "rewy" in a.sides]
-        for side, mode in runs:
-            if mode is not None:
-                os.environ[LOCAL_DV_ENV] = mode
+        for side in a.sides:
             impl = rewy_impl(a.op, "triton", a.policy) if side == "rewy" else fla_impl(a.op, a.policy, guard)
             run = runner("B", impl.fn, inputs, do)
             m = measure(run)
-            label = side if mode is None else f"{side}/{mode}"
-            print(f"{text:>14s} {label:11s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} "
-                  f"{m['kernels']:8.3f}", flush=True)
+            print(f"{text:>14s} {side:5s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} {m['kernels']:8.3f}",
+                  flush=True)
             if a.host_profile:
                 print("\n".join(host_profile(run)), flush=True)
             torch.cuda.empty_cache()

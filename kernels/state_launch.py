@@ -10,8 +10,8 @@ leaves most of an H200's 132 SMs idle (64 programs at (1, 16384, 16)).
 ``narrow_block_v`` adds the width FLA does not try: BV 16 where BV 32 gives
 fewer than MIN_PROGRAMS programs (and 16 gives more). Everywhere else FLA's
 own launch runs, unchanged. Timed on the H200 at the six bench shapes
-(eleventh session, ``benchmarks/timing_gaps.py --state-widths``), this is the
-fastest width at all six, for KDA and GDN gates: at (1, 16384, 16) BV 16 takes
+(eleventh session, ``benchmarks/timing_gaps.py --state-widths``), the rule picks the
+fastest launch (or one tied with it) at all six, KDA and GDN gates: at (1, 16384, 16) BV 16 takes
 0.349 / 0.363 ms (KDA ``fwd_h`` / ``bwd_dhu``) against FLA's 0.400 / 0.372,
 and 0.249 / 0.426 against 0.299 / 0.539 (GDN); where 32 already gives 128
 programs, 16 was slower (e.g. 0.892 / 1.116 against 0.840 / 0.849 ms, KDA at

@@ -26,7 +26,6 @@ import torch
 from . import state_launch
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
-from .triton_dhu_local import rewy_dhu_local, use_fused_local_dv
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
@@ -94,17 +93,13 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         else:
             w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2, **pk)
             h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
+        dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
-        if use_fused_local_dv(q.shape[-1], ns):
-            # FLA's separate local-dv pass folded into rewy's reverse recurrence (triton_dhu_local.py)
-            dh, dh0, dv2 = rewy_dhu_local(q, k, w, do, g=g2, h0=h0, dht=dht, scale=scale, **pk)
+        if ns > 1:
+            dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
         else:
-            dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
-            if ns > 1:
-                dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
-            else:
-                dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
-                                                    dht=dht, scale=scale, chunk_size=64, **pk)
+            dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
+                                                dht=dht, scale=scale, chunk_size=64, **pk)
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)

@@ -37,7 +37,6 @@ from . import state_launch
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn import RCP_LN2, fold_gva
 from .triton_kda_bwd import rewy_kda_bwd
-from .triton_dhu_local import rewy_dhu_local, use_fused_local_dv
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 CHUNK = 64
@@ -118,21 +117,15 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         else:
             w, u, qg, kg = _recompute(f, kind, q, k, v, g2, beta, w_gate, Akk, cu, ci)
             h, v_new, _ = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final=False)
+        dAqk, dv_local = f["dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
+                                  chunk_size=CHUNK, chunk_indices=ci)
         dht = None if dht is None else dht.contiguous()
-        if use_fused_local_dv(q.shape[-1], ns):
-            # the local dv inside rewy's reverse recurrence; dAqk then comes from the WY kernel (dAqk=None)
-            dAqk = None
-            dh, dh0, dv2 = rewy_dhu_local(qg, kg, w, do, gk=g2, A=Aqk, h0=h0, dht=dht, scale=scale,
-                                          state_v_first=state_v_first, cu_seqlens=cu, chunk_indices=ci)
+        if ns > 1:      # the sequence-parallel recurrences (opt-in, see triton_state_scan.py)
+            dh, dh0, dv2 = state_backward(qg, kg, w, do, dv_local, None, dht, scale, ns, gk=g2)
         else:
-            dAqk, dv_local = f["dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
-                                      chunk_size=CHUNK, chunk_indices=ci)
-            if ns > 1:      # the sequence-parallel recurrences (opt-in, see triton_state_scan.py)
-                dh, dh0, dv2 = state_backward(qg, kg, w, do, dv_local, None, dht, scale, ns, gk=g2)
-            else:
-                dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2,
-                                                    h0=h0, dht=dht, scale=scale, state_v_first=state_v_first,
-                                                    cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=ci)
+            dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0,
+                                                dht=dht, scale=scale, state_v_first=state_v_first, cu_seqlens=cu,
+                                                chunk_size=CHUNK, chunk_indices=ci)
         # Without GVA the kernel writes dq, dk (and GDN2's db) in the input dtypes: no conversion pass after it.
         dq, dk, dv, dg, db, dw = rewy_kda_bwd(q, k, v, v_new, g2, beta, Akk, h, dh, do, dv2, dAqk, scale,
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,

@@ -160,7 +160,7 @@ def _dot_prec(a, b, acc, NARROW: tl.constexpr, PREC: tl.constexpr):
     # may be listed here. Every config listed was rerun on the same inputs and matched bit for bit.
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
              for bv, nw, ns in ((128, 4, 1), (64, 4, 1), (64, 8, 3))],
-    key=["SIZE", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST", "DAQK"],
+    key=["SIZE", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
     # (64, 4 warps) is miscompiled with key blocks narrower than 64: see _wy_config_ok
     prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: [
         c for c in configs if _wy_config_ok(nargs["BK"] if "BK" in nargs else kw["BK"], c)]},
@@ -168,12 +168,12 @@ def _dot_prec(a, b, acc, NARROW: tl.constexpr, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "SIZE"])
 def rewy_kda_bwd_wy_kernel(
     q, k, v, v_new, g, beta, wg, A, h, dh, do, dv2,
-    dq, dk, dv, dG, db, dw, dL, dAqk,
+    dq, dk, dv, dG, db, dw, dL,
     cu_seqlens, chunk_indices, scale, T, SIZE,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, WPREC: tl.constexpr,
-    FULL_T: tl.constexpr, DAQK: tl.constexpr,
+    FULL_T: tl.constexpr,
 ):
     # The NK + 1 programs of one chunk are adjacent in launch order, so the chunk's tiles that several of
     # them read (dVn, dO, Vn, A, q, k, g) come from L2 for all but the first.
@@ -201,7 +201,6 @@ def rewy_kda_bwd_wy_kernel(
     dv += row_hv * V
     A += row_hv * BT
     dL += row_hv * BT
-    dAqk += row_hv * BT
     g += row_hv * K
     dq += row_hv * K
     dk += row_hv * K
@@ -294,12 +293,8 @@ def rewy_kda_bwd_wy_kernel(
         tl.store(dG + off_k, b_dG.to(dG.dtype.element_ty), mask=m_tk)
     else:
         # ---- value side: dY = A^T dVn, dv, the write-gate gradient, dL = -dY Vn^T ----
-        # (DAQK: also dAqk = scale dO Vn^T on the causal triangle, when the local dv ran inside the
-        # reverse state recurrence, triton_dhu_local.py, instead of FLA's dAv kernel)
         b_AT = tl.load(A + o_r[None, :] * (HV * BT) + o_r[:, None], mask=m_AT, other=0.0)
         b_dL = tl.zeros([BT, BT], dtype=tl.float32)
-        if DAQK:
-            b_dA = tl.zeros([BT, BT], dtype=tl.float32)
         b_dbv = tl.zeros([BT], dtype=tl.float32)
         if not VEC:
             b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
@@ -322,12 +317,6 @@ def rewy_kda_bwd_wy_kernel(
                 b_dL += tl.dot(b_dy.to(b_vn.dtype), tl.trans(b_vn))
             else:
                 b_dL += tl.dot(b_dy, tl.trans(b_vn.to(tl.float32)), input_precision=WPREC)
-            if DAQK:
-                b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
-                b_dA += tl.dot(b_do, tl.trans(b_vn))
-        if DAQK:
-            b_dA = tl.where((o_r[:, None] >= o_r[None, :]) & m_AT, b_dA * scale, 0.0)
-            tl.store(dAqk + o_r[:, None] * (HV * BT) + o_r[None, :], b_dA, mask=m_t[:, None])
         m_L = (o_r[:, None] > o_r[None, :]) & m_AT
         b_dL = tl.where(m_L, -b_dL, 0.0)
         tl.store(dL + o_r[:, None] * (HV * BT) + o_r[None, :], b_dL.to(dL.dtype.element_ty), mask=m_t[:, None])
@@ -545,8 +534,7 @@ def _varlen(cu_seqlens, chunk_indices, T: int, B: int):
 
 
 def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_gate=None,
-                    state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None,
-                    with_dAqk: bool = False):
+                    state_v_first: bool = False, cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
     """Stage 1 (see module docstring). Shapes: q, k [B, T, H, K]; v, v_new, do,
     dv2 [B, T, HV, V]; g (log2 chunk cumsum) [B, T, HV, K]; beta [B, T, HV]
     (KDA) or the erase gate b [B, T, HV, K] with ``w_gate`` [B, T, HV, V]
@@ -575,17 +563,15 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     dw = _alloc((B, T, HV, V), dev, w_gate.dtype) if vec else None
     db = _alloc((B, T, HV, K), dev) if vec else _alloc((B, T, HV, NK + 1), dev)
     dL = _alloc((B, T, HV, BT), dev)
-    dAqk = _alloc((B, T, HV, BT), dev) if with_dAqk else None
     grid = (NT * (NK + 1), B * HV)
     rewy_kda_bwd_wy_kernel[grid](
         q, k, v, v_new, g, beta, w_gate if vec else beta, A, h, dh, do, dv2,
-        dq, dk, dv, dG, db, dw if vec else dv, dL, dAqk if with_dAqk else dL,
+        dq, dk, dv, dG, db, dw if vec else dv, dL,
         cu_seqlens, chunk_indices, scale, T, size_class(NT * B * HV),
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
         IS_VARLEN=cu_seqlens is not None, WPREC=WY_PRECISION, FULL_T=cu_seqlens is None and T % BT == 0,
-        DAQK=with_dAqk,
     )
-    return dq, dk, dG, dv, dw, db, dL, dAqk
+    return dq, dk, dG, dv, dw, db, dL
 
 
 def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=None, chunk_indices=None,
@@ -639,8 +625,7 @@ def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float,
                  final_dtypes: bool = False, intra_block_k: int | None = None):
     """Both stages. Returns (dq, dk, dv, dg, db, dw): dq, dk, dg, db in fp32, dq
     and dk per value head ([B, T, HV, K]; the caller sums GVA groups); dv, dw
-    in the dtypes of v and w_gate (dw None for KDA). ``dAqk`` None: computed by
-    stage 1 from do and v_new (the local dv then ran in triton_dhu_local). ``final_dtypes`` (only
+    in the dtypes of v and w_gate (dw None for KDA). ``final_dtypes`` (only
     without GVA, where dq and dk per value head are already final): dq, dk in
     q's dtype and GDN2's db in b's, written so by the kernel. ``block_k`` /
     ``intra_block_k``: key channels per program of stage 1 / stage 2."""
@@ -651,11 +636,9 @@ def rewy_kda_bwd(q, k, v, v_new, g, beta, A, h, dh, do, dv2, dAqk, scale: float,
     w_gate = None if w_gate is None else w_gate.contiguous()
     if cu_seqlens is not None and chunk_indices is None:
         _, chunk_indices = _varlen(cu_seqlens, None, q.shape[1], q.shape[0])
-    dq, dk, dG, dv, dw, db, dL, dA = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
-                                                      state_v_first, cu_seqlens, chunk_indices, block_k,
-                                                      with_dAqk=dAqk is None)
-    dAqk = dA if dAqk is None else dAqk.contiguous()
-    dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db, cu_seqlens,
+    dq, dk, dG, dv, dw, db, dL = rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale, w_gate,
+                                                  state_v_first, cu_seqlens, chunk_indices, block_k)
+    dq, dk, dg, db = rewy_kda_bwd_intra(q, k, g, beta, dAqk.contiguous(), dL, dq, dk, dG, db, cu_seqlens,
                                         chunk_indices, block_k=intra_block_k,
                                         dqk_dtype=_narrow(q.dtype) if final_dtypes else None,
                                         db_dtype=_narrow(beta.dtype) if final_dtypes else None)

@@ -71,19 +71,15 @@ def _loop_bwd_dhu(q, k, w, do, dv, g=None, h0=None, dht=None, scale=None, cu_seq
     return dh, torch.stack(firsts), dv2
 
 
-def _replace_recurrences(monkeypatch, fwd_h, bwd_dhu, local_dv="fla"):
-    """FLA's two recurrences replaced (so rewy's own launch of FLA's kernels is switched off). With
-    ``local_dv="fused"`` rewy's reverse recurrence with the local dv inside runs instead of FLA's
-    local dv and bwd_dhu, which are made to fail so they cannot be what ran."""
+def _replace_recurrences(monkeypatch, fwd_h, bwd_dhu):
+    """FLA's two recurrences replaced; rewy's own launch of FLA's kernels (on by default where B x H
+    is small, kernels/state_launch.py) is switched off, so the replacements are what run."""
     stages = triton_gdn._fla
     monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
-    monkeypatch.setenv("REWY_HF_LOCAL_DV", local_dv)
 
     def patched():
         f = stages()
         f["fwd_h"], f["bwd_dhu"] = fwd_h, bwd_dhu
-        if local_dv == "fused":
-            f["bwd_dhu"] = f["dv_local"] = _refuse
         return f
 
     monkeypatch.setattr(triton_gdn, "_fla", patched)
@@ -138,21 +134,19 @@ def test_function_with_sequence_parallel_recurrences(op, policy, monkeypatch):
     _compare(op, inputs, do, dht, policy)
 
 
-@pytest.mark.parametrize("local_dv", ["fused", "fla"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_packed_sequences(policy, local_dv, monkeypatch):
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu, local_dv)
+def test_function_packed_sequences(policy, monkeypatch):
+    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
     cu = torch.tensor([0, 70, 200, 230])
     inputs, do, dht = _inputs("gdn", T=230, H=2, HV=2, K=32, V=16, N=3, seed=12)
     _compare("gdn", inputs, do, dht, policy, cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("local_dv", ["fused", "fla"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_normalises_q_and_k_inside(policy, local_dv, monkeypatch):
+def test_function_normalises_q_and_k_inside(policy, monkeypatch):
     """qk_l2norm (FLA's use_qk_l2norm_in_kernel): raw q and k go in, the l2norm and its
     gradient run inside the function; GVA, ragged T."""
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu, local_dv)
+    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
     inputs, do, dht = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=13)
     gen = torch.Generator().manual_seed(14)
     inputs[0] = 3 * torch.randn(inputs[0].shape, generator=gen)

@@ -201,11 +201,11 @@ def _case(name):
 def test_wy_kernel_matches_torch_stage(name):
     case, v_first, block_k = _case(name)
     inp = case.kernel_inputs(v_first)
-    dq, dk, dG, dv, dw, db, dL, dAqk = tk.rewy_kda_bwd_wy(**inp, block_k=block_k, with_dAqk=True)
+    dq, dk, dG, dv, dw, db, dL = tk.rewy_kda_bwd_wy(**inp, block_k=block_k)
     ref = case.torch_partials()
     fla = case.fla
     errors = {"dq": rel(dq, fla(ref["dq"])), "dk": rel(dk, fla(ref["dk"])), "dv": rel(dv, fla(ref["dv"])),
-              "dL": rel(dL, fla(ref["dL"])), "dAqk": rel(dAqk, fla(ref["dAqk"]))}
+              "dL": rel(dL, fla(ref["dL"]))}
     # The gate partial is compared after the in-chunk reverse cumulative sum
     # (where the chunk-end term lands on the last valid row either way).
     rc = lambda t: t.flip(-2).cumsum(-2).flip(-2)
@@ -472,27 +472,20 @@ def _torch_bwd_dhu(q, k, w, do, dv, gk, h0=None, dht=None, scale=None, state_v_f
 
 
 def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_first, policy, seed,
-                     qk_l2norm=False, local_dv="fla"):
+                     qk_l2norm=False):
     """The KDA Function (FLA's real forward stages in the interpreter, the two state
     recurrences replaced by ``fwd_h`` / ``bwd_dhu``, so rewy's own launch of FLA's kernels is
-    off) against the torch backend. ``qk_l2norm``: raw q, k, normalised inside (FLA's
-    use_qk_l2norm_in_kernel). ``local_dv="fused"``: rewy's reverse recurrence with the local dv
-    inside, and dAqk from the WY kernel; FLA's dAv and bwd_dhu are made to fail."""
+    switched off) against the torch backend.
+    ``qk_l2norm``: raw q, k, normalised inside (FLA's use_qk_l2norm_in_kernel)."""
     import rewy_hf
     from rewy_hf.kernels import triton_kda
 
     fla_stages = triton_kda._fla
     monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
-    monkeypatch.setenv("REWY_HF_LOCAL_DV", local_dv)
-
-    def refuse(*_, **__):
-        raise AssertionError("FLA's dAv or bwd_dhu ran")
 
     def stages(kind):
         f = fla_stages(kind)
         f["fwd_h"], f["bwd_dhu"] = fwd_h, bwd_dhu
-        if local_dv == "fused":
-            f["bwd_dhu"] = f["dAv"] = refuse
         return f
 
     monkeypatch.setattr(triton_kda, "_fla", stages)
@@ -520,13 +513,12 @@ def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_
     return errors
 
 
-@pytest.mark.parametrize("local_dv", ["fused", "fla"])
 @pytest.mark.parametrize("qk_l2norm", [False, True])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_matches_torch_backend(policy, qk_l2norm, local_dv, monkeypatch):
+def test_function_matches_torch_backend(policy, qk_l2norm, monkeypatch):
     # GVA, ragged, state_v_first, initial state and dht; q/k l2norm inside the function or not
     errors = _function_errors(monkeypatch, _torch_fwd_h, _torch_bwd_dhu, B=1, T=70, H=1, HV=2, K=32, V=32,
-                              state_v_first=True, policy=policy, seed=7, qk_l2norm=qk_l2norm, local_dv=local_dv)
+                              state_v_first=True, policy=policy, seed=7, qk_l2norm=qk_l2norm)
     assert max(errors.values()) < 1e-5, errors
 
 

@@ -14,9 +14,50 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from state_cases import state_case as _case
-
+from rewy_hf.kernels.chunk_backward import reverse_state_pass
+from rewy_hf.kernels.chunk_forward import ChunkInputs
+from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
 from rewy_hf.kernels.triton_state_scan import segments_for, state_backward, state_forward
+
+C = CHUNK_SIZE
+
+
+def _to_fla(x, T):
+    NT, N, H, _, D = x.shape
+    return x.permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, D)[:, :T].contiguous()
+
+
+def _case(kind, N, H, HV, K, V, T, seed, with_h0):
+    gen = torch.Generator().manual_seed(seed)
+    NT = math.ceil(T / C)
+    shape = (NT, N, HV, C)
+    valid = (torch.arange(NT * C) < T).view(NT, 1, 1, C, 1).float()
+    qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
+    q, k = qk() * valid, qk() * valid
+    v = torch.randn(*shape, V, generator=gen) * valid
+    gate_dim = {"gdn": 1, "kda": K}.get(kind)
+    g = F.logsigmoid(torch.randn(*shape, gate_dim, generator=gen)) * valid if gate_dim else torch.zeros(*shape, 1)
+    b = torch.rand(*shape, 1, generator=gen) * valid
+    x = ChunkInputs(q, k, v, g, b, None, scale=K ** -0.5)
+    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3 if with_h0 else None
+    gt, s, ht = _forward_pass(x, h0 if with_h0 else torch.zeros(N, HV, K, V))
+    do = torch.randn(*shape, V, generator=gen) * valid
+    dht = torch.randn(N, HV, K, V, generator=gen) * 0.3 if with_h0 else None
+    dVn, dHnext, dh0 = reverse_state_pass(x, gt, s, do, dht if with_h0 else torch.zeros(N, HV, K, V))
+    dv_local = dVn - (x.k * gt.eKc) @ dHnext
+    fla = lambda t: _to_fla(t, T)
+    Kd = K
+    inputs = dict(q=fla(x.q)[:, :, ::HV // H].contiguous(), k=fla(x.k)[:, :, ::HV // H].contiguous(),
+                  w=fla(s.WU[..., :Kd]), u=fla(s.WU[..., Kd:]), do=fla(do), dv=fla(dv_local),
+                  g=fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None, gk=None,
+                  h0=h0, dht=dht, scale=x.scale)
+    if kind == "kda":
+        # FLA's KDA passes per-key gates with q and k already gated, one per value head.
+        inputs.update(q=fla(x.q * gt.eG), k=fla(x.k * gt.eKc), gk=fla(gt.G) / math.log(2))
+    ref = dict(h=s.Hs.permute(1, 0, 2, 3, 4), v_new=fla(s.Vn), ht=ht,
+               dh=dHnext.permute(1, 0, 2, 3, 4), dv2=fla(dVn), dh0=dh0)
+    return inputs, ref
+
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()

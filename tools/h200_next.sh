@@ -25,24 +25,22 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. The value-block width of FLA's state recurrences (kernels/state_launch.py, REWY_HF_STATE_BLOCK_V): its GPU
-#    tests (every width against FLA's launch; the ops' gradients with the rule on), then each width timed at the
-#    six shapes, KDA and GDN gates:
-#   T_tests=240 T_gaps=300 bash tools/h200_next.sh "env:TESTS_K=state_launch" tests \
-#       "env:GAP_ARGS=--state-widths+--shapes+8,2048,16+4,4096,16+2,8192,16+1,16384,16+4,4096,32+1,32768,32" gaps
-# 1. If BV 16 wins at (1, 16384, 16): the KDA bench with the rule on (both sides in one process; FLA's side is not
-#    affected by the variable), H = 16 then H = 32 (tenth session: 397 s and 179 + 479 s for KDA + GDN2):
-#   T_bench_kda=560 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh \
-#       "env:REWY_HF_STATE_BLOCK_V=programs" "bench-kda:kda"
-#   then SHAPES_KDA="4,4096,32 1,32768,32" the same; then GDN recompute (bench-gdn:gdn), where the recurrences
-#   run twice per backward.
-# 2. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time),
+# 0. The (1, 16384, 16) rows that rewy's launch of the state recurrences at BV 16 (now the default) changes, the
+#    only bench shape where it applies: both policies of every op there (eleventh session: KDA full only, 171 s warm):
+#   T_bench_kda=400 SHAPES_KDA="1,16384,16" bash tools/h200_next.sh bench-kda
+#   T_bench_gdn=300 SHAPES_GDN="1,16384,16" bash tools/h200_next.sh bench-gdn
+#   The whole-suite geomeans then combine these rows with the earlier runs' other five (rewy-hf bench --from-json
+#   refuses duplicate rows: pass the earlier files without their (1,16384,16) rows, or rerun all six shapes).
+# 1. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time),
 #    with FLA's launch of the recurrences and with rewy's (REWY_HF_STATE_BLOCK_V=32, the same width at this shape,
 #    skips FLA's Python wrappers; benchmarks/host_time_stubbed.py on the 2-core CPU, launches stubbed, least of 7 x 300
 #    calls, three alternating runs: rewy 0.44-0.51 ms per backward, 0.35-0.53 with that switch, FLA's op 0.57-0.62):
 #   T_gaps=170 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+--host-profile" gaps \
 #       "env:REWY_HF_STATE_BLOCK_V=32" gaps
-# 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# 2. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the eleventh session (one H200): TESTS_K=state_launch (14 passed), timing_gaps --state-widths at the six
+#   shapes (BV 16 fastest only at (1,16384,16)), the A/B of a fused local-dv walk (slower, dropped), KDA full bench
+#   at (1,16384,16) with BV 16 (1.94x).
 # Done in the tenth session (one H200): the KDA / GDN2 bench at all six shapes with the lower-bound gate check
 #   (bench-kda:kda and bench-kda:gdn2 with SHAPES_KDA set to the H = 16 shapes, then (4,4096,32), then
 #   (1,32768,32)), TESTS_K=saturated (4 passed) and TESTS_K="triton_kda or launch_configs" (25 passed).
@@ -104,7 +102,7 @@ scan)
 gaps)
   # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time and kernel sum
   # appends, so that runs in one queue under different env: settings share the log (each under its own header)
-  echo "== timing_gaps.py $GAP_ARGS (REWY_HF_STATE_BLOCK_V=${REWY_HF_STATE_BLOCK_V:-fla})" >> $O/gaps${CUDA_VISIBLE_DEVICES}.log
+  echo "== timing_gaps.py $GAP_ARGS (REWY_HF_STATE_BLOCK_V=${REWY_HF_STATE_BLOCK_V:-auto})" >> $O/gaps${CUDA_VISIBLE_DEVICES}.log
   timeout $(lim gaps 200) python3 benchmarks/timing_gaps.py $GAP_ARGS >> $O/gaps${CUDA_VISIBLE_DEVICES}.log 2>&1
   tail -n 20 $O/gaps${CUDA_VISIBLE_DEVICES}.log ;;
 ncu)
