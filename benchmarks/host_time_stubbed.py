@@ -12,11 +12,11 @@ host's times.
 
     python -P benchmarks/host_time_stubbed.py --side rewy --policy recompute
     REWY_HF_STATE_BLOCK_V=fla python -P benchmarks/host_time_stubbed.py --side rewy
-
-(at this script's one sequence x one head, rewy's default launches FLA's state
-recurrences itself, at BV 16, as at (1, 16384, 16); ``fla`` goes through FLA's
-launch functions, as at the other bench shapes)
     python -P benchmarks/host_time_stubbed.py --side fla
+
+At this script's one sequence x one head, rewy's default launches FLA's state
+recurrences itself, at BV 16, as at (1, 16384, 16); with ``fla`` it goes
+through FLA's launch functions, as at the other bench shapes.
 """
 
 from __future__ import annotations
