@@ -31,6 +31,7 @@ from . import ops
 from .bench_config import BOUND_OPS, DISPATCH_NAME, LOWER_BOUND, Shape, check_T
 from .bench_timing import describe, free_memory, leaves, measure, peak_mb, runner
 from .reference_cores import fla_reference
+from .rel_error import rel_err
 from .testing import apply_grad_fault
 
 GRAD_NAMES = {
@@ -220,14 +221,6 @@ def lift_gdn_guard() -> dict:
 def grads(fn: Callable, inputs, do) -> list[torch.Tensor]:
     xs = leaves(inputs)
     return list(torch.autograd.grad(fn(*xs), xs, do))
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    ref_norm, diff = ref.norm().item(), (x - ref).norm().item()
-    if ref_norm == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / ref_norm
 
 
 def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) -> dict:

@@ -15,15 +15,12 @@ import torch.nn.functional as F
 
 import rewy_hf
 from rewy_hf.kernels import state_launch
+from rewy_hf.rel_error import rel_err
 
 pytestmark = pytest.mark.gpu
 
 # (gate kind, V-first state layout, packed sequences)
 CASES = [("gk", False, False), ("gk", True, False), ("g", False, False), ("gk", False, True)]
-
-
-def _rel(x, ref):
-    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _recurrence_inputs(gate, v_first, packed, seed=0):
@@ -65,7 +62,7 @@ def test_each_width_matches_flas_launch(monkeypatch, gate, v_first, packed, widt
     monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, str(width))
     ours = _both(x)
     assert {n: (t.shape, t.dtype) for n, t in ours.items()} == {n: (t.shape, t.dtype) for n, t in ref.items()}
-    errs = {n: _rel(ours[n], ref[n]) for n in ref}
+    errs = {n: rel_err(ours[n], ref[n]) for n in ref}
     # float32 outputs (final state, dh0) to rounding; bf16 ones (h, v_new, dh, dv2) to a few flipped last bits
     assert errs["ht"] <= 1e-4 and errs["dh0"] <= 1e-4, errs
     assert max(errs.values()) <= 2e-3, errs
@@ -97,6 +94,6 @@ def test_the_width_rule_keeps_the_ops_gradients(monkeypatch, op):
     with_fla = grads(args, backend="triton", policy="recompute")
     monkeypatch.delenv(state_launch.STATE_BLOCK_V_ENV)     # the default: the rule
     with_rule = grads(args, backend="triton", policy="recompute")
-    errs = [_rel(x, y) for x, y in zip(with_rule, ref)]
-    fla_errs = [_rel(x, y) for x, y in zip(with_fla, ref)]
+    errs = [rel_err(x, y) for x, y in zip(with_rule, ref)]
+    fla_errs = [rel_err(x, y) for x, y in zip(with_fla, ref)]
     assert max(errs) < 2e-2 and all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)

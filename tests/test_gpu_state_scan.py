@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rewy_hf.rel_error import rel_err
+
 pytestmark = pytest.mark.gpu
-
-
-def _rel(x, ref):
-    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def test_per_key_gate_recurrences_match_fla():
@@ -37,6 +35,6 @@ def test_per_key_gate_recurrences_match_fla():
     dh_ref, dh0_ref, dv2_ref = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, do=do, dv=dv, gk=gk, h0=h0, dht=dht,
                                                               scale=K ** -0.5, chunk_size=64)
     dh, dh0, dv2 = state_backward(qg, kg, w, do, dv, None, dht, K ** -0.5, NS=8, gk=gk)
-    errs = {n: _rel(a, b) for n, a, b in [("h", h, h_ref), ("v_new", vn, vn_ref), ("ht", ht, ht_ref),
+    errs = {n: rel_err(a, b) for n, a, b in [("h", h, h_ref), ("v_new", vn, vn_ref), ("ht", ht, ht_ref),
                                           ("dh", dh, dh_ref), ("dh0", dh0, dh0_ref), ("dv2", dv2, dv2_ref)]}
     assert max(errs.values()) <= 1e-2, errs

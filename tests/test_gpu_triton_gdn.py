@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import rewy_hf
+from rewy_hf.rel_error import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -41,10 +42,6 @@ def _grads(fn, args, kw, do, dht):
     return [o, ht] + list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + extra))
 
 
-def _rel(x, ref):
-    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("op,shape", [
     ("gdn", (2, 300, 2, 4, 128, 128)),       # GVA, ragged T
@@ -59,13 +56,13 @@ def test_triton_matches_fp32_reference(op, shape, policy):
     dht = torch.randn(B, HV, K, V, device="cuda")
     ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
     if op == "delta_rule":
         from fla.ops.delta_rule import chunk_delta_rule as fla_delta
 
         theirs = _grads(fla_delta, args, kw, do, dht)
-        fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+        fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
         assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
 
 
@@ -80,7 +77,7 @@ def test_triton_l2norm_and_fused_gate():
     f = rewy_hf.chunk_gated_delta_rule
     ref = _grads(lambda *a, **k: f(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     ours = _grads(lambda *a, **k: f(*a, backend="triton", **k), args, kw, do, dht)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
 
 
@@ -99,7 +96,7 @@ def test_triton_packed_sequences(op, policy):
     dht = torch.randn(len(lengths), H, K, V, device="cuda")
     ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
 
 
@@ -127,7 +124,7 @@ def test_sequence_parallel_recurrences_match_fla():
     dh_ref, dh0_ref, dv2_ref = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv, g=g2, h0=h0, dht=dht,
                                                               scale=K ** -0.5, chunk_size=64)
     dh, dh0, dv2 = state_backward(q, k, w, do, dv, g2, dht, K ** -0.5, NS=8)
-    errs = {n: _rel(a, b) for n, a, b in [("h", h, h_ref), ("v_new", vn, vn_ref), ("ht", ht, ht_ref),
+    errs = {n: rel_err(a, b) for n, a, b in [("h", h, h_ref), ("v_new", vn, vn_ref), ("ht", ht, ht_ref),
                                           ("dh", dh, dh_ref), ("dh0", dh0, dh0_ref), ("dv2", dv2, dv2_ref)]}
     assert max(errs.values()) <= 1e-2, errs
 
@@ -142,5 +139,5 @@ def test_sequence_parallel_op_matches_fp32_reference(monkeypatch, policy):
     f = rewy_hf.chunk_gated_delta_rule
     ref = _grads(lambda *a, **k: f(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     ours = _grads(lambda *a, **k: f(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import rewy_hf
+from rewy_hf.rel_error import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -39,10 +40,6 @@ def _grads(fn, args, kw, do, dht, params=None):
     return list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + list(named.values()) + [h0]))
 
 
-def _rel(x, ref):
-    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_triton_matches_fp32_reference_and_fla(op, policy):
@@ -57,8 +54,8 @@ def test_triton_matches_fp32_reference_and_fla(op, policy):
     ref = _grads(lambda *a, **k: ours_fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     ours = _grads(lambda *a, **k: ours_fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     theirs = _grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), args, kw, do, dht)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
-    fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
     assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
 
 
@@ -86,8 +83,8 @@ def test_kda_as_fla_kda_layer_calls_it(policy):
     ours = _grads(lambda *a, **k: rewy_hf.chunk_kda(*a, backend="triton", policy=policy, **k), args, kw, do, dht,
                   params)
     theirs = _grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), args, kw, do, dht, params)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
-    fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
     assert max(errs) < 2e-2, (errs, fla_errs)
     assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
 
@@ -116,8 +113,8 @@ def test_gate_saturated_at_the_safe_lower_bound(op, policy):
     ref = _grads(lambda *a, **k: ours_fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht, params)
     ours = _grads(lambda *a, **k: ours_fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht, params)
     theirs = _grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), args, kw, do, dht, params)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
-    fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
     # FLA's gradients near the reference too: rewy's gate is the one FLA computes
     assert max(errs) < 2e-2 and max(fla_errs) < 2e-2, (errs, fla_errs)
     assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
@@ -143,7 +140,7 @@ def test_triton_packed_sequences(op, policy):
     ref = _grads(lambda *a, **k: ours_fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     ours = _grads(lambda *a, **k: ours_fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     theirs = _grads(lambda *a, **k: fla_fn(*a, disable_recompute=policy == "full", **k), args, kw, do, dht)
-    errs = [_rel(x, r) for x, r in zip(ours, ref)]
-    fla_errs = [_rel(x, r) for x, r in zip(theirs, ref)]
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
     assert max(errs) < 2e-2, errs
     assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)

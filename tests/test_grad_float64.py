@@ -15,6 +15,7 @@ import torch
 
 import rewy_hf
 from rewy_hf.kernels import reference
+from rewy_hf.rel_error import rel_err
 
 from op_cases import OPS, make_case
 
@@ -50,11 +51,6 @@ CASES = {
 }
 
 PARAMS = [pytest.param(op, name, id=f"{op}-{name}") for name, (ops, _, _) in CASES.items() for op in ops]
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    err = ((x.double() - ref).norm() / ref.norm()).item()
-    return float("inf") if err != err else err
 
 
 @pytest.mark.parametrize("with_dht", [True, False], ids=["dht", "no_dht"])

@@ -13,15 +13,12 @@ import torch
 
 from rewy_hf.kernels.qk_l2norm import normalize, normalize_backward
 from rewy_hf.kernels.reference import L2NORM_EPS, l2norm
+from rewy_hf.rel_error import rel_err
 
 
 def _input(seed=0, shape=(2, 37, 3, 64)):
     gen = torch.Generator().manual_seed(seed)
     return (2 * torch.randn(*shape, generator=gen)).half()
-
-
-def _rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
 
 
 def test_matches_float64_values_and_gradients():
@@ -34,8 +31,8 @@ def test_matches_float64_values_and_gradients():
     y64 = l2norm(x64)
     (dx64,) = torch.autograd.grad((y64 * dy).sum(), x64)
     # float16 output rounding (2^-11 relative) bounds both: the backward reads the rounded output
-    assert _rel(y, y64.detach()) < 2e-3
-    assert _rel(dx, dx64) < 2e-3
+    assert rel_err(y, y64.detach()) < 2e-3
+    assert rel_err(dx, dx64) < 2e-3
 
 
 def test_bit_identical_to_fla_l2norm_function():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from rewy_hf.kernels import reference as ref
+from rewy_hf.rel_error import rel_err
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # FLA warns that Triton is unavailable on CPU
@@ -24,11 +25,6 @@ with warnings.catch_warnings():
 
 FLA_TOL = 1e-5   # FLA naive functions run in float32
 EXACT_TOL = 1e-12  # two float64 paths of ours
-
-
-def rel(x, y):
-    x, y = x.double(), y.double()
-    return ((x - y).norm() / y.norm()).item()
 
 
 def make(seed, B=2, T=29, H=2, HV=None, K=12, V=10, vector_gate=True):
@@ -63,7 +59,7 @@ def test_gdn2_matches_fla_naive():
     o, S = ref.naive_gdn2(d["q"], d["k"], d["v"], d["g"], d["b"], d["w"],
                           initial_state=d["h0"], output_final_state=True)
     assert o.dtype == S.dtype == torch.float64
-    assert rel(o, o_ref) < FLA_TOL and rel(S, S_ref) < FLA_TOL
+    assert rel_err(o, o_ref) < FLA_TOL and rel_err(S, S_ref) < FLA_TOL
 
 
 @pytest.mark.parametrize("HV", [2, 4])  # 4: GVA, two value heads per key head
@@ -75,7 +71,7 @@ def test_kda_matches_fla_naive(HV):
     o, S = ref.naive_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], scale=scale,
                          initial_state=d["h0"], output_final_state=True)
     assert o.shape == (2, 29, HV, 10) and S.shape == (2, HV, 12, 10)
-    assert rel(o, o_ref) < FLA_TOL and rel(S, S_ref) < FLA_TOL
+    assert rel_err(o, o_ref) < FLA_TOL and rel_err(S, S_ref) < FLA_TOL
 
 
 def test_gdn_matches_fla_naive():
@@ -85,7 +81,7 @@ def test_gdn_matches_fla_naive():
                                                     initial_state=d["h0"], output_final_state=True)
     o, S = ref.naive_gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"],
                                       initial_state=d["h0"], output_final_state=True)
-    assert rel(o, o_ref) < FLA_TOL and rel(S, S_ref) < FLA_TOL
+    assert rel_err(o, o_ref) < FLA_TOL and rel_err(S, S_ref) < FLA_TOL
 
 
 def test_delta_rule_matches_fla_naive():
@@ -95,7 +91,7 @@ def test_delta_rule_matches_fla_naive():
     o_ref, S_ref = delta_rule_recurrence(*hf, initial_state=d["h0"], output_final_state=True)
     o, S = ref.naive_delta_rule(d["q"], d["k"], d["v"], d["beta"],
                                 initial_state=d["h0"], output_final_state=True)
-    assert rel(o, o_ref.transpose(1, 2)) < FLA_TOL and rel(S, S_ref) < FLA_TOL
+    assert rel_err(o, o_ref.transpose(1, 2)) < FLA_TOL and rel_err(S, S_ref) < FLA_TOL
 
 
 def test_final_state_is_none_unless_requested():
@@ -117,17 +113,17 @@ def test_gate_helpers_match_fla():
     dt_bias = torch.randn(H * K, generator=gen)
     out = ref.kda_gate(g, A_log, dt_bias)
     assert out.dtype == torch.float32  # helpers keep the input dtype
-    assert rel(out, naive_kda_gate(g, A_log, dt_bias)) < 1e-6
-    assert rel(ref.kda_gate(g, A_log), naive_kda_gate(g, A_log)) < 1e-6
+    assert rel_err(out, naive_kda_gate(g, A_log, dt_bias)) < 1e-6
+    assert rel_err(ref.kda_gate(g, A_log), naive_kda_gate(g, A_log)) < 1e-6
     for A in (A_log, None):
         for lb in (-5.0, -2.0):
             expect = naive_kda_lowerbound_gate(g, A, dt_bias, lower_bound=lb)
-            assert rel(ref.kda_gate(g, A, dt_bias, lower_bound=lb), expect) < 1e-6
+            assert rel_err(ref.kda_gate(g, A, dt_bias, lower_bound=lb), expect) < 1e-6
     gs = 2 * torch.randn(4, 6, H, generator=gen)
     dt_s = torch.randn(H, generator=gen)
     assert ref.gdn_gate(gs, A_log, dt_s).dtype == torch.float32
-    assert rel(ref.gdn_gate(gs, A_log, dt_s), naive_gdn_gate(gs, A_log, dt_s)) < 1e-6
-    assert rel(ref.gdn_gate(gs, A_log), naive_gdn_gate(gs, A_log)) < 1e-6
+    assert rel_err(ref.gdn_gate(gs, A_log, dt_s), naive_gdn_gate(gs, A_log, dt_s)) < 1e-6
+    assert rel_err(ref.gdn_gate(gs, A_log), naive_gdn_gate(gs, A_log)) < 1e-6
     # float64 in, float64 out (no forced dtype)
     assert ref.kda_gate(g.double(), A_log.double(), dt_bias.double()).dtype == torch.float64
 
@@ -159,7 +155,7 @@ def test_kda_in_kernel_options_match_fla_preprocessing():
                              output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                              use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, lower_bound=lb,
                              A_log=A_log, dt_bias=dt_bias)
-        assert rel(o, o_ref) < FLA_TOL and rel(S, S_ref) < FLA_TOL
+        assert rel_err(o, o_ref) < FLA_TOL and rel_err(S, S_ref) < FLA_TOL
     # lower_bound takes effect with safe_gate=False too, and is ignored without the in-kernel gate
     args = (d["q"], d["k"], d["v"], d["g"], d["beta"])
     base = ref.naive_kda(*args)[0]
@@ -181,7 +177,7 @@ def test_gdn2_in_kernel_gate_matches_fla_preprocessing():
         o_ref, _ = naive_recurrent_gdn2(d["q"], d["k"], d["v"], g_fla, d["b"], d["w"])
         o, _ = ref.naive_gdn2(d["q"], d["k"], d["v"], d["raw"], d["b"], d["w"], use_gate_in_kernel=True,
                               lower_bound=lb, safe_gate=lb is not None, A_log=A, dt_bias=dt_bias)
-        assert rel(o, o_ref) < FLA_TOL
+        assert rel_err(o, o_ref) < FLA_TOL
 
 
 def test_gdn_in_kernel_gate_matches_fla_preprocessing():
@@ -195,7 +191,7 @@ def test_gdn_in_kernel_gate_matches_fla_preprocessing():
     o, S = ref.naive_gated_delta_rule(d["q"], d["k"], d["v"], d["raw"], d["beta"], initial_state=d["h0"],
                                       output_final_state=True, use_beta_sigmoid_in_kernel=True,
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
-    assert rel(o, o_ref) < FLA_TOL and rel(S, S_ref) < FLA_TOL
+    assert rel_err(o, o_ref) < FLA_TOL and rel_err(S, S_ref) < FLA_TOL
 
 
 # ---------------------------------------------------------------------------
@@ -224,7 +220,7 @@ def test_cu_seqlens_equals_separate_runs(op):
         s, e = int(cu[n]), int(cu[n + 1])
         piece = {key: (x[:, s:e] if key not in ("h0",) else x) for key, x in d.items()}
         o_n, S_n = _call(op, piece, initial_state=h0[n:n + 1], output_final_state=True)
-        assert rel(o[:, s:e], o_n) < EXACT_TOL and rel(S[n:n + 1], S_n) < EXACT_TOL
+        assert rel_err(o[:, s:e], o_n) < EXACT_TOL and rel_err(S[n:n + 1], S_n) < EXACT_TOL
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda", "gdn2"])
@@ -247,7 +243,7 @@ def test_kda_is_gdn2_with_broadcast_beta():
     beta = d["beta"].unsqueeze(-1)
     o2, S2 = ref.naive_gdn2(d["q"], d["k"], d["v"], d["g"], beta.expand(-1, -1, -1, 12),
                             beta.expand(-1, -1, -1, 10), initial_state=d["h0"], output_final_state=True)
-    assert rel(o, o2) < EXACT_TOL and rel(S, S2) < EXACT_TOL
+    assert rel_err(o, o2) < EXACT_TOL and rel_err(S, S2) < EXACT_TOL
 
 
 def test_gdn_is_kda_with_broadcast_gate():
@@ -255,7 +251,7 @@ def test_gdn_is_kda_with_broadcast_gate():
     o, S = _call("gdn", d, initial_state=d["h0"], output_final_state=True)
     g_vec = d["g"].unsqueeze(-1).expand(-1, -1, -1, 12)
     o2, S2 = ref.naive_kda(d["q"], d["k"], d["v"], g_vec, d["beta"], initial_state=d["h0"], output_final_state=True)
-    assert rel(o, o2) < EXACT_TOL and rel(S, S2) < EXACT_TOL
+    assert rel_err(o, o2) < EXACT_TOL and rel_err(S, S2) < EXACT_TOL
 
 
 def test_delta_rule_is_gdn_with_zero_gate():
@@ -263,7 +259,7 @@ def test_delta_rule_is_gdn_with_zero_gate():
     o, S = _call("delta", d, initial_state=d["h0"], output_final_state=True)
     o2, S2 = ref.naive_gated_delta_rule(d["q"], d["k"], d["v"], torch.zeros_like(d["g"]), d["beta"],
                                         initial_state=d["h0"], output_final_state=True)
-    assert rel(o, o2) < EXACT_TOL and rel(S, S2) < EXACT_TOL
+    assert rel_err(o, o2) < EXACT_TOL and rel_err(S, S2) < EXACT_TOL
 
 
 def test_reference_is_differentiable():

@@ -33,6 +33,7 @@ from rewy_hf.kernels.chunk_forward import ChunkInputs
 from rewy_hf.kernels.layout import ChunkLayout
 from rewy_hf.kernels.residual_wy import residual_wy_backward
 from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
+from rewy_hf.rel_error import rel_err
 
 C = CHUNK_SIZE
 LN2 = math.log(2.0)
@@ -49,10 +50,6 @@ TOL = {"logsigmoid": 1e-5, "mixed": 1e-4, "bound": 1e-4}
 def nan_outputs(monkeypatch):
     monkeypatch.setattr(tk, "_alloc", lambda shape, device, dtype=torch.float32:
                         torch.full(shape, float("nan"), device=device, dtype=dtype))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 class Case:
@@ -170,12 +167,12 @@ class Case:
     def check_final(self, dq, dk, dg, db, dv=None, dw=None):
         rq, rk, rv, rg, rb, rw = self.ref
         fla = self.fla
-        errors = {"dq": rel(dq, fla(rq)), "dk": rel(dk, fla(rk)), "dg": rel(dg, fla(rg)),
-                  "db": rel(db, fla(rb)[..., 0] if self.kind == "kda" else fla(rb))}
+        errors = {"dq": rel_err(dq, fla(rq)), "dk": rel_err(dk, fla(rk)), "dg": rel_err(dg, fla(rg)),
+                  "db": rel_err(db, fla(rb)[..., 0] if self.kind == "kda" else fla(rb))}
         if dv is not None:
-            errors["dv"] = rel(dv, fla(rv))
+            errors["dv"] = rel_err(dv, fla(rv))
         if dw is not None:
-            errors["dw"] = rel(dw, fla(rw))
+            errors["dw"] = rel_err(dw, fla(rw))
         return errors
 
 
@@ -204,20 +201,20 @@ def test_wy_kernel_matches_torch_stage(name):
     dq, dk, dG, dv, dw, db, dL = tk.rewy_kda_bwd_wy(**inp, block_k=block_k)
     ref = case.torch_partials()
     fla = case.fla
-    errors = {"dq": rel(dq, fla(ref["dq"])), "dk": rel(dk, fla(ref["dk"])), "dv": rel(dv, fla(ref["dv"])),
-              "dL": rel(dL, fla(ref["dL"]))}
+    errors = {"dq": rel_err(dq, fla(ref["dq"])), "dk": rel_err(dk, fla(ref["dk"])), "dv": rel_err(dv, fla(ref["dv"])),
+              "dL": rel_err(dL, fla(ref["dL"]))}
     # The gate partial is compared after the in-chunk reverse cumulative sum
     # (where the chunk-end term lands on the last valid row either way).
     rc = lambda t: t.flip(-2).cumsum(-2).flip(-2)
-    errors["dG"] = rel(rc(case.to_chunks(dG)), rc(ref["dG"]))
+    errors["dG"] = rel_err(rc(case.to_chunks(dG)), rc(ref["dG"]))
     if case.kind == "kda":
         NK = db.shape[-1] - 1
-        errors["db_k"] = rel(db[..., :NK].sum(-1), fla(ref["db_k"])[..., 0])
-        errors["db_v"] = rel(db[..., NK], fla(ref["db_v"])[..., 0])
+        errors["db_k"] = rel_err(db[..., :NK].sum(-1), fla(ref["db_k"])[..., 0])
+        errors["db_v"] = rel_err(db[..., NK], fla(ref["db_v"])[..., 0])
         assert dw is None
     else:
-        errors["db_k"] = rel(db, fla(ref["db_k"]))
-        errors["dw"] = rel(dw, fla(ref["dw"]))
+        errors["db_k"] = rel_err(db, fla(ref["db_k"]))
+        errors["dw"] = rel_err(dw, fla(ref["dw"]))
     assert max(errors.values()) < TOL[CASES[name][6]], errors
 
 
@@ -354,7 +351,7 @@ def test_wy_32_channel_key_blocks_under_each_value_tile(kind, bv, warps, stages)
         assert out[5].shape[-1] == 5 and ref[5].shape[-1] == 3
         out[5], ref[5] = out[5].sum(-1), ref[5].sum(-1)
     names = ("dq", "dk", "dG", "dv", "dw", "db", "dL")
-    errors = {n: rel(o, r) for n, o, r in zip(names, out, ref) if r is not None}
+    errors = {n: rel_err(o, r) for n, o, r in zip(names, out, ref) if r is not None}
     assert max(errors.values()) < 1e-5, errors
 
 
@@ -508,8 +505,8 @@ def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_
                                       state_v_first=state_v_first, backend="torch", policy="full",
                                       use_qk_l2norm_in_kernel=qk_l2norm)
     ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref_in)
-    errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
-    errors.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref)})
+    errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
+    errors.update({f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref)})
     return errors
 
 

@@ -18,6 +18,7 @@ from rewy_hf.kernels.chunk_backward import reverse_state_pass
 from rewy_hf.kernels.chunk_forward import ChunkInputs
 from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
 from rewy_hf.kernels.triton_state_scan import segments_for, state_backward, state_forward
+from rewy_hf.rel_error import rel_err
 
 C = CHUNK_SIZE
 
@@ -59,10 +60,6 @@ def _case(kind, N, H, HV, K, V, T, seed, with_h0):
     return inputs, ref
 
 
-def _rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize("kind,T,K,V,NS,with_h0", [
     ("gdn", 600, 32, 16, 3, True),       # ragged last chunk, 10 chunks in segments of 4, 4, 2
     ("gdn", 512, 64, 32, 8, False),      # one chunk per segment
@@ -95,10 +92,10 @@ def _check_against_torch(kind, T, K, V, NS, with_h0):
     h, v_new, ht = state_forward(x["k"], x["w"], x["u"], x["g"], x["h0"], NS=NS, gk=x["gk"])
     dh, dh0, dv2 = state_backward(x["q"], x["k"], x["w"], x["do"], x["dv"], x["g"], x["dht"], x["scale"], NS=NS,
                                   gk=x["gk"])
-    errors = {"h": _rel(h, ref["h"]), "v_new": _rel(v_new, ref["v_new"]), "ht": _rel(ht, ref["ht"]),
-              "dh": _rel(dh, ref["dh"]), "dv2": _rel(dv2, ref["dv2"])}
+    errors = {"h": rel_err(h, ref["h"]), "v_new": rel_err(v_new, ref["v_new"]), "ht": rel_err(ht, ref["ht"]),
+              "dh": rel_err(dh, ref["dh"]), "dv2": rel_err(dv2, ref["dv2"])}
     if with_h0:
-        errors["dh0"] = _rel(dh0, ref["dh0"])
+        errors["dh0"] = rel_err(dh0, ref["dh0"])
     assert max(errors.values()) < 1e-5, errors
 
 
