@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .kernels import reference
+from .rel_error import rel_err
 
 TOL = 1e-10
 
@@ -33,10 +34,6 @@ def _inputs(op: str, gen: torch.Generator, B=2, T=200, H=2, K=32, V=32):
     else:
         args = [q, k, v, F.logsigmoid(r(B, T, H, K)), u(B, T, H, K), u(B, T, H, V)]
     return [a.requires_grad_() for a in args], 0.5 * r(B, H, K, V)
-
-
-def _rel(x, ref):
-    return ((x - ref).norm() / ref.norm()).item()
 
 
 def run_op(op: str, gen: torch.Generator, device: str = "cpu") -> tuple[float, float]:
@@ -58,7 +55,7 @@ def run_op(op: str, gen: torch.Generator, device: str = "cpu") -> tuple[float, f
     elapsed = time.perf_counter() - t0
     o_r, ht_r = ref_fn(*args, initial_state=h0, output_final_state=True)
     grads_r = torch.autograd.grad((o_r * do).sum() + (ht_r * dht).sum(), leaves)
-    worst = max([_rel(o, o_r), _rel(ht, ht_r)] + [_rel(a, b) for a, b in zip(grads, grads_r)])
+    worst = max([rel_err(o, o_r), rel_err(ht, ht_r)] + [rel_err(a, b) for a, b in zip(grads, grads_r)])
     return worst, elapsed
 
 

@@ -11,6 +11,7 @@ import torch
 
 from .bench_config import Shape
 from .bench_ops import REWY_OPS, make_inputs
+from .rel_error import rel_err
 
 BF16_TOL = 2e-2
 SHAPE = Shape(B=2, T=300, H=4, K=128, V=128)
@@ -25,6 +26,6 @@ def triton_checks():
             leaves = [a.detach().requires_grad_() for a in inputs]
             o, _ = fn(*leaves, backend=backend)
             results.append([o.float()] + [g.float() for g in torch.autograd.grad((o.float() * do).sum(), leaves)])
-        worst = max(((x - r).norm() / r.norm()).item() for x, r in zip(results[1], results[0]))
+        worst = max(rel_err(x, r) for x, r in zip(results[1], results[0]))
         yield (f"{fn.__name__} triton backend vs fp32", worst <= BF16_TOL,
                f"worst rel. error {worst:.1e} (tol {BF16_TOL:g})")
