@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 import rewy_hf
+from rewy_hf.rel_error import rel_err
 
 HF_REF = modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
@@ -59,10 +60,6 @@ def run_rewy(inputs, do, policy):
                                           backend="torch", policy=policy)
     grads = torch.autograd.grad(o, xs, do)
     return (o.detach(), *grads)
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def main(argv=None):

@@ -44,11 +44,6 @@ def elapsed() -> float:
     return time.time() - T_START
 
 
-def rel(x, ref) -> float:
-    x, ref = x.float(), ref.float()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 # --------------------------------------------------------------------------------------------
 # inputs and the three implementations
 # --------------------------------------------------------------------------------------------
@@ -142,6 +137,8 @@ def grads_of(leaves, o, ht, do, dht):
 def check(op, label, B, T, H, HV, K, V, gates, policies, v_first=False, cu_lens=None, seed=0):
     import torch
 
+    from rewy_hf.rel_error import rel_err
+
     scale = K ** -0.5
     cu = None
     N = None
@@ -157,7 +154,7 @@ def check(op, label, B, T, H, HV, K, V, gates, policies, v_first=False, cu_lens=
         ours = grads_of(*run_impl("ours", op, x, policy, scale, safe, v_first, cu), do, dht)
         cells, ok = [], True
         for n in ref:
-            ef, eo = rel(fla[n], ref[n]), rel(ours[n], ref[n])
+            ef, eo = rel_err(fla[n], ref[n]), rel_err(ours[n], ref[n])
             bad = not (eo <= 1.1 * ef + 1e-6)     # NaN fails
             ok &= not bad
             cells.append(f"{n} {eo:.2e}/{ef:.2e}{' !' if bad else ''}")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import triton
 
 from rewy_hf.cpu_triton import only_config
+from rewy_hf.rel_error import rel_err
 
 
 DEVICE = "cuda"
@@ -185,7 +186,7 @@ def run_baseline(name: str, a, ref, ms_ref) -> float:
     kern, fn = stage(name, a.B, a.T, a.H, a.K, a.V, impl=a.baseline_modules)
     with only_config(kern, kern.configs[0]):
         outs = comparable(name, fn())
-        diff = max(rel(o, r) for o, r in zip(outs, ref))
+        diff = max(rel_err(o, r) for o, r in zip(outs, ref))
         ms = triton.testing.do_bench(lambda: fn(), return_mode="median") if DEVICE == "cuda" else float("nan")
     print(f"  baseline {a.baseline}: {ms:8.3f} ms against {ms_ref:8.3f} ms for the current first config"
           f" ({ms / ms_ref:.3f}x the current time); diff {diff:.1e}", flush=True)
@@ -200,11 +201,6 @@ def comparable(name: str, outs) -> list:
     if name == "kda-wy":
         outs[5] = outs[5].sum(-1)
     return [o.clone() for o in outs if o is not None]
-
-
-def rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def run_kernel(name: str, a) -> float:
@@ -229,7 +225,7 @@ def run_kernel(name: str, a) -> float:
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
                 # the same config again on the same inputs: any difference is a race or a miscompile
-                rerun = max((rel(o, r) for _ in range(a.repeat - 1)
+                rerun = max((rel_err(o, r) for _ in range(a.repeat - 1)
                              for o, r in zip(comparable(name, fn(**kw)), outs)), default=0.0)
             except Exception as e:    # noqa: BLE001 - a config that cannot compile is a result, not a failure
                 print(f"  {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:100]})", flush=True)
@@ -240,7 +236,7 @@ def run_kernel(name: str, a) -> float:
             ref = outs
             diffs = [0.0] * len(outs)
         else:
-            diffs = [rel(o, r) for o, r in zip(outs, ref)]
+            diffs = [rel_err(o, r) for o, r in zip(outs, ref)]
         diff = max(diffs + [rerun])
         worst = max(worst, diff)
         rows.append((ms, label, diff))

@@ -61,10 +61,6 @@ def sides(x: dict, ns: int):
     return dict(forward=(fwd_fla, fwd_rewy), backward=(bwd_fla, bwd_rewy))
 
 
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def phase_times(fn) -> list[float]:
     """Device ms of each kernel one call launches, in launch order."""
     from gdn_bwd_stages import kernel_times     # this folder is on sys.path when the script runs
@@ -80,6 +76,7 @@ def main() -> None:
                    help="segment counts to time; auto = the count triton_state_scan.segments_for picks")
     args = p.parse_args()
     from rewy_hf.kernels.triton_state_scan import segments_for
+    from rewy_hf.rel_error import rel_err
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -91,7 +88,7 @@ def main() -> None:
             for ns in counts:
                 for direction, (fla, rewy) in sides(x, ns).items():
                     ref, out = fla(), rewy()
-                    err = max(rel(a, b) for a, b in zip(out, ref))
+                    err = max(rel_err(a, b) for a, b in zip(out, ref))
                     t_fla = triton.testing.do_bench(fla, return_mode="median")
                     t_rewy = triton.testing.do_bench(rewy, return_mode="median")
                     phases = phase_times(rewy)

@@ -135,10 +135,11 @@ def state_widths(shapes) -> None:
 
     import triton.testing
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from state_scan_timing import inputs, rel     # this folder is on sys.path when the script runs
+    from state_scan_timing import inputs     # this folder is on sys.path when the script runs
 
     from rewy_hf.autotune_picks import forget_picks
     from rewy_hf.kernels import state_launch
+    from rewy_hf.rel_error import rel_err
 
     widths = ("fla", *map(str, state_launch.WIDTHS))
     print("state recurrences, K = V = 128, ms per call, fwd_h / bwd_dhu; rewy's launch of FLA's kernels at each "
@@ -162,7 +163,7 @@ def state_widths(shapes) -> None:
                     outs = [*fwd(), *bwd()]
                     if ref is None:         # FLA's launch, the first width
                         ref = outs
-                    err = max(rel(a, b) for a, b in zip(outs, ref))
+                    err = max(rel_err(a, b) for a, b in zip(outs, ref))
                     ms = [float(triton.testing.do_bench(fn, rep=100, return_mode="median")) for fn in (fwd, bwd)]
                     cells.append(f"{width}: {ms[0]:.3f} / {ms[1]:.3f}" + ("" if width == "fla" else f" ({err:.0e})"))
                 pick = state_launch.narrow_block_v(B, H, 128) or "fla"

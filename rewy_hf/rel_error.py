@@ -1,5 +1,5 @@
-"""The relative error the bench, parity, verify and the kernel tests measure: ||x - ref|| / ||ref||,
-in float64.
+"""The relative error the bench, verify, the demo, the benchmark scripts and the kernel tests
+measure: ||x - ref|| / ||ref||, in float64.
 
 A zero reference gives 0 only when x is zero too, else infinity, so that an
 all-zero reference can never make a wrong output pass a tolerance.
