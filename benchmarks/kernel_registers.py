@@ -16,6 +16,7 @@ so the counts are indicative; ncu on the device has the final word
 
     python3 -P benchmarks/kernel_registers.py --kernel kda-intra gdn-local
     python3 -P benchmarks/kernel_registers.py --kernel kda-intra --warps 2 --stages 2 --block-k 32
+    python3 -P benchmarks/kernel_registers.py --kernel gdn-local --warps 8 --stages 2 --bv 32
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ def main() -> int:
     p.add_argument("--warps", type=int, default=None, help="with --stages: this config instead of the autotune list")
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--maxnreg", type=int, default=None, help="with --warps / --stages: a register cap per thread")
+    p.add_argument("--bv", type=int, default=None,
+                   help="with --warps / --stages: value columns per step (BV) of the kernels that tune it")
     p.add_argument("--block-k", type=int, default=None, help="key channels per program (default: the wrapper's)")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -165,7 +168,8 @@ def main() -> int:
         except ValueError as e:
             p.error(str(e))
         # a kernel without an autotune list is compiled as launched: 4 warps, Triton's default 3 stages
-        configs = ([triton.Config({}, num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg)] if a.warps
+        tuned = {"BV": a.bv} if a.bv else {}
+        configs = ([triton.Config(tuned, num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg)] if a.warps
                    else getattr(kernel, "configs", [triton.Config({}, num_warps=4, num_stages=3)]))
         for c in configs:
             compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch,

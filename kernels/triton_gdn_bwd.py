@@ -19,6 +19,13 @@ and the sums and reverse cumsum between them.
   key Gram K K^T is never formed.
 - The gate gradient's reverse cumulative sum inside the chunk is linear, so
   each key block writes its own share and the caller adds the NK shares.
+- After the loop over V, the products that finish dq, dk (dX = A^T dW, P K,
+  P^T diag(beta) K, P2 K, P2^T Q) take operands in the inputs' dtype (BF16 in
+  training), as FLA's ``chunk_bwd_dqkwg`` and WY backward do, and each fp32
+  accumulator is consumed at its last use. With fp32 (tf32) operands that
+  phase held fp32 copies of q, k and A: 25 % more instructions, more spills,
+  and on the H200 0.594 ms against 0.506 ms at (2, 8192, 16); DeltaNet's
+  worst gradient error moved from 5.2e-3 to 5.3e-3 (FLA's own: 5.8e-3).
 
 Gates arrive as FLA keeps them: chunk-local cumulative sums in log2 units
 (FLA scales by 1/ln 2 and uses exp2). The gradient written to ``dg`` is with
@@ -31,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_blocks import key_block
 from .triton_masks import bounds_mask
 
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
@@ -158,40 +164,44 @@ def rewy_gdn_bwd_local_kernel(
             b_dbeta += tl.sum(b_dy * b_v, axis=1)
             tl.store(dv + off_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
 
-    # dX = A^T dW with dW = -dVn h^T; dL = -dY Vn^T (see the module docstring).
-    b_dx = -tl.dot(b_At.to(tl.float32), b_dhw)
-    b_dL = -b_dyvn
-
+    # The end phase consumes one accumulator at a time (each dies at its last use), and its
+    # products take 16-bit operands, as FLA's do, so the phase needs no fp32 copy of q, k or A.
     off_qk = (o_i * H)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + off_qk, mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + off_qk, mask=m_tk, other=0.0).to(tl.float32)
-
-    # Pairwise decays, masked before exp2 so no entry can overflow.
-    inside = valid[:, None] & valid[None, :]
-    diff = b_g[:, None] - b_g[None, :]
-    gam = tl.exp2(tl.where((o_i[:, None] > o_i[None, :]) & inside, diff, float("-inf")))
-    gam_incl = tl.exp2(tl.where((o_i[:, None] >= o_i[None, :]) & inside, diff, float("-inf")))
-    b_eg = tl.where(valid, tl.exp2(b_g), 0.0)
-    b_ekc = tl.where(valid, tl.exp2(b_g_last - b_g), 0.0)
-
-    # Gram Elimination: the key Gram's row/column gradients from one P, and
-    # the output Gram's from P2; the gate terms come from the same sums.
-    b_P = b_dL * gam
-    b_da = b_dx * b_eg[:, None] + tl.dot(b_P, b_k)             # wrt a = beta * k
-    b_P2 = b_dAqk * gam_incl * scale
-    b_dkg = tl.dot(tl.trans(b_P * b_beta[:, None]), b_k) + tl.dot(tl.trans(b_P2), b_q)
-    b_dq = tl.dot(b_P2, b_k) + scale * b_dqg * b_eg[:, None]
-    b_dkc = b_dkc * b_ekc[:, None]
-    b_dk = b_dkg + b_dkc + b_da * b_beta[:, None]
+    b_q = tl.load(q + off_qk, mask=m_tk, other=0.0)
+    b_k = tl.load(k + off_qk, mask=m_tk, other=0.0)
+    lp = b_k.dtype
     off_out = (o_i * HV)[:, None] * K + o_k[None, :]
+
+    # Pairwise decays (inclusive of the diagonal), masked before exp2 so no entry can overflow.
+    diff = b_g[:, None] - b_g[None, :]
+    causal = (o_i[:, None] >= o_i[None, :]) & (valid[:, None] & valid[None, :])
+    gam = tl.exp2(tl.where(causal, diff, float("-inf")))
+    b_eg = tl.where(valid, tl.exp2(b_g), 0.0)
+
+    # Output side: P2 = dAqk * Gamma (diagonal included) -> dq and q's share of dk.
+    b_P2 = (b_dAqk * gam * scale).to(lp)
+    b_dq = tl.dot(b_P2, b_k) + scale * b_dqg * b_eg[:, None]
     tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    b_dbeta += tl.sum(b_da * b_k, axis=1)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+    b_dkg = tl.dot(tl.trans(b_P2), b_q)
+
+    # Key side: dX = A^T dW with dW = -dVn h^T; P = dL * Gamma (strictly lower), dL = -dY Vn^T
+    # (see the module docstring); Gram Elimination takes the key Gram's row and column
+    # gradients from P, and the gate terms from the same sums.
+    b_da = -tl.dot(b_At, b_dhw.to(lp)) * b_eg[:, None]
+    b_P = tl.where(o_i[:, None] > o_i[None, :], -b_dyvn * gam, 0.0)
+    b_da += tl.dot(b_P.to(lp), b_k)                               # wrt a = beta * k
+    b_dkg += tl.dot(tl.trans((b_P * b_beta[:, None]).to(lp)), b_k)
+    b_kf = b_k.to(tl.float32)
+    b_dbeta += tl.sum(b_da * b_kf, axis=1)
     tl.store(db + o_i * HV, b_dbeta, mask=valid)
+    b_dkc = b_dkc * tl.where(valid, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+    b_dk = b_dkg + b_dkc + b_da * b_beta[:, None]
+    tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
     if USE_G:
-        b_dG = tl.sum(b_k * b_beta[:, None] * b_da - b_k * b_dkg + b_q * b_dq - b_k * b_dkc, axis=1)
-        b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_k)
+        b_dG += tl.sum(b_kf * (b_beta[:, None] * b_da - b_dkg - b_dkc), axis=1)
+        b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_kf)
         b_dG = tl.where(valid, b_dG, 0.0)
         tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
 
@@ -207,8 +217,9 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     ``chunk_indices`` is FLA's [NT_total, 2] table of (sequence, chunk) and h, dh
     are [1, NT_total, HV, K, V]. dq and dk come back per value head
     ([B, T, HV, K]); the caller sums them over each key head's group (GVA).
-    ``block_k``: key channels per program (default 64; each key block repeats
-    the key-independent value-side products).
+    ``block_k``: key channels per program, 64 (the default) or 128 (each key
+    block repeats the key-independent value-side products); narrower blocks are
+    refused, as triton 3.6.0 miscompiles them (K < 64 runs masked 64-wide blocks).
     """
     q, k, v, v_new, beta, A, h, dh, do, dv2 = (
         t.contiguous() for t in (q, k, v, v_new, beta, A, h, dh, do, dv2))
@@ -218,7 +229,12 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     BT = A.shape[-1]
     if K > 256:
         raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
-    BK = block_k or key_block(K)
+    # Key blocks are 64 wide even where K is narrower (masked): at 32, triton 3.6.0 on the H200
+    # gave outputs that changed with the launch config by up to 3 % (twelfth session).
+    BK = block_k or 64
+    if BK < 64:
+        raise ValueError(f"block_k={BK}: key blocks narrower than 64 are miscompiled by triton 3.6 in this kernel; "
+                         "use 64 (the default) or 128")
     NK = triton.cdiv(K, BK)
     # Gradients leave in the input dtype (accumulation is float32 in-kernel) unless the
     # caller must still sum value heads into key heads (GVA): fp32 copies cost peak memory.

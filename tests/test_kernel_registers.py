@@ -80,3 +80,17 @@ def test_a_register_cap_is_honoured_by_spilling(tmp_path):
     assert out[168]["spill_bytes"] > out[None]["spill_bytes"]
     r = _run("--kernel", "kda-intra", "--maxnreg", "168")
     assert r.returncode == 2 and "--maxnreg needs --warps and --stages" in r.stderr
+
+
+def test_a_chosen_value_tile_is_compiled(tmp_path):
+    """--bv sets the value tile of a kernel that tunes it (with --warps / --stages, the autotune
+    list is replaced and would otherwise leave BV unset): wider tiles of the GDN local kernel's
+    software-pipelined loop take more shared memory."""
+    rows = {}
+    for bv in (32, 128):
+        path = tmp_path / f"bv{bv}.json"
+        r = _run("--kernel", "gdn-local", "--warps", "4", "--stages", "2", "--bv", str(bv), "--json", str(path))
+        assert r.returncode == 0, r.stderr[-2000:]
+        (rows[bv],) = json.loads(path.read_text())
+    assert rows[32]["BV"] == 32 and rows[128]["BV"] == 128
+    assert rows[128]["shared_bytes"] > rows[32]["shared_bytes"] > 0

@@ -107,3 +107,23 @@ def test_kernel_packed_sequences(kind):
     if kind == "gdn":
         errors["dg"] = rel(dg, rg[..., 0])
     assert max(errors.values()) < 1e-5, errors
+
+
+def test_kernel_with_one_key_block_of_128():
+    """block_k=128: one program per chunk covers K (the wrapper's other allowed width)."""
+    T, K, V, N, H, HV = 100, 128, 32, 1, 1, 1
+    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, math.ceil(T / C), K, V, T, seed=7)
+    out = rewy_gdn_bwd_local(**_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV), scale=x.scale,
+                             block_k=128)
+    for o, r in zip(out, [_to_fla(t, T) for t in ref[:5]]):
+        r = r[..., 0] if o.dim() == 3 else r
+        assert ((o - r).norm() / r.norm()).item() < 1e-5
+
+
+def test_narrow_key_blocks_are_refused():
+    """Key blocks under 64 channels changed with the launch config on the H200 (triton 3.6.0):
+    the wrapper refuses them with the fix, instead of running them."""
+    T, K, V = 64, 32, 32
+    x, gt, s, do, dVn, dHnext, _ = _stages("gdn", 1, 1, 1, 1, K, V, T, seed=3)
+    with pytest.raises(ValueError, match="narrower than 64.*use 64"):
+        rewy_gdn_bwd_local(**_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, 1, 1), scale=x.scale, block_k=32)
