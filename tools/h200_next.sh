@@ -25,19 +25,19 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. The (1, 16384, 16) rows that rewy's launch of the state recurrences at BV 16 (now the default) changes, the
-#    only bench shape where it applies: both policies of every op there (eleventh session: KDA full only, 171 s warm):
+# 0. DeltaNet at the six shapes with the GDN local kernel's lean end phase (twelfth session: GDN rerun, 1.26x /
+#    1.62x; DeltaNet's kernel sums went from 1.07x to 1.15x of FLA's at two shapes, its bench rows are the ninth's):
+#   T_bench_gdn=545 bash tools/h200_next.sh bench-gdn:delta_rule      (about 470 s on one H200, most of it FLA's
+#   first compilation; merge with rewy-hf bench --from-json as docs/performance.md "How to reproduce" says)
+# 1. The (1, 16384, 16) rows of KDA / GDN2 that rewy's launch of the state recurrences at BV 16 changes (eleventh
+#    session: KDA full only, 171 s warm):
 #   T_bench_kda=400 SHAPES_KDA="1,16384,16" bash tools/h200_next.sh bench-kda
-#   T_bench_gdn=300 SHAPES_GDN="1,16384,16" bash tools/h200_next.sh bench-gdn
-#   The whole-suite geomeans then combine these rows with the earlier runs' other five (rewy-hf bench --from-json
-#   refuses duplicate rows: pass the earlier files without their (1,16384,16) rows, or rerun all six shapes).
-# 1. Where the host's 0.9-1.9 ms per DeltaNet / GDN backward goes at H = 16 (ninth session: about the GPU time),
-#    with FLA's launch of the recurrences and with rewy's (REWY_HF_STATE_BLOCK_V=32, the same width at this shape,
-#    skips FLA's Python wrappers; benchmarks/host_time_stubbed.py on the 2-core CPU, launches stubbed, least of 7 x 300
-#    calls, three alternating runs: rewy 0.44-0.51 ms per backward, 0.35-0.53 with that switch, FLA's op 0.57-0.62):
-#   T_gaps=170 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+--host-profile" gaps \
-#       "env:REWY_HF_STATE_BLOCK_V=32" gaps
+#   (rewy-hf bench --from-json refuses duplicate rows: pass the earlier files without their (1,16384,16) rows.)
 # 2. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the twelfth session (one H200): timing_gaps --host-profile for GDN and DeltaNet at (8,2048,16) (about
+#   0.12 ms of host time per Triton launch on both sides), the A/B of the GDN local kernel's lean end phase
+#   (0.506 vs 0.594 ms) and of a split into value and key kernels (no faster, dropped), DeltaNet's precision with
+#   it, bench-gdn:gdn at the six shapes, TESTS_K="triton_gdn or gdn-local" (14 + 10 passed once key blocks were 64 wide).
 # Done in the eleventh session (one H200): TESTS_K=state_launch (14 passed), timing_gaps --state-widths at the six
 #   shapes (BV 16 fastest only at (1,16384,16)), the A/B of a fused local-dv walk (slower, dropped), KDA full bench
 #   at (1,16384,16) with BV 16 (1.94x).
