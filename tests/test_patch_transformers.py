@@ -143,7 +143,18 @@ def test_parity_float32(family):
     rows = []   # (ours vs float64 truth, transformers vs float64 truth, name)
     for n, truth in r["g64"].items():
         rows.append((rel(r["g32_rewy"][n], truth), rel(r["g32_hf"][n], truth), n))
-    bad = [(o, t, n) for o, t, n in rows if o > max(2 * t, 1e-5)]
+    # A parameter whose true gradient nearly cancels (glm5_next's 3-element attn_hc.scale: 5e-6
+    # of the model's gradient norm) has a relative float32 error set by rounding noise, which
+    # moves with the CPU's arithmetic (7.5e-5 for rewy against 3.4e-5 for transformers on one
+    # machine, the other way round for layers.1.ffn_hc.scale). Such a parameter (true gradient
+    # under 1e-5 of the model's) is held to an absolute bound instead: 1e-8 of the model's
+    # gradient norm, 25x the largest such error measured (4e-10, glm5_next; 4e-12 in qwen4_exp)
+    # and 1000x below a gross error (relative error near 1) in such a parameter.
+    total = torch.sqrt(sum(g.double().norm() ** 2 for g in r["g64"].values())).item()
+    near_zero = {n for n, g in r["g64"].items() if g.double().norm().item() < 1e-5 * total}
+    abs_err = {n: (r["g32_rewy"][n].double() - r["g64"][n].double()).norm().item() / total for n in near_zero}
+    assert all(e <= 1e-8 for e in abs_err.values()), f"{family}: near-zero gradients, error / model norm: {abs_err}"
+    bad = [(o, t, n) for o, t, n in rows if o > max(2 * t, 1e-5) and n not in near_zero]
     worst_ours = max(rows)
     worst_hf = max(rows, key=lambda x: x[1])
     worst_ratio = max(rows, key=lambda x: x[0] / max(x[1], 1e-12))
