@@ -13,6 +13,10 @@ host's times.
     python -P benchmarks/host_time_stubbed.py --side rewy --policy recompute
     REWY_HF_STATE_BLOCK_V=fla python -P benchmarks/host_time_stubbed.py --side rewy
     python -P benchmarks/host_time_stubbed.py --side fla
+    REWY_HF_STATE_BLOCK_V=fla REWY_HF_DIRECT_LAUNCH=1 python -P benchmarks/host_time_stubbed.py --stub jit
+
+``--stub jit`` keeps the autotuners' and heuristics' Python in the time (only the
+jit functions return at once), which is what REWY_HF_DIRECT_LAUNCH=1 removes.
 
 At this script's one sequence x one head, rewy's default launches FLA's state
 recurrences itself, at BV 16, as at (1, 16384, 16); with ``fla`` it goes
@@ -27,12 +31,25 @@ import time
 import warnings
 
 
-def _stub_launches() -> None:
+def _stub_launches(stub: str) -> None:
+    """``all``: Triton's jit functions and autotuners return at once. ``jit``: only the jit
+    functions do; the autotuners and heuristics (FLA's caching autotuner among them) run their
+    Python, with every config timed as equally fast (the first wins), so that what a direct
+    launch (REWY_HF_DIRECT_LAUNCH=1) skips is in the time."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     JITFunction.run = lambda self, *a, **k: None
-    Autotuner.run = lambda self, *a, **k: None
+    if stub == "all":
+        Autotuner.run = lambda self, *a, **k: None
+    else:
+        Autotuner._bench = lambda self, *a, config, **k: [1.0, 1.0, 1.0]
+
+        def tune_without_disk_cache(self, tuning_key, configs, bench_fn):
+            bench_fn()                      # the disk cache of picks needs a GPU driver to name its target
+            return False
+
+        Autotuner.check_disk_cache = tune_without_disk_cache
 
 
 def _op(side: str, policy: str):
@@ -64,8 +81,10 @@ def main(argv=None) -> int:
     p.add_argument("--policy", choices=["recompute", "full"], default="recompute", help="rewy's save policy")
     p.add_argument("--calls", type=int, default=300, help="calls per repeat")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--stub", choices=["all", "jit"], default="all",
+                   help="all: jit functions and autotuners return at once; jit: only the jit functions do")
     a = p.parse_args(argv)
-    _stub_launches()
+    _stub_launches(a.stub)
     import torch
 
     warnings.simplefilter("ignore")
@@ -82,7 +101,8 @@ def main(argv=None) -> int:
         times["forward"].append((t1 - t0) / a.calls * 1e3)
         times["backward"].append((t2 - t1) / a.calls * 1e3)
     label = a.side + (f", policy {a.policy}" if a.side == "rewy" else "")
-    print(f"GDN, {label}, launches stubbed, ms per call over {a.repeats} x {a.calls}: "
+    stubbed = "launches stubbed" if a.stub == "all" else "jit functions stubbed"
+    print(f"GDN, {label}, {stubbed}, ms per call over {a.repeats} x {a.calls}: "
           + "; ".join(f"{n} min {min(v):.3f} median {statistics.median(v):.3f}" for n, v in times.items()))
     return 0
 

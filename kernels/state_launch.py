@@ -23,6 +23,9 @@ FLA's key plus BV and the gate kind.
 
 REWY_HF_STATE_BLOCK_V: ``auto`` (the default, the rule above), ``fla``
 (FLA's launch everywhere), or 16, 32 or 64 to force a width (for timing each).
+With REWY_HF_DIRECT_LAUNCH=1 (``direct_launch.py``) FLA's launch at its own
+widths is replaced too: the same kernel and arguments, launched here without
+FLA's stage function around it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import os
 
 import torch
 import triton
+
+from . import direct_launch
 
 STATE_BLOCK_V_ENV = "REWY_HF_STATE_BLOCK_V"
 WIDTHS = (64, 32, 16)
@@ -109,7 +114,7 @@ def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_
     B, T, HV, V = u.shape
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     bv = state_block_v(N, HV, V)
-    if bv is None:
+    if bv is None and not direct_launch.enabled():
         return fla_fwd_h(k=k, w=w, u=u, g=g, gk=gk, initial_state=initial_state,
                          output_final_state=output_final_state, chunk_size=chunk_size, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -119,10 +124,10 @@ def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_
     h = k.new_empty(B, NT, HV, *state)
     ht = k.new_zeros(N, HV, *state, dtype=torch.float32) if output_final_state else None
     v_new = torch.empty_like(u)
-    kernel, _ = relaunched_kernels()
-    kernel[(triton.cdiv(V, bv) * N * HV,)](
-        k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens,
-        chunk_offsets=offsets, T=T, H=k.shape[2], HV=HV, K=K, V=V, BT=chunk_size, BV=bv,
+    kernel, grid, width = _kernel_and_grid(0, bv, N * HV, V)
+    direct_launch.launch(
+        kernel, grid, k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=initial_state, ht=ht, cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets, T=T, H=k.shape[2], HV=HV, K=K, V=V, BT=chunk_size, **width,
         STATE_V_FIRST=state_v_first)
     return h, v_new, ht
 
@@ -134,7 +139,7 @@ def bwd_dhu(fla_bwd_dhu, q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, sc
     B, T, HV, V = do.shape
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     bv = state_block_v(N, HV, V)
-    if bv is None:
+    if bv is None and not direct_launch.enabled():
         return fla_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, h0=h0, dht=dht, scale=scale,
                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                            chunk_indices=chunk_indices)
@@ -143,9 +148,20 @@ def bwd_dhu(fla_bwd_dhu, q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, sc
     dh = q.new_empty(B, NT, HV, *((V, K) if state_v_first else (K, V)))
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(dv)
-    _, kernel = relaunched_kernels()
-    kernel[(triton.cdiv(V, bv) * N * HV,)](
-        q=q, k=k, w=w, g=g, gk=gk, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, cu_seqlens=cu_seqlens,
-        chunk_offsets=offsets, scale=scale, T=T, H=q.shape[2], HV=HV, K=K, V=V, BT=chunk_size, BV=bv,
-        STATE_V_FIRST=state_v_first)
+    kernel, grid, width = _kernel_and_grid(1, bv, N * HV, V)
+    direct_launch.launch(
+        kernel, grid, q=q, k=k, w=w, g=g, gk=gk, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
+        cu_seqlens=cu_seqlens, chunk_offsets=offsets, scale=scale, T=T, H=q.shape[2], HV=HV, K=K, V=V,
+        BT=chunk_size, **width, STATE_V_FIRST=state_v_first)
     return dh, dh0, dv2
+
+
+def _kernel_and_grid(which: int, bv: int | None, programs_per_column: int, V: int):
+    """(kernel, grid, width argument) of recurrence ``which`` (0: fwd_h, 1: bwd_dhu): rewy's relaunch
+    at the width ``bv``, or FLA's own kernel, whose autotuner picks the width (BV), at ``bv`` None."""
+    if bv is not None:
+        return relaunched_kernels()[which], (triton.cdiv(V, bv) * programs_per_column,), {"BV": bv}
+    from fla.ops.common import chunk_delta_h as fla
+
+    kernel = (fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64)
+    return kernel[which], lambda meta: (triton.cdiv(V, meta["BV"]) * programs_per_column,), {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import state_launch
+from . import fla_stages, state_launch
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -33,14 +33,13 @@ RCP_LN2 = 1.4426950408889634
 
 def _fla():
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
+    from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
 
     return dict(fwd_h=chunk_gated_delta_rule_fwd_h, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
-                dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra,
-                recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum, chunk_indices=prepare_chunk_indices)
+                fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra,
+                cumsum=chunk_local_cumsum, chunk_indices=prepare_chunk_indices)
 
 
 def _states(f, ns, k, w, u, g2, h0, pk, final: bool):
@@ -91,9 +90,9 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         if policy == "full":
             w, h, v_new = saved
         else:
-            w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g2, **pk)
+            w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
             h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
-        dv_local = f["dv_local"](q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
+        dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
         if ns > 1:
             dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)

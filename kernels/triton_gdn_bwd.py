@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import direct_launch
 from .triton_masks import bounds_mask
 
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
@@ -248,11 +249,11 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     if varlen and (B != 1 or chunk_indices is None):
         raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
     grid = (NK, chunk_indices.shape[0] if varlen else triton.cdiv(T, BT), B * HV)
-    rewy_gdn_bwd_local_kernel[grid](
-        q, k, v, v_new, g if g is not None else beta, beta, A, h, dh, do, dv2,
-        dq, dk, dv_, dg if dg is not None else db, db,
-        cu_seqlens if varlen else beta, chunk_indices if varlen else beta,
-        scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
+    direct_launch.launch(
+        rewy_gdn_bwd_local_kernel, grid, q=q, k=k, v=v, v_new=v_new, g=g if g is not None else beta, beta=beta,
+        A=A, h=h, dh=dh, do=do, dv2=dv2, dq=dq, dk=dk, dv=dv_, dg=dg if dg is not None else db, db=db,
+        cu_seqlens=cu_seqlens if varlen else beta, chunk_indices=chunk_indices if varlen else beta,
+        scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
         FULL_T=not varlen and T % BT == 0,
     )
     return dq, dk, dv_, (dg.sum(0) if NK > 1 else dg[0]) if dg is not None else None, db.sum(0) if NK > 1 else db[0]

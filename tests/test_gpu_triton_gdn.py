@@ -100,6 +100,28 @@ def test_triton_packed_sequences(op, policy):
     assert max(errs) <= BF16_TOL, errs
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_direct_launch_changes_nothing_computed(monkeypatch, policy, packed):
+    """REWY_HF_DIRECT_LAUNCH=1 launches the same kernels with the same picks as the autotuners
+    would (kernels/direct_launch.py): every output and gradient equal bit for bit to a run
+    without it, at FLA's own state widths (B x H large enough) and, packed, at rewy's."""
+    B, T, H, K, V = (1, 597, 2, 128, 64) if packed else (2, 300, 64, 128, 128)
+    args, kw = _inputs("gdn", B, T, H, H, K, V, h0=not packed, seed=4)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda")
+    dht = torch.randn(3 if packed else B, H, K, V, device="cuda")
+    runs = {}
+    for direct in ("0", "1", "1"):                  # the second direct run is served by stored picks
+        monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", direct)
+        runs.setdefault(direct, []).append(_grads(
+            lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="triton", policy=policy, **k),
+            args, kw, do, dht))
+    for run in runs["1"]:
+        assert all(torch.equal(x, y) for x, y in zip(run, runs["0"][0]))
+
+
 def test_sequence_parallel_recurrences_match_fla():
     """The split state recurrences against FLA's sequential kernels on the same inputs."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h

@@ -26,3 +26,17 @@ def test_both_sides_report_forward_and_backward(side):
     assert [name for name, *_ in found] == ["forward", "backward"], line
     assert all(0 < float(lo) <= float(mid) for _, lo, mid in found), line
     assert line.startswith(f"GDN, {side}")
+
+
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_autotuners_can_stay_in_the_time(direct):
+    """--stub jit: only Triton's jit functions return at once; the autotuners and heuristics run
+    (every config reported equally fast), with rewy's launches direct or through them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(REWY_HF_DIRECT_LAUNCH=direct, REWY_HF_STATE_BLOCK_V="fla")
+    r = subprocess.run([sys.executable, "-P", str(SCRIPT), "--stub", "jit", "--calls", "3", "--repeats", "2"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("GDN, rewy, policy recompute, jit functions stubbed"), line
+    assert len(re.findall(r"(forward|backward) min ([0-9.]+) median", line)) == 2, line

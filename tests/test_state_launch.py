@@ -51,7 +51,8 @@ def test_the_rule_is_on_by_default_and_the_switch_names_its_values(monkeypatch):
 @pytest.mark.parametrize("mode", [None, "fla"])
 def test_where_the_rule_does_not_narrow_flas_launch_runs_unchanged(monkeypatch, mode):
     """Where BV 32 gives enough programs (by default) or with REWY_HF_STATE_BLOCK_V=fla, rewy calls
-    FLA's own launch functions with every argument as given."""
+    FLA's own launch functions with every argument as given (unless REWY_HF_DIRECT_LAUNCH=1)."""
+    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")
     if mode is None:
         monkeypatch.delenv(STATE_BLOCK_V_ENV, raising=False)
     else:

@@ -73,9 +73,11 @@ def _loop_bwd_dhu(q, k, w, do, dv, g=None, h0=None, dht=None, scale=None, cu_seq
 
 def _replace_recurrences(monkeypatch, fwd_h, bwd_dhu):
     """FLA's two recurrences replaced; rewy's own launch of FLA's kernels (on by default where B x H
-    is small, kernels/state_launch.py) is switched off, so the replacements are what run."""
+    is small, kernels/state_launch.py, and everywhere with REWY_HF_DIRECT_LAUNCH=1) is switched
+    off, so the replacements are what run."""
     stages = triton_gdn._fla
     monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
+    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")
 
     def patched():
         f = stages()
@@ -124,11 +126,15 @@ def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False):
     assert max(errors.values()) < 2e-5, errors
 
 
+@pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_with_sequence_parallel_recurrences(op, policy, monkeypatch):
+def test_function_with_sequence_parallel_recurrences(op, policy, direct, monkeypatch):
+    """Also with REWY_HF_DIRECT_LAUNCH=1: FLA's w/u recompute and local dv and rewy's local kernel
+    launched without their autotuner wrappers (kernels/direct_launch.py)."""
     _replace_recurrences(monkeypatch, _refuse, _refuse)
     monkeypatch.setenv("REWY_HF_SEQUENCE_PARALLEL", "2")
+    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", direct)
     H = 1 if op == "gdn" else 2                        # GVA for GDN (DeltaNet has none); five chunks
     inputs, do, dht = _inputs(op, T=300, H=H, HV=2, K=32, V=32, N=1, seed=11)
     _compare(op, inputs, do, dht, policy)

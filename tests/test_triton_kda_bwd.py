@@ -471,14 +471,15 @@ def _torch_bwd_dhu(q, k, w, do, dv, gk, h0=None, dht=None, scale=None, state_v_f
 def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_first, policy, seed,
                      qk_l2norm=False):
     """The KDA Function (FLA's real forward stages in the interpreter, the two state
-    recurrences replaced by ``fwd_h`` / ``bwd_dhu``, so rewy's own launch of FLA's kernels is
-    switched off) against the torch backend.
+    recurrences replaced by ``fwd_h`` / ``bwd_dhu``, so rewy's own launch of FLA's kernels, and
+    its direct launch, are switched off) against the torch backend.
     ``qk_l2norm``: raw q, k, normalised inside (FLA's use_qk_l2norm_in_kernel)."""
     import rewy_hf
     from rewy_hf.kernels import triton_kda
 
     fla_stages = triton_kda._fla
     monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
+    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")       # which would launch FLA's kernels past the stubs
 
     def stages(kind):
         f = fla_stages(kind)

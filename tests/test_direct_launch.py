@@ -1,0 +1,209 @@
+"""kernels/direct_launch.py and kernels/fla_stages.py, under TRITON_INTERPRET=1 on CPU.
+
+A direct launch must run the config the kernel's autotuner picked for the call's key, with the
+kernel's heuristics applied, and must fall back to the autotuner's own path whenever it has no
+pick (a new key, picks forgotten by the bench) or cannot rebuild the autotuner's key. FLA's two
+chunk-parallel stages launched by rewy must equal FLA's own functions; the state recurrences,
+which do not run under the interpreter, must get the same arguments and grid as FLA gives them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rewy_hf.kernels import direct_launch, fla_stages, state_launch
+
+pytestmark = pytest.mark.usefixtures("direct_on")
+
+
+@pytest.fixture
+def direct_on(monkeypatch):
+    monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "1")
+
+
+@triton.heuristics({"HAS_B": lambda args: args["b"] is not None})
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])
+@triton.jit
+def _scaled_add(a, b, out, width, n, SCALE: tl.constexpr, BLOCK: tl.constexpr, HAS_B: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(a + offs, mask=m, other=0.0) * SCALE
+    if HAS_B:
+        x += tl.load(b + offs, mask=m, other=0.0)
+    tl.store(out + offs, x, mask=m)
+    tl.store(width + tl.program_id(0), BLOCK)       # which config ran
+
+
+def _tuner():
+    tuner = _scaled_add.fn
+    # rewy's test setup cuts every autotuner to its first config; this kernel needs its two
+    tuner.configs = list(getattr(tuner, "listed_configs", tuner.configs))
+    tuner.cache.clear()
+    return tuner
+
+
+def _counting(monkeypatch, tuner):
+    calls = []
+    run = tuner.run
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("n"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "run", counted)
+    return calls
+
+
+def _launch(a, b, n, widths=None):
+    out = torch.full_like(a, float("nan"))
+    width = torch.zeros(n, dtype=torch.int32)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)   # noqa: E731
+    direct_launch.launch(_scaled_add, grid, a=a, b=b, out=out, width=width, n=n, SCALE=2.0)
+    if widths is not None:
+        widths.append(int(width[0]))
+    return out
+
+
+def test_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+    monkeypatch.delenv(direct_launch.DIRECT_LAUNCH_ENV)
+    assert not direct_launch.enabled()
+    monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "1")
+    assert direct_launch.enabled()
+    monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "yes")
+    with pytest.raises(ValueError, match="REWY_HF_DIRECT_LAUNCH='yes'.*use 0.*or 1"):
+        direct_launch.enabled()
+
+
+def test_a_tuned_key_skips_the_autotuner_and_runs_its_pick(monkeypatch):
+    """The interpreter cannot time configs, so the pick is stored under the key Triton's autotuner
+    builds (key arguments, then each tensor's dtype): the first launch goes through the autotuner
+    (and checks that rewy's key rule finds that pick), the later ones do not, and the heuristic
+    (HAS_B from b) is applied on both paths."""
+    tuner = _tuner()
+    monkeypatch.setattr(_scaled_add, "_rewy_direct_plan", False, raising=False)   # a fresh plan, key rule unchecked
+    a, b = torch.arange(40.0), torch.ones(40)
+    n = 40
+    key = (n, "torch.float32", "torch.float32", "torch.float32", "torch.int32")
+    tuner.cache[key] = tuner.configs[1]
+    calls, widths = _counting(monkeypatch, tuner), []
+    first = _launch(a, b, n, widths)
+    assert calls == [n]
+    second = _launch(a, b, n, widths)
+    assert calls == [n], "the second launch went through the autotuner"
+    assert torch.equal(first, 2 * a + 1) and torch.equal(second, first)
+    assert widths == [32, 32], "the pick (BLOCK 32) must run on both paths"
+    # b None: one dtype fewer in the key, and the heuristic HAS_B False
+    tuner.cache[(n, "torch.float32", "torch.float32", "torch.int32")] = tuner.configs[0]
+    assert torch.equal(_launch(a, None, n, widths), 2 * a) and widths[-1] == 16
+    tuner.cache[key] = tuner.configs[0]                            # another pick under the same key
+    assert torch.equal(_launch(a, b, n, widths), first) and widths[-1] == 16
+    assert calls == [n]
+    tuner.cache.clear()                                            # what the bench's forget_picks does
+    with pytest.raises(RuntimeError, match="active drivers"):      # no pick: the autotuner tries to time its
+        _launch(a, b, n)                                           # two configs, which the interpreter cannot
+    assert calls == [n, n], "without a pick the launch must go through the autotuner"
+
+
+def test_a_key_rule_that_does_not_match_is_never_used(monkeypatch):
+    """If rewy's key differs from the one the autotuner stored (another Triton version's rule),
+    the direct path is switched off for that kernel, not guessed at."""
+    tuner = _tuner()
+    a, b, n = torch.arange(24.0), torch.zeros(24), 24
+    tuner.cache[(n, "torch.float32", "torch.float32", "torch.float32", "torch.int32")] = tuner.configs[0]
+    monkeypatch.setattr(direct_launch._Plan, "key", lambda self, args: ("not", "triton's", "key"))
+    monkeypatch.setattr(_scaled_add, "_rewy_direct_plan", False, raising=False)   # planned afresh, then dropped
+    calls = _counting(monkeypatch, tuner)
+    for _ in range(3):
+        assert torch.equal(_launch(a, b, n), 2 * a)
+    assert calls == [n, n, n]
+    assert direct_launch._plan(_scaled_add).usable is False
+
+
+def _gdn_chunk_inputs(T=150, H=1, HV=2, K=32, V=16, seed=0):
+    """Inputs of FLA's chunk stages as rewy's GDN forward makes them (log2 chunk cumsum, A)."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = chunk_local_cumsum(F.logsigmoid(torch.randn(1, T, HV, generator=gen)), chunk_size=64, scale=1.4426950408889634)
+    beta = torch.rand(1, T, HV, generator=gen)
+    do = torch.randn(1, T, HV, V, generator=gen)
+    _, _, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+    return q, k, v, g, beta, A, do
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flas_chunk_stages_launched_by_rewy_equal_flas_functions(packed, monkeypatch):
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    q, k, v, g, beta, A, do = _gdn_chunk_inputs()
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    for gate in (g, None):
+        ours = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=gate, **pk)
+        theirs = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gate, **pk)
+        assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+        ours = fla_stages.dv_local(q=q, k=k, do=do, g=gate, scale=0.3, **pk)
+        theirs = chunk_bwd_dv_local(q=q, k=k, do=do, g=gate, scale=0.3, chunk_size=64, **pk)
+        assert torch.equal(ours, theirs)
+    # the switch off: FLA's functions themselves run
+    monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "0")
+    sentinel = object()
+    monkeypatch.setattr("fla.ops.common.chunk_o.chunk_bwd_dv_local", lambda **kw: sentinel)
+    assert fla_stages.dv_local(q=q, k=k, do=do, g=g, scale=0.3) is sentinel
+
+
+class _Recorder:
+    """Stands in for one of FLA's recurrence kernels: records the grid and arguments it is launched with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.calls.append((grid, kwargs))
+
+
+def _same_launch(a, b):
+    (grid_a, kw_a), (grid_b, kw_b) = a, b
+    assert kw_a.keys() == kw_b.keys()
+    for name in kw_a:
+        x, y = kw_a[name], kw_b[name]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype, name
+            if name not in ("h", "ht", "v_new", "dh", "dh0", "dv2"):          # inputs: the very same values
+                assert torch.equal(x, y), name
+        else:
+            assert x == y, name
+    for bv in (32, 64):
+        assert grid_a({"BV": bv}) == grid_b({"BV": bv})
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, monkeypatch):
+    """With the switch on and FLA's own width (no narrowing), rewy launches FLA's recurrence kernels
+    itself: with exactly the arguments and grid FLA's stage functions give them."""
+    from fla.ops.common import chunk_delta_h as fla
+
+    monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "fla")
+    fwd_rec, bwd_rec = _Recorder(), _Recorder()
+    monkeypatch.setattr(fla, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", fwd_rec)
+    monkeypatch.setattr(fla, "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", bwd_rec)
+    q, k, v, g, beta, A, do = _gdn_chunk_inputs()
+    w, u = torch.randn(1, 150, 2, 32), torch.randn(1, 150, 2, 16)
+    h0 = torch.randn(2 if packed else 1, 2, 32, 16)
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    for launcher in (state_launch.fwd_h, fla.chunk_gated_delta_rule_fwd_h):
+        launcher(**({"fla_fwd_h": None} if launcher is state_launch.fwd_h else {}), k=k, w=w, u=u, g=g,
+                 initial_state=h0, output_final_state=True, chunk_size=64, **pk)
+    _same_launch(*fwd_rec.calls)
+    for launcher in (state_launch.bwd_dhu, fla.chunk_gated_delta_rule_bwd_dhu):
+        launcher(**({"fla_bwd_dhu": None} if launcher is state_launch.bwd_dhu else {}), q=q, k=k, w=w, do=do,
+                 dv=u, g=g, h0=h0, dht=h0, scale=0.3, chunk_size=64, **pk)
+    _same_launch(*bwd_rec.calls)
