@@ -243,8 +243,10 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=dqk_dtype)
     dk = torch.empty_like(dq)
     dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    dg = torch.empty(NK, B, T, HV, device=q.device, dtype=torch.float32) if g is not None else None
-    db = torch.empty(NK, B, T, HV, device=q.device, dtype=torch.float32)
+    # Each key block's share of beta's gradient (and the gate's), in one buffer, so that one
+    # reduction adds them: a launch fewer per backward than one sum each.
+    shares = torch.empty(1 + (g is not None), NK, B, T, HV, device=q.device, dtype=torch.float32)
+    dg, db = (shares[0] if g is not None else None), shares[-1]
     varlen = cu_seqlens is not None
     if varlen and (B != 1 or chunk_indices is None):
         raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
@@ -256,4 +258,5 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
         scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
         FULL_T=not varlen and T % BT == 0,
     )
-    return dq, dk, dv_, (dg.sum(0) if NK > 1 else dg[0]) if dg is not None else None, db.sum(0) if NK > 1 else db[0]
+    total = shares.sum(1) if NK > 1 else shares[:, 0]
+    return dq, dk, dv_, total[0] if g is not None else None, total[-1]
