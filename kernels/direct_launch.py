@@ -19,8 +19,8 @@ compiled kernel is the one the ordinary path would launch.
 
 The key is built the way Triton 3.x's ``Autotuner.run`` builds it; after the
 first ordinary launch of a kernel, ``launch`` checks that its key is the one
-the autotuner stored, and if not (another Triton version), it never takes
-the direct path for that kernel.
+the autotuner stored, and if not (another Triton version), it warns and never
+takes the direct path for that kernel.
 
 REWY_HF_DIRECT_LAUNCH: ``0`` (the default until it is timed on the H200) or
 ``1``.
@@ -29,6 +29,7 @@ REWY_HF_DIRECT_LAUNCH: ``0`` (the default until it is timed on the H200) or
 from __future__ import annotations
 
 import os
+import warnings
 
 from triton.runtime.autotuner import Autotuner, Heuristics
 
@@ -131,6 +132,9 @@ def launch(kernel, grid, **kwargs):
                 plan.verified = True
             else:
                 plan.usable = False
+                warnings.warn(f"{DIRECT_LAUNCH_ENV}=1: the autotuner of {getattr(tuner.base_fn, '__name__', tuner)} "
+                              "stores its picks under another key than rewy rebuilds (another Triton version?); "
+                              "its launches keep going through the autotuner", RuntimeWarning, stacklevel=2)
         return out
     tuner.best_config = config
     return plan.jit.run(grid=grid, warmup=False, **args, **_config_kwargs(config))
