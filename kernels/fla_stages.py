@@ -27,8 +27,7 @@ def recompute_w_u(k, v, beta, A, g=None, cu_seqlens=None, chunk_indices=None):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = A.shape[-1]
-    chunk_indices = _chunk_indices(cu_seqlens, BT, chunk_indices)
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
     w = k.new_empty(B, T, HV, K)
     u = torch.empty_like(v)
     # BK, BV: the fixed tiles FLA's recompute_w_u_fwd passes
@@ -48,11 +47,10 @@ def dv_local(q, k, do, g=None, scale=None, chunk_size=64, cu_seqlens=None, chunk
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
     BT = chunk_size
-    chunk_indices = _chunk_indices(cu_seqlens, BT, chunk_indices)
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
     tiling = _dv_local_tiling(q, k, do)
     BK = min(max(triton.next_power_of_2(K), 16), tiling)
     BV = min(max(triton.next_power_of_2(V), 16), tiling)
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     dv = torch.empty_like(do)
     direct_launch.launch(chunk_o.chunk_bwd_kernel_dv_local, (NT, B * HV), q=q, k=k, g=g, g_gamma=None, A=None,
                          do=do, dv=dv, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H,
@@ -60,12 +58,17 @@ def dv_local(q, k, do, g=None, scale=None, chunk_size=64, cu_seqlens=None, chunk
     return dv
 
 
-def _chunk_indices(cu_seqlens, chunk_size: int, chunk_indices):
-    if cu_seqlens is None or chunk_indices is not None:
-        return chunk_indices
-    from fla.ops.utils import prepare_chunk_indices
+def chunk_table(T: int, cu_seqlens, chunk_size: int, chunk_indices):
+    """(chunks in all, FLA's (sequence, chunk) table or None): with packed sequences each
+    sequence's chunks are counted on their own, as FLA's stage functions count them; the
+    table is built here when the caller has none."""
+    if cu_seqlens is None:
+        return triton.cdiv(T, chunk_size), chunk_indices
+    if chunk_indices is None:
+        from fla.ops.utils import prepare_chunk_indices
 
-    return prepare_chunk_indices(cu_seqlens, chunk_size)
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    return len(chunk_indices), chunk_indices
 
 
 def _dv_local_tiling(q, k, do) -> int:

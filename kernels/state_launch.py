@@ -36,6 +36,7 @@ import torch
 import triton
 
 from . import direct_launch
+from .fla_stages import chunk_table
 
 STATE_BLOCK_V_ENV = "REWY_HF_STATE_BLOCK_V"
 WIDTHS = (64, 32, 16)
@@ -98,13 +99,12 @@ def relaunched_kernels():
 def _chunks(T: int, cu_seqlens, chunk_size: int, chunk_indices):
     """(chunks per row of the state tensors, first chunk of each sequence): packed
     sequences count their chunks one sequence at a time, as FLA does."""
+    NT, _ = chunk_table(T, cu_seqlens, chunk_size, chunk_indices)
     if cu_seqlens is None:
-        return triton.cdiv(T, chunk_size), None
-    from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
+        return NT, None
+    from fla.ops.utils import prepare_chunk_offsets
 
-    if chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
-    return len(chunk_indices), prepare_chunk_offsets(cu_seqlens, chunk_size)
+    return NT, prepare_chunk_offsets(cu_seqlens, chunk_size)
 
 
 def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_state=False, chunk_size=64,
