@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import rewy_hf
 from rewy_hf.kernels import triton_gdn
+from rewy_hf.rel_error import rel_err
 
 
 def _chunks(T, cu_seqlens):
@@ -119,10 +120,9 @@ def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False):
     live = [i for i, t in enumerate(leaves) if t is not None]
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[i] for i in live])
     ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref_leaves[i] for i in live])
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    errors = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
-    errors.update({names[i]: rel(a, b) for i, a, b in zip(live, grads, ref)})
+    errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
+    errors.update({names[i]: rel_err(a, b) for i, a, b in zip(live, grads, ref)})
     assert max(errors.values()) < 2e-5, errors
 
 
