@@ -1,4 +1,4 @@
-"""Two of FLA 0.6.0's chunk-parallel stages, launched by rewy under REWY_HF_DIRECT_LAUNCH=1.
+"""Two of FLA 0.6.0's chunk-parallel stages, launched by rewy under REWY_HF_DIRECT_LAUNCH=1 (the default).
 
 rewy's GDN / DeltaNet backward runs FLA's w/u recompute (policy recompute)
 and its local value gradient dV_loc = A_qk^T dO. FLA's stage functions wrap

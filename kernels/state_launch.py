@@ -23,7 +23,7 @@ FLA's key plus BV and the gate kind.
 
 REWY_HF_STATE_BLOCK_V: ``auto`` (the default, the rule above), ``fla``
 (FLA's launch everywhere), or 16, 32 or 64 to force a width (for timing each).
-With REWY_HF_DIRECT_LAUNCH=1 (``direct_launch.py``) FLA's launch at its own
+With REWY_HF_DIRECT_LAUNCH=1 (the default; ``direct_launch.py``) FLA's launch at its own
 widths is replaced too: the same kernel and arguments, launched here without
 FLA's stage function around it.
 """

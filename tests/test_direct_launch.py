@@ -68,13 +68,13 @@ def _launch(a, b, n, widths=None):
     return out
 
 
-def test_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+def test_switch_is_on_by_default_and_refuses_other_values(monkeypatch):
     monkeypatch.delenv(direct_launch.DIRECT_LAUNCH_ENV)
-    assert not direct_launch.enabled()
-    monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "1")
     assert direct_launch.enabled()
+    monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "0")
+    assert not direct_launch.enabled()
     monkeypatch.setenv(direct_launch.DIRECT_LAUNCH_ENV, "yes")
-    with pytest.raises(ValueError, match="REWY_HF_DIRECT_LAUNCH='yes'.*use 0.*or 1"):
+    with pytest.raises(ValueError, match="REWY_HF_DIRECT_LAUNCH='yes'.*use 1.*or 0"):
         direct_launch.enabled()
 
 
@@ -187,10 +187,12 @@ def _same_launch(a, b):
         assert grid_a({"BV": bv}) == grid_b({"BV": bv})
 
 
+@pytest.mark.parametrize("gate", ["g", "gk"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, monkeypatch):
+def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, gate, monkeypatch):
     """With the switch on and FLA's own width (no narrowing), rewy launches FLA's recurrence kernels
-    itself: with exactly the arguments and grid FLA's stage functions give them."""
+    itself: with exactly the arguments and grid FLA's stage functions give them, for GDN's
+    head-wise gate g and KDA / GDN2's key-wise gate gk."""
     from fla.ops.common import chunk_delta_h as fla
 
     monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "fla")
@@ -201,11 +203,13 @@ def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, monkeypatch
     w, u = torch.randn(1, 150, 2, 32), torch.randn(1, 150, 2, 16)
     h0 = torch.randn(2 if packed else 1, 2, 32, 16)
     pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    # (the recorders stand in for the kernels, so the key-wise gate only needs its shape)
+    gates = {"g": g} if gate == "g" else {"gk": -torch.rand(1, 150, 2, 32).cumsum(1)}
     for launcher in (state_launch.fwd_h, fla.chunk_gated_delta_rule_fwd_h):
-        launcher(**({"fla_fwd_h": None} if launcher is state_launch.fwd_h else {}), k=k, w=w, u=u, g=g,
+        launcher(**({"fla_fwd_h": None} if launcher is state_launch.fwd_h else {}), k=k, w=w, u=u, **gates,
                  initial_state=h0, output_final_state=True, chunk_size=64, **pk)
     _same_launch(*fwd_rec.calls)
     for launcher in (state_launch.bwd_dhu, fla.chunk_gated_delta_rule_bwd_dhu):
         launcher(**({"fla_bwd_dhu": None} if launcher is state_launch.bwd_dhu else {}), q=q, k=k, w=w, do=do,
-                 dv=u, g=g, h0=h0, dht=h0, scale=0.3, chunk_size=64, **pk)
+                 dv=u, **gates, h0=h0, dht=h0, scale=0.3, chunk_size=64, **pk)
     _same_launch(*bwd_rec.calls)

@@ -25,23 +25,19 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. REWY_HF_DIRECT_LAUNCH=1 (kernels/direct_launch.py, twelfth session, off by default, CPU-measured only): its GPU
-#    tests, its host time against the default, then the GDN bench at the H = 16 shapes with it (flip the default,
-#    and update docs/usage.md, only if it is right and faster):
-#   TESTS_K="direct_launch or fp32_reference" bash tools/h200_next.sh tests
-#   T_gaps=250 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+2,8192,16" gaps \
-#       "env:REWY_HF_DIRECT_LAUNCH=1" gaps
-#   T_bench_gdn=545 SHAPES_GDN="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh \
-#       env:REWY_HF_DIRECT_LAUNCH=1 bench-gdn:gdn
-# 1. DeltaNet at the six shapes with the GDN local kernel's lean end phase (twelfth session: GDN rerun, 1.26x /
-#    1.62x; DeltaNet's kernel sums went from 1.07x to 1.15x of FLA's at two shapes, its bench rows are the ninth's):
-#   T_bench_gdn=545 bash tools/h200_next.sh bench-gdn:delta_rule      (about 470 s on one H200, most of it FLA's
-#   first compilation; merge with rewy-hf bench --from-json as docs/performance.md "How to reproduce" says)
-# 2. The (1, 16384, 16) rows of KDA / GDN2 that rewy's launch of the state recurrences at BV 16 changes (eleventh
-#    session: KDA full only, 171 s warm):
-#   T_bench_kda=400 SHAPES_KDA="1,16384,16" bash tools/h200_next.sh bench-kda
-#   (rewy-hf bench --from-json refuses duplicate rows: pass the earlier files without their (1,16384,16) rows.)
-# 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# 0. The GPU tests of KDA / GDN2 and the state launch with the direct launch, on by default since the thirteenth
+#    session (its GPU test so far covers GDN only; the KDA / GDN2 tests ran with it off):
+#   TESTS_K="triton_kda or saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
+# 1. The KDA / GDN2 bench at the six shapes with the direct launch and the BV 16 state launch (their rows are the
+#    tenth session's; one call per op at the H = 16 shapes, then both at H = 32, as the tenth session did):
+#   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:kda
+#   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
+#   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
+# 2. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the thirteenth session (one H200): TESTS_K="direct_launch or fp32_reference" (16 passed), timing_gaps for
+#   GDN recompute with the direct launch off and on (host 1.12 -> 0.75 ms per backward at (8,2048,16)),
+#   bench-gdn:gdn and bench-gdn:delta_rule at the six shapes with it (GDN 1.38x / 1.64x, DeltaNet 1.29x / 1.67x),
+#   and GDN recompute again (BENCH_POLICY=recompute, 1.36x).
 # Done in the twelfth session (one H200): timing_gaps --host-profile for GDN and DeltaNet at (8,2048,16) (about
 #   0.12 ms of host time per Triton launch on both sides), the A/B of the GDN local kernel's lean end phase
 #   (0.506 vs 0.594 ms) and of a split into value and key kernels (no faster, dropped), DeltaNet's precision with
