@@ -40,11 +40,12 @@ _BF16 = {
     "intra": {"q", "k", "beta"},
     "wy": {"q", "k", "v", "v_new", "beta", "wg", "A", "h", "dh", "do", "dv2", "dv", "dw"},
     "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
+    "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv"},
     "state-scan": set(),
     "state-segment": {"k", "w", "u", "q", "do", "h_out", "vn_out"},
 }
 _SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
-KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "state-scan", "state-segment")
+KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "state-scan", "state-segment")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices"}
 
 
@@ -68,6 +69,13 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name == "gdn-local":
         return G.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
                                                               IS_VARLEN=False, FULL_T=True)
+    if name == "gdn-prestage":
+        # the fused w/u recompute + local dv (REWY_HF_FUSED_PRESTAGE); block_k: its tile over K and V
+        from rewy_hf.kernels import triton_gdn_prestage as P
+
+        bk = block_k or 64
+        return P.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
+                                                      IS_VARLEN=False, FULL_T=True)
     if name in ("state-scan", "state-segment"):
         # the sequence-parallel recurrences, backward direction, per-key gates (KDA's form)
         from rewy_hf.kernels import triton_state_scan as S
@@ -142,7 +150,7 @@ def resource_usage(compiled) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", nargs="+", default=list(KERNELS[:5]),
-                   help=f"any of {', '.join(KERNELS)} (default: the five backward kernels)")
+                   help=f"any of {', '.join(KERNELS)} (default: the five backward kernels of KDA, GDN2 and GDN)")
     p.add_argument("--warps", type=int, default=None, help="with --stages: this config instead of the autotune list")
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--maxnreg", type=int, default=None, help="with --warps / --stages: a register cap per thread")

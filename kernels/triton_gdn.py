@@ -4,7 +4,9 @@ Forward: FLA 0.6.0's stage functions, called in FLA's order (chunk-local gate
 cumsum in log2 units, the intra-chunk WY pair w, u and A, the state recurrence
 h / v_new, the output). Backward: FLA's stages that ReWY leaves alone (w/u
 recompute, the state recurrence, the local dv and the reverse state
-recurrence dh / dv2), then rewy's own kernel for everything ReWY rewrites
+recurrence dh / dv2; with REWY_HF_FUSED_PRESTAGE=1 the w/u recompute and the
+local dv run as one kernel of rewy's, triton_gdn_prestage.py), then rewy's own
+kernel for everything ReWY rewrites
 (triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
 kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fla_stages, state_launch
+from . import fla_stages, state_launch, triton_gdn_prestage
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -87,12 +89,18 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
+        dv_local = None
         if policy == "full":
             w, h, v_new = saved
+        elif triton_gdn_prestage.enabled():
+            w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2, scale=scale,
+                                                                           **pk)
         else:
             w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
+        if policy != "full":
             h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
-        dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
+        if dv_local is None:
+            dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
         if ns > 1:
             dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)

@@ -165,3 +165,44 @@ def test_sequence_parallel_op_matches_fp32_reference(monkeypatch, policy):
     ours = _grads(lambda *a, **k: f(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
+
+
+@pytest.mark.parametrize("op,shape,packed", [
+    ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
+    ("delta_rule", (1, 597, 4, 4, 128, 64), True),
+])
+def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed, monkeypatch):
+    """REWY_HF_FUSED_PRESTAGE=1 (kernels/triton_gdn_prestage.py): the op's gradients against the fp32
+    reference, and w, u, dV_loc against FLA's recompute_w_u_fwd and chunk_bwd_dv_local on the
+    same BF16 inputs (the two round at different points, so to BF16 accuracy, not bit for bit)."""
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local
+
+    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", "1")
+    B, T, H, HV, K, V = shape
+    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=6)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
+    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
+    do = torch.randn(B, T, HV, V, device="cuda")
+    dht = torch.randn(3 if packed else B, HV, K, V, device="cuda")
+    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    assert max(errs) <= BF16_TOL, errs
+
+    q, k, v = args[:3]
+    beta = args[-1].bfloat16()
+    pk = {"cu_seqlens": kw["cu_seqlens"]} if packed else {}
+    g2 = None if op == "delta_rule" else chunk_local_cumsum(args[3], chunk_size=64, scale=1.4426950408889634, **pk)
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
+    do16 = do.bfloat16()
+    mine = recompute_wu_and_dv_local(q, k, v, beta, A, do16, g=g2, scale=K ** -0.5, **pk)
+    theirs = (*recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **pk),
+              chunk_bwd_dv_local(q=q, k=k, do=do16, g=g2, scale=K ** -0.5, chunk_size=64, **pk))
+    for name, a, b in zip(("w", "u", "dv_local"), mine, theirs):
+        assert rel_err(a.float(), b.float()) < 1e-2, name

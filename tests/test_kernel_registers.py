@@ -56,9 +56,21 @@ def test_segment_scan_runs_on_tensor_cores_without_spills(tmp_path):
     assert "LDL" not in ops
 
 
+def test_fused_prestage_compiles_to_tensor_cores_without_spills(tmp_path):
+    """The fused w/u recompute + local dv kernel (REWY_HF_FUSED_PRESTAGE) is bound by memory: it must
+    not spill at any listed config, and its five products run on the tensor cores."""
+    out = tmp_path / "rows.json"
+    r = _run("--kernel", "gdn-prestage", "--opcodes", "60", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and all(x["spill_bytes"] == 0 and 0 < x["registers"] <= 255 for x in rows)
+    ops = r.stdout.splitlines()[1].split()
+    assert "HGMMA" in ops or "HMMA" in ops
+
+
 def test_refusals_name_the_problem():
     r = _run("--kernel", "kda")
-    names = "kda-intra, gdn2-intra, kda-wy, gdn2-wy, gdn-local, state-scan or state-segment"
+    names = "kda-intra, gdn2-intra, kda-wy, gdn2-wy, gdn-local, gdn-prestage, state-scan or state-segment"
     assert r.returncode == 2 and names in r.stderr
     r = _run("--kernel", "kda-intra", interpret=True)
     assert r.returncode == 2 and "unset it" in r.stderr

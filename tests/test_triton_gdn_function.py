@@ -148,6 +148,25 @@ def test_function_packed_sequences(policy, monkeypatch):
     _compare("gdn", inputs, do, dht, policy, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("op", ["gdn", "delta_rule"])
+def test_function_with_fused_prestage(op, packed, monkeypatch):
+    """REWY_HF_FUSED_PRESTAGE=1, policy recompute: w, u and the local dv come from rewy's one
+    kernel (kernels/triton_gdn_prestage.py), and FLA's two stages do not run; GVA for GDN."""
+    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
+    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", "1")
+    monkeypatch.setattr(triton_gdn.fla_stages, "recompute_w_u", _refuse_stage)
+    monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", _refuse_stage)
+    cu = torch.tensor([0, 70, 200, 230]) if packed else None
+    inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=3 if packed else 1,
+                              seed=16)
+    _compare(op, inputs, do, dht, "recompute", cu_seqlens=cu)
+
+
+def _refuse_stage(*_, **__):
+    raise AssertionError("FLA's w/u recompute or local dv ran with REWY_HF_FUSED_PRESTAGE=1")
+
+
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 def test_function_normalises_q_and_k_inside(policy, monkeypatch):
     """qk_l2norm (FLA's use_qk_l2norm_in_kernel): raw q and k go in, the l2norm and its

@@ -25,15 +25,23 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. The GPU tests of KDA / GDN2 and the state launch with the direct launch, on by default since the thirteenth
+# 0. REWY_HF_FUSED_PRESTAGE=1 (kernels/triton_gdn_prestage.py, thirteenth session, off by default, CPU-tested
+#    only): the w/u recompute and the local dv of GDN / DeltaNet recompute in one kernel of rewy's. Its GPU test,
+#    then GDN recompute's kernel sum and bench-style time without and with it (turn it on by default, and update
+#    docs/usage.md, only if it is right and faster):
+#   TESTS_K="fused_prestage or direct_launch" T_gaps=240 bash tools/h200_next.sh tests \
+#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+2,8192,16" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
+#   then, if faster: T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_FUSED_PRESTAGE=1 bench-gdn:gdn
+#   (and bench-gdn:delta_rule in the next call)
+# 1. The GPU tests of KDA / GDN2 and the state launch with the direct launch, on by default since the thirteenth
 #    session (its GPU test so far covers GDN only; the KDA / GDN2 tests ran with it off):
 #   TESTS_K="triton_kda or saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
-# 1. The KDA / GDN2 bench at the six shapes with the direct launch and the BV 16 state launch (their rows are the
+# 2. The KDA / GDN2 bench at the six shapes with the direct launch and the BV 16 state launch (their rows are the
 #    tenth session's; one call per op at the H = 16 shapes, then both at H = 32, as the tenth session did):
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:kda
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
 #   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
-# 2. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
 # Done in the thirteenth session (one H200): TESTS_K="direct_launch or fp32_reference" (16 passed), timing_gaps for
 #   GDN recompute with the direct launch off and on (host 1.12 -> 0.75 ms per backward at (8,2048,16)),
 #   bench-gdn:gdn and bench-gdn:delta_rule at the six shapes with it (GDN 1.38x / 1.64x, DeltaNet 1.29x / 1.67x),
@@ -106,7 +114,7 @@ scan)
 gaps)
   # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time and kernel sum
   # appends, so that runs in one queue under different env: settings share the log (each under its own header)
-  echo "== timing_gaps.py $GAP_ARGS (REWY_HF_STATE_BLOCK_V=${REWY_HF_STATE_BLOCK_V:-auto})" >> $O/gaps${CUDA_VISIBLE_DEVICES}.log
+  echo "== timing_gaps.py $GAP_ARGS (REWY_HF_STATE_BLOCK_V=${REWY_HF_STATE_BLOCK_V:-auto}; set: $(env | grep '^REWY' | sort | tr '\n' ' '))" >> $O/gaps${CUDA_VISIBLE_DEVICES}.log
   timeout $(lim gaps 200) python3 benchmarks/timing_gaps.py $GAP_ARGS >> $O/gaps${CUDA_VISIBLE_DEVICES}.log 2>&1
   tail -n 20 $O/gaps${CUDA_VISIBLE_DEVICES}.log ;;
 ncu)
