@@ -33,6 +33,9 @@
 #       "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+2,8192,16" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
 #   then, if faster: T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_FUSED_PRESTAGE=1 bench-gdn:gdn
 #   (and bench-gdn:delta_rule in the next call)
+#   And the GDN local kernel's full config sweep since its lean end phase (the twelfth session timed only its listed
+#   configs): 128-wide key blocks at 8 warps compile (offline) to 72 B of spills against the shipped 288 B, and run the
+#   value side once per chunk instead of twice:   T_configs=300 bash tools/h200_next.sh configs:gdn-local
 # 1. The GPU tests of KDA / GDN2 and the state launch with the direct launch, on by default since the thirteenth
 #    session (its GPU test so far covers GDN only; the KDA / GDN2 tests ran with it off):
 #   TESTS_K="triton_kda or saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
