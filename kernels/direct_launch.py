@@ -29,23 +29,18 @@ runs: the same outputs bit for bit, and GDN recompute at (8, 2048, 16) 1.42 ->
 
 from __future__ import annotations
 
-import os
 import warnings
 
 from triton.runtime.autotuner import Autotuner, Heuristics
+
+from .env_switch import flag
 
 DIRECT_LAUNCH_ENV = "REWY_HF_DIRECT_LAUNCH"
 
 
 def enabled() -> bool:
     """Whether REWY_HF_DIRECT_LAUNCH asks for direct launches."""
-    mode = os.environ.get(DIRECT_LAUNCH_ENV, "1").strip()
-    if mode in ("", "1"):
-        return True
-    if mode == "0":
-        return False
-    raise ValueError(f"{DIRECT_LAUNCH_ENV}={mode!r} is not understood; use 1 (launch a tuned kernel directly, "
-                     "the default) or 0 (launch through Triton's autotuner)")
+    return flag(DIRECT_LAUNCH_ENV, True, on="launch a tuned kernel directly", off="launch through Triton's autotuner")
 
 
 class _Plan:

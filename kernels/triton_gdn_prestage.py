@@ -26,13 +26,12 @@ FLA's two stages run) or ``1`` (this kernel, policy ``recompute`` only).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import direct_launch
+from .env_switch import flag
 from .fla_stages import chunk_table
 from .triton_masks import bounds_mask
 
@@ -43,13 +42,8 @@ _CONFIGS = [triton.Config({}, num_warps=nw, num_stages=ns) for nw in (4, 8) for 
 
 def enabled() -> bool:
     """Whether REWY_HF_FUSED_PRESTAGE asks for this kernel instead of FLA's two stages."""
-    mode = os.environ.get(FUSED_PRESTAGE_ENV, "0").strip()
-    if mode in ("", "0"):
-        return False
-    if mode == "1":
-        return True
-    raise ValueError(f"{FUSED_PRESTAGE_ENV}={mode!r} is not understood; use 0 (FLA's w/u recompute and local dv, "
-                     "the default) or 1 (rewy's fused kernel for both)")
+    return flag(FUSED_PRESTAGE_ENV, False, on="rewy's fused kernel for both",
+                off="FLA's w/u recompute and local dv")
 
 
 @triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN"])
