@@ -19,6 +19,9 @@ Autotune picks are forgotten before each shape, as the bench now does (the
 eighth session's runs of this script predate that: they ran (2, 8192, 16)
 first, whose picks are also the best ones at (1, 16384, 16)).
 
+``--per-kernel`` lists, per shape and side, each kernel of the profiled call
+with its device time (the per-kernel breakdown behind the ``kernels`` sum).
+
 ``--host-profile`` adds, per shape and side, the Python functions that take
 the host's time while it issues a backward (cProfile over 20 calls without
 a synchronize, top entries by own time, ms per backward). The ninth session
@@ -73,7 +76,8 @@ def measure(run, n: int = 20) -> dict:
     torch.cuda.synchronize()
     from gdn_bwd_stages import kernel_times     # this folder is on sys.path when the script runs
 
-    out["kernels"] = sum(ms for _, ms in kernel_times(run))
+    out["per_kernel"] = kernel_times(run)
+    out["kernels"] = sum(ms for _, ms in out["per_kernel"])
     return out
 
 
@@ -188,6 +192,8 @@ def main(argv=None) -> int:
                    help="time FLA's fwd_h / bwd_dhu under FLA's launch and rewy's at each value-block width")
     p.add_argument("--host-profile", action="store_true",
                    help="also list the Python functions that take the host's time per backward (cProfile)")
+    p.add_argument("--per-kernel", action="store_true",
+                   help="also list each kernel of the profiled backward with its device time, in launch order")
     a = p.parse_args(argv)
     if a.dhu_configs:
         dhu_configs(a.shapes)
@@ -216,6 +222,8 @@ def main(argv=None) -> int:
             m = measure(run)
             print(f"{text:>14s} {side:5s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} {m['kernels']:8.3f}",
                   flush=True)
+            if a.per_kernel:
+                print("\n".join(f"    {ms:7.3f}  {name[:90]}" for name, ms in m["per_kernel"]), flush=True)
             if a.host_profile:
                 print("\n".join(host_profile(run)), flush=True)
             torch.cuda.empty_cache()

@@ -30,7 +30,7 @@
 #    then GDN recompute's kernel sum and bench-style time without and with it (turn it on by default, and update
 #    docs/usage.md, only if it is right and faster):
 #   TESTS_K="fused_prestage or direct_launch" T_gaps=240 bash tools/h200_next.sh tests \
-#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--shapes+8,2048,16+2,8192,16" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
+#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
 #   then, if faster: T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_FUSED_PRESTAGE=1 bench-gdn:gdn
 #   (and bench-gdn:delta_rule in the next call)
 #   And the GDN local kernel's full config sweep since its lean end phase (the twelfth session timed only its listed
