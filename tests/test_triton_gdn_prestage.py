@@ -69,16 +69,17 @@ def test_matches_torch_stage(kind, T, K, V, block, monkeypatch):
     assert max(errors.values()) < 1e-5, errors
 
 
-def test_float16_operands_round_like_the_inputs(monkeypatch):
-    """float16 inputs: each product takes 16-bit operands and accumulates in fp32, so the
-    outputs are within half-precision rounding of the float32 reference, not bit-equal."""
+def test_float16_inputs_stay_within_half_precision(monkeypatch):
+    """float16 inputs (the interpreter's stand-in for BF16): each product takes 16-bit operands and
+    accumulates in fp32, and the outputs come back in float16, within half-precision rounding of
+    the float32 reference."""
     _nan_filled(monkeypatch)
     inputs, ref = _case("gdn", 1, 1, 1, 128, 64, 64, seed=3)
     half = {n: (t.half() if torch.is_tensor(t) and n not in ("g", "beta") else t) for n, t in inputs.items()}
     out = recompute_wu_and_dv_local(**half)
     for o, r in zip(out, ref):
         assert o.dtype == torch.float16
-        assert 1e-5 < rel_err(o.float(), r) < 5e-3
+        assert rel_err(o.float(), r) < 5e-3
 
 
 @pytest.mark.parametrize("kind", ["gdn", "delta_rule"])
