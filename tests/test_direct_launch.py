@@ -187,12 +187,13 @@ def _same_launch(a, b):
         assert grid_a({"BV": bv}) == grid_b({"BV": bv})
 
 
-@pytest.mark.parametrize("gate", ["g", "gk"])
+@pytest.mark.parametrize("gate", ["g", "gk", "gk-state-v-first"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, gate, monkeypatch):
     """With the switch on and FLA's own width (no narrowing), rewy launches FLA's recurrence kernels
     itself: with exactly the arguments and grid FLA's stage functions give them, for GDN's
-    head-wise gate g and KDA / GDN2's key-wise gate gk."""
+    head-wise gate g and KDA / GDN2's key-wise gate gk, also with the state stored [V, K] as
+    FLA's KDA layer keeps it (state_v_first)."""
     from fla.ops.common import chunk_delta_h as fla
 
     monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "fla")
@@ -205,6 +206,9 @@ def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, gate, monke
     pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
     # (the recorders stand in for the kernels, so the key-wise gate only needs its shape)
     gates = {"g": g} if gate == "g" else {"gk": -torch.rand(1, 150, 2, 32).cumsum(1)}
+    if gate == "gk-state-v-first":
+        gates["state_v_first"] = True
+        h0 = h0.transpose(-1, -2).contiguous()
     for launcher in (state_launch.fwd_h, fla.chunk_gated_delta_rule_fwd_h):
         launcher(**({"fla_fwd_h": None} if launcher is state_launch.fwd_h else {}), k=k, w=w, u=u, **gates,
                  initial_state=h0, output_final_state=True, chunk_size=64, **pk)
