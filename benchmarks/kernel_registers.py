@@ -17,6 +17,7 @@ so the counts are indicative; ncu on the device has the final word
     python3 -P benchmarks/kernel_registers.py --kernel kda-intra gdn-local
     python3 -P benchmarks/kernel_registers.py --kernel kda-intra --warps 2 --stages 2 --block-k 32
     python3 -P benchmarks/kernel_registers.py --kernel gdn-local --warps 8 --stages 2 --bv 32
+    REWY_HF_GDN_DX_FROM_DY=1 python3 -P benchmarks/kernel_registers.py --kernel gdn-local   # that variant
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
                      IS_VARLEN=False, WPREC=KB.WY_PRECISION, FULL_T=True)
         return KB.rewy_kda_bwd_wy_kernel, "wy", const
     if name == "gdn-local":
+        # REWY_HF_GDN_DX_FROM_DY picks the variant, as it does for the wrapper
         return G.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
-                                                              IS_VARLEN=False, FULL_T=True)
+                                                              IS_VARLEN=False, FULL_T=True,
+                                                              DX_FROM_DY=G.dx_from_dy())
     if name == "gdn-prestage":
         # the fused w/u recompute + local dv (REWY_HF_FUSED_PRESTAGE); block_k: its tile over K and V
         from rewy_hf.kernels import triton_gdn_prestage as P

@@ -14,6 +14,12 @@ and the sums and reverse cumsum between them.
   tiles, and W, U are never read.
 - Per key block: dW = -dVn h^T, d(q e^G) = dO h^T, d(k e^{G_C-G}) = Vn dh^T,
   the decay term sum(h * dh), and dX = A^T dW.
+- With REWY_HF_GDN_DX_FROM_DY=1 (off until timed on the H200), dX takes the
+  same shortcut as dL: dX = A^T dW = -(A^T dVn) h^T = -dY h^T, so the loop
+  accumulates dY h^T from the dY it already forms for dL, in place of dVn h^T,
+  and the end phase loses its product A^T dW. Offline (sm_90) that takes the
+  shipped config from 288 to 248 bytes of spills and 2,536 to 2,464
+  instructions, and one 128-wide key block at 8 warps to no spills at all.
 - Gram Elimination: the key gradient of L from P = dL * Gamma as P K and
   P^T diag(beta) K, and the gate gradient from the same partial sums, so the
   key Gram K K^T is never formed.
@@ -39,7 +45,10 @@ import triton
 import triton.language as tl
 
 from . import direct_launch
+from .env_switch import flag
 from .triton_masks import bounds_mask
+
+DX_FROM_DY_ENV = "REWY_HF_GDN_DX_FROM_DY"
 
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
 # time is paid per config. Chosen from a sweep on the H200 at (2, 8192, 16), K = V = 128
@@ -55,7 +64,7 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "V", "BT", "USE_G"],
+@triton.autotune(configs=_CONFIGS, key=["K", "V", "BT", "USE_G", "DX_FROM_DY"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def rewy_gdn_bwd_local_kernel(
@@ -65,7 +74,7 @@ def rewy_gdn_bwd_local_kernel(
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FULL_T: tl.constexpr,
+    FULL_T: tl.constexpr, DX_FROM_DY: tl.constexpr = False,
 ):
     # Plain pointer arithmetic with masks (no block pointers): the same code
     # runs on the GPU and under the interpreter of every Triton version we use.
@@ -132,7 +141,7 @@ def rewy_gdn_bwd_local_kernel(
     b_At = tl.trans(b_A)
 
     # One pass over V. Key-independent: dY = A^T dVn (-> dv, dbeta), dAqk = dO Vn^T,
-    # dY Vn^T (-> dL). Per key block: dVn h^T, dO h^T, Vn dh^T, sum(h * dh).
+    # dY Vn^T (-> dL). Per key block: dVn h^T (DX_FROM_DY: dY h^T), dO h^T, Vn dh^T, sum(h * dh).
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dyvn = tl.zeros([BT, BT], dtype=tl.float32)
     b_dhw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -153,9 +162,13 @@ def rewy_gdn_bwd_local_kernel(
         b_h = tl.load(h + off_kv, mask=m_kv, other=0.0).to(b_do.dtype)
         b_dh = tl.load(dh + off_kv, mask=m_kv, other=0.0).to(b_vn.dtype)
         b_dy = tl.dot(b_At, b_dvn.to(b_At.dtype))
+        b_dy_lp = b_dy.to(b_vn.dtype)
         b_dAqk += tl.dot(b_do, tl.trans(b_vn))
-        b_dyvn += tl.dot(b_dy.to(b_vn.dtype), tl.trans(b_vn))
-        b_dhw += tl.dot(b_dvn.to(b_h.dtype), tl.trans(b_h))
+        b_dyvn += tl.dot(b_dy_lp, tl.trans(b_vn))
+        if DX_FROM_DY:
+            b_dhw += tl.dot(b_dy_lp, tl.trans(b_h))                # holds dY h^T = A^T dVn h^T
+        else:
+            b_dhw += tl.dot(b_dvn.to(b_h.dtype), tl.trans(b_h))
         b_dqg += tl.dot(b_do, tl.trans(b_h))
         b_dkc += tl.dot(b_vn, tl.trans(b_dh))
         if USE_G:
@@ -189,7 +202,10 @@ def rewy_gdn_bwd_local_kernel(
     # Key side: dX = A^T dW with dW = -dVn h^T; P = dL * Gamma (strictly lower), dL = -dY Vn^T
     # (see the module docstring); Gram Elimination takes the key Gram's row and column
     # gradients from P, and the gate terms from the same sums.
-    b_da = -tl.dot(b_At, b_dhw.to(lp)) * b_eg[:, None]
+    if DX_FROM_DY:
+        b_da = -b_dhw * b_eg[:, None]
+    else:
+        b_da = -tl.dot(b_At, b_dhw.to(lp)) * b_eg[:, None]
     b_P = tl.where(o_i[:, None] > o_i[None, :], -b_dyvn * gam, 0.0)
     b_da += tl.dot(b_P.to(lp), b_k)                               # wrt a = beta * k
     b_dkg += tl.dot(tl.trans((b_P * b_beta[:, None]).to(lp)), b_k)
@@ -205,6 +221,11 @@ def rewy_gdn_bwd_local_kernel(
         b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_kf)
         b_dG = tl.where(valid, b_dG, 0.0)
         tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
+
+
+def dx_from_dy() -> bool:
+    """Whether REWY_HF_GDN_DX_FROM_DY asks for dX as -dY h^T (module docstring)."""
+    return flag(DX_FROM_DY_ENV, False, on="dX from dY h^T in the loop", off="dX = A^T dW after the loop")
 
 
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
@@ -256,7 +277,7 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
         A=A, h=h, dh=dh, do=do, dv2=dv2, dq=dq, dk=dk, dv=dv_, dg=dg if dg is not None else db, db=db,
         cu_seqlens=cu_seqlens if varlen else beta, chunk_indices=chunk_indices if varlen else beta,
         scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
-        FULL_T=not varlen and T % BT == 0,
+        FULL_T=not varlen and T % BT == 0, DX_FROM_DY=dx_from_dy(),
     )
     total = shares.sum(1) if NK > 1 else shares[:, 0]
     return dq, dk, dv_, total[0] if g is not None else None, total[-1]

@@ -42,13 +42,16 @@ def _grads(fn, args, kw, do, dht):
     return [o, ht] + list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + extra))
 
 
+@pytest.mark.parametrize("dx_from_dy", ["0", "1"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("op,shape", [
     ("gdn", (2, 300, 2, 4, 128, 128)),       # GVA, ragged T
     ("gdn", (1, 1024, 4, 4, 64, 128)),
     ("delta_rule", (2, 300, 4, 4, 128, 64)),
 ])
-def test_triton_matches_fp32_reference(op, shape, policy):
+def test_triton_matches_fp32_reference(op, shape, policy, dx_from_dy, monkeypatch):
+    """Also with REWY_HF_GDN_DX_FROM_DY=1 (the local kernel's dX as -dY h^T, off until timed)."""
+    monkeypatch.setenv("REWY_HF_GDN_DX_FROM_DY", dx_from_dy)
     B, T, H, HV, K, V = shape
     args, kw = _inputs(op, B, T, H, HV, K, V, h0=True)
     fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule

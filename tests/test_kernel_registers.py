@@ -14,8 +14,9 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_registers.py"
 
 
-def _run(*args, interpret: bool = False):
+def _run(*args, interpret: bool = False, **extra_env):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra_env)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, "-P", str(SCRIPT), *args], capture_output=True, text=True, env=env,
@@ -66,6 +67,20 @@ def test_fused_prestage_compiles_to_tensor_cores_without_spills(tmp_path):
     assert len(rows) == 4 and all(x["spill_bytes"] == 0 and 0 < x["registers"] <= 255 for x in rows)
     ops = r.stdout.splitlines()[1].split()
     assert "HGMMA" in ops or "HMMA" in ops
+
+
+def test_dx_from_dy_drops_end_phase_code_at_every_listed_config(tmp_path):
+    """REWY_HF_GDN_DX_FROM_DY=1 forms the local kernel's dX inside its loop from the dY it already
+    has, so the end phase has one product fewer: fewer instructions at each listed config."""
+    rows = {}
+    for flag in ("0", "1"):
+        out = tmp_path / f"rows{flag}.json"
+        r = _run("--kernel", "gdn-local", "--json", str(out), REWY_HF_GDN_DX_FROM_DY=flag)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[flag] = {(x["BV"], x["warps"], x["stages"]): x for x in json.loads(out.read_text())}
+    assert rows["0"].keys() == rows["1"].keys() and len(rows["0"]) == 4
+    for cfg, old in rows["0"].items():
+        assert rows["1"][cfg]["instructions"] < old["instructions"], cfg
 
 
 def test_refusals_name_the_problem():

@@ -53,7 +53,10 @@ def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int,
 @pytest.mark.parametrize("kind,T,K,V", [("gdn", 2 * C, 16, 32), ("gdn", 150, 16, 128), ("gdn", 100, 16, 256),
                                         ("delta_rule", 150, 16, 32), ("gdn", 100, 128, 32), ("gdn", 70, 96, 64),
                                         ("delta_rule", 70, 128, 16)])
-def test_kernel_matches_torch_stage(kind, T, K, V):
+@pytest.mark.parametrize("dx_from_dy", ["0", "1"])
+def test_kernel_matches_torch_stage(kind, T, K, V, dx_from_dy, monkeypatch):
+    """Both forms of dX (REWY_HF_GDN_DX_FROM_DY: A^T dW after the loop, or -dY h^T inside it)."""
+    monkeypatch.setenv("REWY_HF_GDN_DX_FROM_DY", dx_from_dy)
     N, H, HV = 2, 1, 2
     NT = math.ceil(T / C)
     x, gt, s, do, dVn, dHnext, ref = _stages(kind, N, H, HV, NT, K, V, T, seed=T + V)
@@ -84,10 +87,12 @@ def _kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV):
         do=fla(do), dv2=fla(dVn))
 
 
+@pytest.mark.parametrize("dx_from_dy", ["0", "1"])
 @pytest.mark.parametrize("kind", ["gdn", "delta_rule"])
-def test_kernel_packed_sequences(kind):
+def test_kernel_packed_sequences(kind, dx_from_dy, monkeypatch):
     """cu_seqlens: three sequences packed into one row (B = 1), chunks and states in FLA's
     global chunk order, must give each sequence exactly its own gradients."""
+    monkeypatch.setenv("REWY_HF_GDN_DX_FROM_DY", dx_from_dy)
     H, HV, K, V = 1, 2, 96, 32
     lengths = [70, 130, 20]
     parts, refs = [], []

@@ -25,17 +25,23 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. REWY_HF_FUSED_PRESTAGE=1 (kernels/triton_gdn_prestage.py, thirteenth session, off by default, CPU-tested
-#    only): the w/u recompute and the local dv of GDN / DeltaNet recompute in one kernel of rewy's. Its GPU test,
-#    then GDN recompute's kernel sum and bench-style time without and with it (turn it on by default, and update
-#    docs/usage.md, only if it is right and faster):
-#   TESTS_K="fused_prestage or direct_launch" T_gaps=240 bash tools/h200_next.sh tests \
-#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
-#   then, if faster: T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_FUSED_PRESTAGE=1 bench-gdn:gdn
-#   (and bench-gdn:delta_rule in the next call)
-#   And the GDN local kernel's full config sweep since its lean end phase (the twelfth session timed only its listed
-#   configs): 128-wide key blocks at 8 warps compile (offline) to 72 B of spills against the shipped 288 B, and run the
-#   value side once per chunk instead of twice:   T_configs=300 bash tools/h200_next.sh configs:gdn-local
+# 0. Two candidates for GDN / DeltaNet recompute's remaining kernel time, written in the thirteenth session, off by
+#    default and checked on the CPU only (turn each on by default, and update docs/usage.md, only if it is right and
+#    faster on the H200):
+#    - REWY_HF_FUSED_PRESTAGE=1 (kernels/triton_gdn_prestage.py): the w/u recompute and the local dv in one kernel;
+#    - REWY_HF_GDN_DX_FROM_DY=1 (kernels/triton_gdn_bwd.py): the local kernel's dX as -dY h^T inside its loop, one
+#      end-phase product fewer (offline: 288 -> 248 B of spills; 128-wide key blocks at 8 warps: 72 -> 0 B).
+#   a. their GPU tests (the fp32-reference tests run both dX forms; the per-config tests under the new one):
+#   TESTS_K="fused_prestage or fp32_reference" bash tools/h200_next.sh tests "env:REWY_HF_GDN_DX_FROM_DY=1" \
+#       "env:TESTS_K=gdn-local" tests
+#   b. GDN recompute's kernel sum, per kernel, without either, with the dX form, then with both:
+#   T_gaps=240 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" \
+#       gaps "env:REWY_HF_GDN_DX_FROM_DY=1" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
+#   c. the local kernel's full config sweep with the new dX form (the twelfth session timed only the listed configs;
+#      128-wide key blocks at 8 warps run the value side once per chunk instead of twice):
+#   T_configs=300 bash tools/h200_next.sh env:REWY_HF_GDN_DX_FROM_DY=1 configs:gdn-local
+#   d. then the GDN bench (and DeltaNet's in the next call) with what won:
+#   T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_GDN_DX_FROM_DY=1 env:REWY_HF_FUSED_PRESTAGE=1 bench-gdn:gdn
 # 1. The GPU tests of KDA / GDN2 and the state launch with the direct launch, on by default since the thirteenth
 #    session (its GPU test so far covers GDN only; the KDA / GDN2 tests ran with it off):
 #   TESTS_K="triton_kda or saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
@@ -78,10 +84,12 @@ one() {
 case "$1" in
 tests)
   # --timeout: one slow or stuck test fails alone and prints where it was, instead of the whole run being killed
+  # appends, so that runs in one queue under different env: settings share the log (each under its own header)
+  echo "== pytest -k '${TESTS_K:-}' (set: $(env | grep '^REWY' | sort | tr '\n' ' '))" >> $O/gpu_tests.log
   (cd tests && timeout $(lim tests 400) python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 150 ${TESTS_K:+-k "$TESTS_K"} \
       test_gpu_triton_gdn.py test_gpu_state_scan.py test_gpu_triton_kda.py test_gpu_torch_backend.py \
       test_gpu_launch_configs.py test_gpu_state_launch.py \
-      test_bench_command.py > $O/gpu_tests.log 2>&1)
+      test_bench_command.py >> $O/gpu_tests.log 2>&1)
   tail -n 30 $O/gpu_tests.log ;;
 stages)
   timeout $(lim stages 120) python3 benchmarks/gdn_bwd_stages.py --B 2 --T 8192 --H 16 > $O/stages_2_8192.log 2>&1
