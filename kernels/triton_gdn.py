@@ -92,12 +92,12 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         dv_local = None
         if policy == "full":
             w, h, v_new = saved
-        elif triton_gdn_prestage.enabled():
-            w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2, scale=scale,
-                                                                           **pk)
         else:
-            w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
-        if policy != "full":
+            if triton_gdn_prestage.enabled():
+                w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2,
+                                                                               scale=scale, **pk)
+            else:
+                w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
             h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
