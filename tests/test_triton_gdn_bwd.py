@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from rewy_hf.kernels.chunk_backward import local_backward, reverse_state_pass
 from rewy_hf.kernels.chunk_forward import ChunkInputs
+from rewy_hf.kernels.layout import ChunkLayout
 from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
 from rewy_hf.kernels.triton_gdn_bwd import rewy_gdn_bwd_local
 from rewy_hf.rel_error import rel_err
@@ -24,9 +25,8 @@ C = CHUNK_SIZE
 
 
 def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T)."""
-    NT, N, H, _, D = x.shape
-    return x.permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, D)[:, :T].contiguous()
+    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T), as the op's layout maps back."""
+    return ChunkLayout(x.shape[1], T, C, None, x.device).from_chunks(x).contiguous()
 
 
 def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int, seed: int):

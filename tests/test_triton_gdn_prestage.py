@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from rewy_hf.kernels import triton_gdn_prestage
 from rewy_hf.kernels.chunk_forward import ChunkInputs
+from rewy_hf.kernels.layout import ChunkLayout
 from rewy_hf.kernels.torch_function import CHUNK_SIZE, _forward_pass
 from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local
 from rewy_hf.rel_error import rel_err
@@ -23,9 +24,8 @@ C = CHUNK_SIZE
 
 
 def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T)."""
-    NT, N, H, _, D = x.shape
-    return x.permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, D)[:, :T].contiguous()
+    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T), as the op's layout maps back."""
+    return ChunkLayout(x.shape[1], T, C, None, x.device).from_chunks(x).contiguous()
 
 
 def _case(kind: str, N: int, H: int, HV: int, T: int, K: int, V: int, seed: int):
