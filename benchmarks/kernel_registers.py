@@ -17,7 +17,7 @@ so the counts are indicative; ncu on the device has the final word
     python3 -P benchmarks/kernel_registers.py --kernel kda-intra gdn-local
     python3 -P benchmarks/kernel_registers.py --kernel kda-intra --warps 2 --stages 2 --block-k 32
     python3 -P benchmarks/kernel_registers.py --kernel gdn-local --warps 8 --stages 2 --bv 32
-    REWY_HF_GDN_DX_FROM_DY=1 python3 -P benchmarks/kernel_registers.py --kernel gdn-local   # that variant
+    REWY_HF_GDN_DX_FROM_DY=0 python3 -P benchmarks/kernel_registers.py --kernel gdn-local   # the older dX form
 """
 
 from __future__ import annotations

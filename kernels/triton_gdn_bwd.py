@@ -14,19 +14,20 @@ and the sums and reverse cumsum between them.
   tiles, and W, U are never read.
 - Per key block: dW = -dVn h^T, d(q e^G) = dO h^T, d(k e^{G_C-G}) = Vn dh^T,
   the decay term sum(h * dh), and dX = A^T dW.
-- With REWY_HF_GDN_DX_FROM_DY=1 (off until timed on the H200), dX takes the
-  same shortcut as dL: dX = A^T dW = -(A^T dVn) h^T = -dY h^T, so the loop
-  accumulates dY h^T from the dY it already forms for dL, in place of dVn h^T,
-  and the end phase loses its product A^T dW. Offline (sm_90) that takes the
-  shipped config from 288 to 248 bytes of spills and 2,536 to 2,464
-  instructions, and one 128-wide key block at 8 warps to no spills at all.
+- dX takes the same shortcut as dL: dX = A^T dW = -(A^T dVn) h^T = -dY h^T,
+  so the loop accumulates dY h^T from the dY it already forms for dL, in
+  place of dVn h^T, and the end phase loses its product A^T dW. Offline
+  (sm_90) that takes the shipped config from 288 to 248 bytes of spills and
+  2,536 to 2,464 instructions; on the H200 the kernel went from 0.506 to
+  0.459 ms at (2, 8192, 16). REWY_HF_GDN_DX_FROM_DY=0 restores dX = A^T dW
+  after the loop (the form the kernel shipped with until then).
 - Gram Elimination: the key gradient of L from P = dL * Gamma as P K and
   P^T diag(beta) K, and the gate gradient from the same partial sums, so the
   key Gram K K^T is never formed.
 - The gate gradient's reverse cumulative sum inside the chunk is linear, so
   each key block writes its own share and the caller adds the NK shares.
-- After the loop over V, the products that finish dq, dk (dX = A^T dW, P K,
-  P^T diag(beta) K, P2 K, P2^T Q) take operands in the inputs' dtype (BF16 in
+- After the loop over V, the products that finish dq, dk (P K,
+  P^T diag(beta) K, P2 K, P2^T Q, and dX = A^T dW in the older form) take operands in the inputs' dtype (BF16 in
   training), as FLA's ``chunk_bwd_dqkwg`` and WY backward do, and each fp32
   accumulator is consumed at its last use. With fp32 (tf32) operands that
   phase held fp32 copies of q, k and A: 25 % more instructions, more spills,
@@ -53,7 +54,9 @@ DX_FROM_DY_ENV = "REWY_HF_GDN_DX_FROM_DY"
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile
 # time is paid per config. Chosen from a sweep on the H200 at (2, 8192, 16), K = V = 128
 # (benchmarks/kernel_configs.py): BV 32 with 4 warps and 3 stages 0.633 ms, BV 128 with
-# 4 warps 0.723 ms; every 8-warp config was slower (0.79-1.12 ms).
+# 4 warps 0.723 ms; every 8-warp config was slower (0.79-1.12 ms). Swept again with dX from dY
+# (fourteenth session): BV 32, 4 warps, 3 stages 0.466 ms; the best outside this list, a 128-wide
+# key block with BV 64 at 8 warps and 2 stages, 0.460 ms, too close to be worth a second key width.
 _CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((32, 3), (32, 2), (64, 1), (128, 2))]
 
 
@@ -224,8 +227,8 @@ def rewy_gdn_bwd_local_kernel(
 
 
 def dx_from_dy() -> bool:
-    """Whether REWY_HF_GDN_DX_FROM_DY asks for dX as -dY h^T (module docstring)."""
-    return flag(DX_FROM_DY_ENV, False, on="dX from dY h^T in the loop", off="dX = A^T dW after the loop")
+    """Whether dX is formed as -dY h^T in the loop (REWY_HF_GDN_DX_FROM_DY, on unless set to 0)."""
+    return flag(DX_FROM_DY_ENV, True, on="dX from dY h^T in the loop", off="dX = A^T dW after the loop")
 
 
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,

@@ -23,8 +23,10 @@ import json
 from .bench_config import BOUND_CHECK, BOUND_OPS
 
 # Settings that must agree for rows of different files to be compared.
-# "check" is compared by _merged_check.
-_SAME = ("policies", "boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "timing", "autotune")
+# "check" is compared by _merged_check. The policies a run asked for are not among them:
+# each row names its own policy, so a recompute-only run (--policy recompute) and a run
+# of both combine, as long as no configuration is in both.
+_SAME = ("boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "timing", "autotune")
 _BOUND_CLAUSE = "; " + BOUND_CHECK
 
 
@@ -68,6 +70,10 @@ def merge_runs(paths: list[str]) -> dict:
         merged["rows"] += [{**r, "source": path} for r in run["rows"]]
         ops += [op for op in run["settings"]["ops"] if op not in ops and any(r["op"] == op for r in run["rows"])]
     merged["settings"]["ops"] = ops
+    merged["settings"]["policies"] = [p for p in ("recompute", "full")
+                                      if any(p in run["settings"]["policies"] for run in runs)]
+    # each file's REWY_* settings, since runs of one table may have been timed under different ones
+    merged["rewy_env"] = {path: run.get("rewy_env", {}) for path, run in zip(paths, runs)}
     _refuse_repeats(merged["rows"])
     merged["ok"] = all(r.get("ok") for r in merged["rows"])
     if all(r.get("complete", False) for r in runs):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rewy_hf import cli
+from rewy_hf.bench_merge import merge_runs
 from rewy_hf.bench_config import CustomShape, Shape, check_T, parse_shape, resolve_shapes, suite_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -227,6 +228,23 @@ def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, cap
     cut.write_text(json.dumps(whole))
     code, _, err = _bench(["--from-json", str(cut), str(rest)], capsys)
     assert code == 2 and "kda (policy full)" in err and "in both" in err
+
+
+def test_runs_of_one_policy_each_combine_and_keep_their_settings(tmp_path, capsys, monkeypatch):
+    """A recompute-only run (--policy recompute) and a full-only run of the same op combine
+    into one report with both tables; each file's REWY_* settings stay attached to it."""
+    files = {}
+    for policy, flag in (("recompute", "0"), ("full", "1")):
+        monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", flag)
+        files[policy] = tmp_path / f"{policy}.json"
+        assert _bench([*TINY, "--op", "gdn", "--policy", policy, "--json", str(files[policy])], capsys)[0] == 0
+    paths = [str(files["recompute"]), str(files["full"])]
+    code, out, _ = _bench(["--from-json", *paths], capsys)
+    assert code == 0 and "gdn, rewy policy recompute" in out and "gdn, rewy policy full" in out
+    assert "did not finish" not in out
+    data = merge_runs(paths)
+    assert data["settings"]["policies"] == ["recompute", "full"] and data["complete"]
+    assert {p: e.get("REWY_HF_FUSED_PRESTAGE") for p, e in data["rewy_env"].items()} == dict(zip(paths, "01"))
 
 
 def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):

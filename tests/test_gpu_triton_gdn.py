@@ -50,7 +50,8 @@ def _grads(fn, args, kw, do, dht):
     ("delta_rule", (2, 300, 4, 4, 128, 64)),
 ])
 def test_triton_matches_fp32_reference(op, shape, policy, dx_from_dy, monkeypatch):
-    """Also with REWY_HF_GDN_DX_FROM_DY=1 (the local kernel's dX as -dY h^T, off until timed)."""
+    """Both forms of the local kernel's dX: -dY h^T in the loop (the default) and A^T dW after it
+    (REWY_HF_GDN_DX_FROM_DY=0)."""
     monkeypatch.setenv("REWY_HF_GDN_DX_FROM_DY", dx_from_dy)
     B, T, H, HV, K, V = shape
     args, kw = _inputs(op, B, T, H, HV, K, V, h0=True)

@@ -70,8 +70,9 @@ def test_fused_prestage_compiles_to_tensor_cores_without_spills(tmp_path):
 
 
 def test_dx_from_dy_drops_end_phase_code_at_every_listed_config(tmp_path):
-    """REWY_HF_GDN_DX_FROM_DY=1 forms the local kernel's dX inside its loop from the dY it already
-    has, so the end phase has one product fewer: fewer instructions at each listed config."""
+    """dX from dY (the default; REWY_HF_GDN_DX_FROM_DY=0 is the older form) is formed inside the loop
+    from the dY the kernel already has, so the end phase has one product fewer: fewer instructions
+    at each listed config."""
     rows = {}
     for flag in ("0", "1"):
         out = tmp_path / f"rows{flag}.json"

@@ -25,32 +25,28 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. Two candidates for GDN / DeltaNet recompute's remaining kernel time, written in the thirteenth session, off by
-#    default and checked on the CPU only (turn each on by default, and update docs/usage.md, only if it is right and
-#    faster on the H200):
-#    - REWY_HF_FUSED_PRESTAGE=1 (kernels/triton_gdn_prestage.py): the w/u recompute and the local dv in one kernel;
-#    - REWY_HF_GDN_DX_FROM_DY=1 (kernels/triton_gdn_bwd.py): the local kernel's dX as -dY h^T inside its loop, one
-#      end-phase product fewer (offline: 288 -> 248 B of spills; 128-wide key blocks at 8 warps: 72 -> 0 B).
-#   a. their GPU tests (the fp32-reference tests run both dX forms; the per-config tests under the new one):
-#   TESTS_K="fused_prestage or fp32_reference" bash tools/h200_next.sh tests "env:REWY_HF_GDN_DX_FROM_DY=1" \
-#       "env:TESTS_K=gdn-local" tests
-#   b. GDN recompute's kernel sum, per kernel, without either, with the dX form, then with both:
-#   T_gaps=240 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" \
-#       gaps "env:REWY_HF_GDN_DX_FROM_DY=1" gaps "env:REWY_HF_FUSED_PRESTAGE=1" gaps
-#   c. the local kernel's full config sweep with the new dX form (the twelfth session timed only the listed configs;
-#      128-wide key blocks at 8 warps run the value side once per chunk instead of twice):
-#   T_configs=300 bash tools/h200_next.sh env:REWY_HF_GDN_DX_FROM_DY=1 configs:gdn-local
-#   d. then the GDN bench (and DeltaNet's in the next call) with what won:
-#   T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_GDN_DX_FROM_DY=1 env:REWY_HF_FUSED_PRESTAGE=1 bench-gdn:gdn
-# 1. The GPU tests of KDA / GDN2 and the state launch with the direct launch, on by default since the thirteenth
-#    session (its GPU test so far covers GDN only; the KDA / GDN2 tests ran with it off):
-#   TESTS_K="triton_kda or saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
+# 0. GDN recompute is at 1.33x of FLA on both sides' fastest rounds (fourteenth session); 1.4x needs about 0.05 ms
+#    less per backward at (2,8192,16). Before a new candidate, the two items below are cheap:
+#   a. GDN full and DeltaNet with dX from dY alone (the default since the fourteenth session; DeltaNet's recompute
+#      bench then ran with REWY_HF_FUSED_PRESTAGE=1 as well), one call each:
+#   T_bench_gdn=560 bash tools/h200_next.sh bench-gdn:delta_rule
+#   BENCH_POLICY=full T_bench_gdn=400 bash tools/h200_next.sh bench-gdn:gdn
+#   b. GDN recompute's per-kernel profile at the H = 32 shapes, where the ratio is lowest (1.27x at (1,32768,32)):
+#   T_gaps=300 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+4,4096,32+1,32768,32" gaps
+# 1. The rest of the KDA / GDN2 GPU tests with the direct launch, on by default since the thirteenth session (their
+#    fp32-reference and packed tests passed with it in the fourteenth):
+#   TESTS_K="saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
 # 2. The KDA / GDN2 bench at the six shapes with the direct launch and the BV 16 state launch (their rows are the
 #    tenth session's; one call per op at the H = 16 shapes, then both at H = 32, as the tenth session did):
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:kda
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
 #   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
 # 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the fourteenth session (one H200): the GPU tests of the fused prestage and of dX from dY (20 + 10 passed),
+#   timing_gaps --per-kernel for GDN recompute with dX from dY and with both (local kernel 0.506 -> 0.459 ms at
+#   (2,8192,16); the prestage 0.13 ms against 0.15 ms for FLA's two stages, but bwd_dhu up to 0.02 ms slower after it),
+#   the local kernel's full sweep (shipped config 0.466 ms, best 0.460), GDN recompute benches (1.39x as run,
+#   1.33x on fastest rounds; with the prestage 1.34x), DeltaNet recompute with both (1.29x).
 # Done in the thirteenth session (one H200): TESTS_K="direct_launch or fp32_reference" (16 passed), timing_gaps for
 #   GDN recompute with the direct launch off and on (host 1.12 -> 0.75 ms per backward at (8,2048,16)),
 #   bench-gdn:gdn and bench-gdn:delta_rule at the six shapes with it (GDN 1.38x / 1.64x, DeltaNet 1.29x / 1.67x),
