@@ -310,6 +310,31 @@ def test_reduced_check_is_stated(tmp_path, capsys):
     assert "reduced T" in out
 
 
+def test_fastest_rounds_leave_out_a_stalled_round(tmp_path, capsys):
+    """With several rounds per side the tables add a geometric mean over each side's fastest
+    round: a round in which the host stalled one side moves the median, not that line."""
+    report = tmp_path / "bench.json"
+    assert _bench([*TINY[:4], "--reps", "3", "--warmup", "0", "--op", "delta_rule", "--policy", "full",
+                   "--boundary", "B", "--json", str(report)], capsys)[0] == 0
+    data = json.loads(report.read_text())
+    (row,) = data["rows"]
+    base, rewy = row["baseline_B_rounds"], row["rewy_B_rounds"]
+    assert len(base) == len(rewy) == 3
+    # the baseline's two slower rounds stall for 10x its fastest: its median moves, its fastest does not
+    row["baseline_B_rounds"] = [min(base), 10 * min(base), 10 * min(base)]
+    row["baseline_B_ms"] = 10 * min(base)
+    row["speedup_B"] = row["baseline_B_ms"] / row["rewy_B_ms"]
+    report.write_text(json.dumps(data))
+    code, out, _ = _bench(["--from-json", str(report)], capsys)
+    assert code == 0
+    (median_line,) = [ln for ln in out.splitlines() if ln.startswith("geometric mean ")]
+    (fast_line,) = [ln for ln in out.splitlines() if ln.startswith("geometric mean, fastest rounds")]
+    assert f"{min(base) / min(rewy):.2f}x" in fast_line and f"{row['speedup_B']:.2f}x" in median_line
+    assert "fastest rounds: each side's fastest" in out
+    # one round per side: the line would repeat the median, so it is left out
+    assert "fastest rounds" not in _bench([*TINY, "--op", "delta_rule", "--policy", "full"], capsys)[1]
+
+
 def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "speedup.png"
