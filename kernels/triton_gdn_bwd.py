@@ -27,8 +27,9 @@ and the sums and reverse cumsum between them.
 - The gate gradient's reverse cumulative sum inside the chunk is linear, so
   each key block writes its own share and the caller adds the NK shares.
 - After the loop over V, the products that finish dq, dk (P K,
-  P^T diag(beta) K, P2 K, P2^T Q, and dX = A^T dW in the older form) take operands in the inputs' dtype (BF16 in
-  training), as FLA's ``chunk_bwd_dqkwg`` and WY backward do, and each fp32
+  P^T diag(beta) K, P2 K, P2^T Q, and A^T dW in the older form) take
+  operands in the inputs' dtype (BF16 in training), as FLA's
+  ``chunk_bwd_dqkwg`` and WY backward do, and each fp32
   accumulator is consumed at its last use. With fp32 (tf32) operands that
   phase held fp32 copies of q, k and A: 25 % more instructions, more spills,
   and on the H200 0.594 ms against 0.506 ms at (2, 8192, 16); DeltaNet's
@@ -77,7 +78,7 @@ def rewy_gdn_bwd_local_kernel(
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FULL_T: tl.constexpr, DX_FROM_DY: tl.constexpr = False,
+    FULL_T: tl.constexpr, DX_FROM_DY: tl.constexpr,
 ):
     # Plain pointer arithmetic with masks (no block pointers): the same code
     # runs on the GPU and under the interpreter of every Triton version we use.
