@@ -5,7 +5,9 @@ cumsum in log2 units, the intra-chunk WY pair w, u and A, the state recurrence
 h / v_new, the output). Backward: FLA's stages that ReWY leaves alone (w/u
 recompute, the state recurrence, the local dv and the reverse state
 recurrence dh / dv2; with REWY_HF_FUSED_PRESTAGE=1 the w/u recompute and the
-local dv run as one kernel of rewy's, triton_gdn_prestage.py), then rewy's own
+local dv run as one kernel of rewy's, triton_gdn_prestage.py; with
+REWY_HF_OVERLAP_DV_LOCAL=1 the local dv runs beside the state recurrence on a
+second stream, side_stream.py), then rewy's own
 kernel for everything ReWY rewrites
 (triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
 kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fla_stages, state_launch, triton_gdn_prestage
+from . import fla_stages, side_stream, state_launch, triton_gdn_prestage
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -89,7 +91,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
-        dv_local = None
+        dv_local = side = None
         if policy == "full":
             w, h, v_new = saved
         else:
@@ -98,7 +100,14 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                                                                scale=scale, **pk)
             else:
                 w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
+                if side_stream.overlap_dv_local(do.device):
+                    side = side_stream.fork(do.device)      # waits for the w/u recompute only
             h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
+            if side is not None:
+                # queued after fwd_h, so fwd_h's programs are dispatched first; it runs in their idle slots
+                with side_stream.aside(side, reads=(q, k, do, g2, *pk.values())):
+                    dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
+                side_stream.join(side, do.device, outputs=(dv_local,))
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()

@@ -128,6 +128,28 @@ def test_direct_launch_changes_nothing_computed(monkeypatch, policy, packed):
         assert all(torch.equal(x, y) for x, y in zip(run, runs["0"][0]))
 
 
+@pytest.mark.parametrize("op,packed", [("gdn", False), ("gdn", True), ("delta_rule", False)])
+def test_local_dv_beside_fwd_h_changes_nothing_computed(monkeypatch, op, packed):
+    """REWY_HF_OVERLAP_DV_LOCAL=1 (kernels/side_stream.py): the local dv runs on a second stream
+    beside fwd_h, with the same kernel and inputs, so every output and gradient is equal bit for
+    bit to a run on one stream; twice, so a stale or early read would show as a difference."""
+    B, T, H, K, V = (1, 597, 2, 128, 64) if packed else (2, 1000, 16, 128, 128)
+    args, kw = _inputs(op, B, T, H, H, K, V, h0=not packed, seed=5)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda")
+    dht = torch.randn(3 if packed else B, H, K, V, device="cuda")
+    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
+    runs = {}
+    for overlap in ("0", "1", "1"):
+        monkeypatch.setenv("REWY_HF_OVERLAP_DV_LOCAL", overlap)
+        runs.setdefault(overlap, []).append(_grads(
+            lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht))
+    torch.cuda.synchronize()
+    for run in runs["1"]:
+        assert all(torch.equal(x, y) for x, y in zip(run, runs["0"][0]))
+
+
 def test_sequence_parallel_recurrences_match_fla():
     """The split state recurrences against FLA's sequential kernels on the same inputs."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h

@@ -26,13 +26,18 @@
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
 # 0. GDN recompute is at 1.33x of FLA on both sides' fastest rounds (fourteenth session); 1.4x needs about 0.05 ms
-#    less per backward at (2,8192,16). Before a new candidate, the two items below are cheap:
-#   a. GDN full and DeltaNet with dX from dY alone (the default since the fourteenth session; DeltaNet's recompute
-#      bench then ran with REWY_HF_FUSED_PRESTAGE=1 as well), one call each:
-#   T_bench_gdn=560 bash tools/h200_next.sh bench-gdn:delta_rule
+#    less per backward at (2,8192,16). The candidate written after that session's GPU calls, off by default:
+#    REWY_HF_OVERLAP_DV_LOCAL=1 (kernels/side_stream.py): the local dv on a second stream beside fwd_h.
+#   a. its GPU test, then the bench time with and without it (timing_gaps: the "bench" and "chained" columns show the
+#      overlap; the kernel sum does not, it adds both kernels' times):
+#   TESTS_K="beside" T_gaps=150 bash tools/h200_next.sh tests \
+#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" gaps \
+#       env:REWY_HF_OVERLAP_DV_LOCAL=1 gaps
+#   b. if it is faster, the GDN and DeltaNet recompute benches with it (flip the default only if right and faster):
+#   BENCH_POLICY=recompute T_bench_gdn=400 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DV_LOCAL=1 bench-gdn:gdn
+#   BENCH_POLICY=recompute T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DV_LOCAL=1 bench-gdn:delta_rule
+#   c. GDN full with dX from dY (the default since the fourteenth session; not benched since):
 #   BENCH_POLICY=full T_bench_gdn=400 bash tools/h200_next.sh bench-gdn:gdn
-#   b. GDN recompute's per-kernel profile at the H = 32 shapes, where the ratio is lowest (1.27x at (1,32768,32)):
-#   T_gaps=300 bash tools/h200_next.sh "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+4,4096,32+1,32768,32" gaps
 # 1. The rest of the KDA / GDN2 GPU tests with the direct launch, on by default since the thirteenth session (their
 #    fp32-reference and packed tests passed with it in the fourteenth):
 #   TESTS_K="saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
