@@ -1,5 +1,5 @@
 """One independent stage on a second CUDA stream, beside a stage that leaves SMs idle
-(REWY_HF_OVERLAP_DV_LOCAL).
+(REWY_HF_OVERLAP_DV_LOCAL, REWY_HF_OVERLAP_DQ).
 
 Under policy ``recompute`` GDN / DeltaNet's backward runs, in order: the w/u
 recompute, the state recurrence ``fwd_h``, the local value gradient
@@ -9,6 +9,13 @@ value block): at (2, 8192, 16) that is 128 programs of 4 warps on the H200's
 132 SMs, and it takes 0.155 ms while most of each SM sits idle. dV_loc needs
 only q, k, g and dO, none of which ``fwd_h`` writes, so it can run at the same
 time on a second stream, in those idle slots, instead of 0.073 ms after it.
+
+The same holds for the reverse recurrence ``bwd_dhu`` (0.27 ms there) and the
+output side of rewy's local kernel: dq, and P2 = dAqk * Gamma, need h, Vn, dO,
+q, k and the gate, but neither dh nor dVn, which ``bwd_dhu`` writes. With
+REWY_HF_OVERLAP_DQ=1 the local kernel runs in two parts (triton_gdn_bwd.py,
+PART 1 and 2), the first beside ``bwd_dhu``; the second, the key side, then
+has two of the loop's six products and one of the end's five fewer.
 
 ``fork`` makes the side stream wait for everything already queued on the
 current stream (the w/u recompute: launched first, so ``fwd_h``'s programs
@@ -29,6 +36,7 @@ import torch
 from .env_switch import flag
 
 OVERLAP_DV_LOCAL_ENV = "REWY_HF_OVERLAP_DV_LOCAL"
+OVERLAP_DQ_ENV = "REWY_HF_OVERLAP_DQ"
 
 _SIDE: dict[int, object] = {}   # one side stream per device, made on first use
 _cuda = torch.cuda              # the stream API; the CPU tests put a recording stand-in here
@@ -43,6 +51,13 @@ def overlap_dv_local(device: torch.device) -> bool:
     on = flag(OVERLAP_DV_LOCAL_ENV, False, on="the local dv beside fwd_h on a second stream",
               off="the local dv after fwd_h on the current stream")
     return on and has_streams(device)
+
+
+def overlap_dq() -> bool:
+    """Whether the local kernel runs in two parts, its output side (dq and P2) beside ``bwd_dhu``
+    (REWY_HF_OVERLAP_DQ; off the GPU the two parts run one after the other)."""
+    return flag(OVERLAP_DQ_ENV, False, on="the local kernel's output side beside bwd_dhu",
+                off="the local kernel in one part after bwd_dhu")
 
 
 def has_streams(device: torch.device) -> bool:

@@ -29,7 +29,7 @@ import torch
 
 from . import fla_stages, side_stream, state_launch, triton_gdn_prestage
 from .qk_l2norm import normalize, normalize_backward
-from .triton_gdn_bwd import rewy_gdn_bwd_local
+from .triton_gdn_bwd import rewy_gdn_bwd_local, rewy_gdn_bwd_output_side
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
@@ -111,12 +111,23 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
+        split = side_stream.overlap_dq()
+        side = side_stream.fork(do.device) if split and side_stream.has_streams(do.device) else None
         if ns > 1:
             dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
         else:
             dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
                                                 dht=dht, scale=scale, chunk_size=64, **pk)
-        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
+        out_side = None
+        if side is not None:
+            # queued after bwd_dhu, so its programs are dispatched first; it reads nothing bwd_dhu writes
+            with side_stream.aside(side, reads=(q, k, v_new, g2, h, do, *pk.values())):
+                out_side = rewy_gdn_bwd_output_side(q, k, v_new, g2, h, do, scale=scale, **pk)
+            side_stream.join(side, do.device, outputs=(out_side.dq, out_side.p2, out_side.shares))
+        elif split:
+            out_side = rewy_gdn_bwd_output_side(q, k, v_new, g2, h, do, scale=scale, **pk)
+        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale,
+                                                output_side=out_side, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)
         return (dq, dk, dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),

@@ -150,6 +150,34 @@ def test_local_dv_beside_fwd_h_changes_nothing_computed(monkeypatch, op, packed)
         assert all(torch.equal(x, y) for x, y in zip(run, runs["0"][0]))
 
 
+@pytest.mark.parametrize("op,policy,packed", [("gdn", "recompute", False), ("gdn", "full", True),
+                                               ("delta_rule", "recompute", False), ("delta_rule", "full", True)])
+def test_output_side_beside_bwd_dhu(monkeypatch, op, policy, packed):
+    """REWY_HF_OVERLAP_DQ=1 (kernels/side_stream.py): the local kernel in two parts, its output side
+    on a second stream beside bwd_dhu. Against the fp32 reference like the one-part kernel, within
+    1e-3 of it (the gate's sums run in another order), and the same bit for bit on a second run,
+    so a read of a buffer the other stream had not finished would show."""
+    B, T, H, K, V = (1, 597, 2, 128, 64) if packed else (2, 1000, 16, 128, 128)
+    args, kw = _inputs(op, B, T, H, H, K, V, h0=not packed, seed=6)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda")
+    dht = torch.randn(3 if packed else B, H, K, V, device="cuda")
+    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
+    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    runs = {}
+    for split in ("0", "1", "1"):
+        monkeypatch.setenv("REWY_HF_OVERLAP_DQ", split)
+        runs.setdefault(split, []).append(_grads(
+            lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht))
+    torch.cuda.synchronize()
+    one, (two, again) = runs["0"][0], runs["1"]
+    errs = [rel_err(x, r) for x, r in zip(two, ref)]
+    assert max(errs) <= BF16_TOL, errs
+    assert max(rel_err(x, y) for x, y in zip(two, one)) < 1e-3
+    assert all(torch.equal(x, y) for x, y in zip(two, again))
+
+
 def test_sequence_parallel_recurrences_match_fla():
     """The split state recurrences against FLA's sequential kernels on the same inputs."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h

@@ -5,6 +5,7 @@ FLA's naive recurrences compute in float32, so comparisons against them use a
 relative tolerance of 1e-5; identities between our own float64 paths use 1e-12.
 """
 
+import math
 import warnings
 
 import pytest
@@ -270,3 +271,15 @@ def test_reference_is_differentiable():
     (o.sum() + S.square().sum()).backward()
     for key, x in leaves.items():
         assert x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0, key
+
+
+def test_rel_err_of_a_nan_or_inf_is_infinite():
+    """A NaN-filled (unwritten) output must fail any tolerance, also inside max() over several
+    errors, where a NaN after the first element would be skipped."""
+    ref = torch.ones(4)
+    for bad in (float("nan"), float("inf")):
+        x = ref.clone()
+        x[2] = bad
+        assert rel_err(x, ref) == math.inf and rel_err(ref, x) == math.inf
+        assert max([rel_err(ref, ref), rel_err(x, ref)]) == math.inf
+    assert rel_err(ref * (1 + 1e-7), ref) < 1e-6 and rel_err(torch.zeros(3), torch.zeros(3)) == 0.0

@@ -234,6 +234,49 @@ def test_function_runs_local_dv_beside_fwd_h(op, monkeypatch):
     assert any(t.shape == do.shape for t in side_reads)
 
 
+@pytest.mark.parametrize("op,policy,packed", [("gdn", "recompute", False), ("gdn", "full", True),
+                                               ("delta_rule", "recompute", True), ("delta_rule", "full", False)])
+def test_function_with_local_kernel_in_two_parts(op, policy, packed, monkeypatch):
+    """REWY_HF_OVERLAP_DQ=1 without a GPU: the local kernel's output side, then its key side, one
+    after the other; the gradients are the torch backend's."""
+    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
+    monkeypatch.setenv("REWY_HF_OVERLAP_DQ", "1")
+    calls = []
+    real = triton_gdn.rewy_gdn_bwd_output_side
+    monkeypatch.setattr(triton_gdn, "rewy_gdn_bwd_output_side", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cu = torch.tensor([0, 70, 200, 230]) if packed else None
+    inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=3 if packed else 1,
+                              seed=19)
+    _compare(op, inputs, do, dht, policy, cu_seqlens=cu)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_function_runs_output_side_beside_bwd_dhu(policy, monkeypatch):
+    """REWY_HF_OVERLAP_DQ=1 with a second stream (a recording stand-in): the side stream waits for
+    everything up to the local dv, bwd_dhu is queued first, the output side on the side stream,
+    and the key side only after the current stream waits for it; what each stream reads and writes
+    is recorded for the allocator."""
+    log = []
+    state = _fake_streams(monkeypatch, log)
+    _replace_recurrences(monkeypatch, _loop_fwd_h, _logged(log, state, "bwd_dhu", _loop_bwd_dhu))
+    monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", _logged(log, state, "dv_local",
+                                                                   triton_gdn.fla_stages.dv_local))
+    for name in ("rewy_gdn_bwd_output_side", "rewy_gdn_bwd_local"):
+        monkeypatch.setattr(triton_gdn, name, _logged(log, state, name, getattr(triton_gdn, name)))
+    monkeypatch.setenv("REWY_HF_OVERLAP_DQ", "1")
+    inputs, do, dht = _inputs("gdn", T=230, H=1, HV=2, K=32, V=16, N=1, seed=20)
+    _compare("gdn", inputs, do, dht, policy)
+    steps = [e[:2] if e[0] != "wait" else e for e in log if e[0] != "record"]
+    assert steps == [("dv_local", "main"), ("wait", "side", "main"), ("bwd_dhu", "main"),
+                     ("rewy_gdn_bwd_output_side", "side"), ("wait", "main", "side"),
+                     ("rewy_gdn_bwd_local", "main")], steps
+    out = next(e[2] for e in log if e[0] == "rewy_gdn_bwd_output_side")
+    records = [(e[1], e[2]) for e in log if e[0] == "record"]
+    assert [t for s, t in records if s == "main"] == [out.dq, out.p2, out.shares]
+    assert len([t for s, t in records if s == "side"]) == 6                # q, k, Vn, the gate, h, dO
+
+
 def test_overlap_switch_needs_a_cuda_device(monkeypatch):
     """Off the GPU there is no second stream: the switch changes nothing and no stream is made."""
     def no_stream(*_, **__):

@@ -26,16 +26,20 @@
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
 # 0. GDN recompute is at 1.33x of FLA on both sides' fastest rounds (fourteenth session); 1.4x needs about 0.05 ms
-#    less per backward at (2,8192,16). The candidate written after that session's GPU calls, off by default:
-#    REWY_HF_OVERLAP_DV_LOCAL=1 (kernels/side_stream.py): the local dv on a second stream beside fwd_h.
-#   a. its GPU test, then the bench time with and without it (timing_gaps: the "bench" and "chained" columns show the
-#      overlap; the kernel sum does not, it adds both kernels' times):
-#   TESTS_K="beside" T_gaps=150 bash tools/h200_next.sh tests \
+#    less per backward at (2,8192,16). Two candidates written after that session's GPU calls, off by default
+#    (kernels/side_stream.py): REWY_HF_OVERLAP_DV_LOCAL=1, the local dv on a second stream beside fwd_h;
+#    REWY_HF_OVERLAP_DQ=1, the local kernel split in two, its output side beside bwd_dhu (offline, its key side
+#    compiles without spills, 1,936 instructions against 2,464).
+#   a. their GPU tests, then the bench time without, with each, and with both (timing_gaps: the "bench" and "chained"
+#      columns show an overlap; the kernel sum does not, it adds every kernel's time):
+#   TESTS_K="beside or two_parts or output_side" T_gaps=120 bash tools/h200_next.sh tests \
 #       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" gaps \
-#       env:REWY_HF_OVERLAP_DV_LOCAL=1 gaps
-#   b. if it is faster, the GDN and DeltaNet recompute benches with it (flip the default only if right and faster):
-#   BENCH_POLICY=recompute T_bench_gdn=400 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DV_LOCAL=1 bench-gdn:gdn
-#   BENCH_POLICY=recompute T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DV_LOCAL=1 bench-gdn:delta_rule
+#       env:REWY_HF_OVERLAP_DQ=1 gaps env:REWY_HF_OVERLAP_DV_LOCAL=1 gaps
+#   b. the kernel's two parts alone, every config (does another config suit the smaller key side?):
+#   T_configs=200 bash tools/h200_next.sh configs:gdn-local-output,gdn-local-key
+#   c. if faster, the GDN and DeltaNet benches with what won (flip a default only if right and faster):
+#   T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DQ=1 bench-gdn:gdn
+#   T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DQ=1 bench-gdn:delta_rule
 #   c. GDN full with dX from dY (the default since the fourteenth session; not benched since):
 #   BENCH_POLICY=full T_bench_gdn=400 bash tools/h200_next.sh bench-gdn:gdn
 # 1. The rest of the KDA / GDN2 GPU tests with the direct launch, on by default since the thirteenth session (their
