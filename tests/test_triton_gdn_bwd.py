@@ -93,21 +93,30 @@ def test_kernel_packed_sequences(kind, dx_from_dy, monkeypatch):
     """cu_seqlens: three sequences packed into one row (B = 1), chunks and states in FLA's
     global chunk order, must give each sequence exactly its own gradients."""
     monkeypatch.setenv("REWY_HF_GDN_DX_FROM_DY", dx_from_dy)
+    packed, kw, refs = _packed(kind, seed=50)
+    _assert_packed(kind, rewy_gdn_bwd_local(**packed, **kw), refs)
+
+
+def _packed(kind, seed):
+    """Three sequences of the torch stages packed in one row: the kernel inputs, the packing
+    arguments (and scale), and each gradient's reference, concatenated in the same order."""
     H, HV, K, V = 1, 2, 96, 32
     lengths = [70, 130, 20]
     parts, refs = [], []
     for i, T in enumerate(lengths):
-        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=50 + i)
+        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=seed + i)
         parts.append(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV))
         refs.append([_to_fla(r, T) for r in ref[:5]])
-    packed = {name: (None if parts[0][name] is None else
-                     torch.cat([p[name] for p in parts], dim=1)) for name in parts[0] if name not in ("h", "dh")}
-    packed["h"] = torch.cat([p["h"] for p in parts], dim=1)
-    packed["dh"] = torch.cat([p["dh"] for p in parts], dim=1)
+    packed = {name: (None if parts[0][name] is None else torch.cat([p[name] for p in parts], dim=1))
+              for name in parts[0]}
     cu = torch.tensor([0] + lengths).cumsum(0)
     chunk_indices = torch.tensor([[n, t] for n, T in enumerate(lengths) for t in range(math.ceil(T / C))])
-    dq, dk, dv, dg, db = rewy_gdn_bwd_local(**packed, scale=K ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
-    rq, rk, rv, rg, rb = (torch.cat([r[i] for r in refs], dim=1) for i in range(5))
+    kw = dict(scale=K ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
+    return packed, kw, [torch.cat([r[i] for r in refs], dim=1) for i in range(5)]
+
+
+def _assert_packed(kind, out, refs):
+    (dq, dk, dv, dg, db), (rq, rk, rv, rg, rb) = out, refs
     errors = {"dq": rel_err(dq, rq), "dk": rel_err(dk, rk), "dv": rel_err(dv, rv), "db": rel_err(db, rb[..., 0])}
     if kind == "gdn":
         errors["dg"] = rel_err(dg, rg[..., 0])
@@ -158,24 +167,10 @@ def test_kernel_in_two_parts_matches_torch_stage_and_one_part(kind, T, K, V, dx_
 @pytest.mark.parametrize("kind", ["gdn", "delta_rule"])
 def test_kernel_in_two_parts_packed_sequences(kind, monkeypatch):
     """cu_seqlens in two parts: P2 and the shares follow FLA's global chunk order."""
-    H, HV, K, V = 1, 2, 96, 32
-    lengths = [70, 130, 20]
-    parts, refs = [], []
-    for i, T in enumerate(lengths):
-        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=60 + i)
-        parts.append(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV))
-        refs.append([_to_fla(r, T) for r in ref[:5]])
-    packed = {name: (None if parts[0][name] is None else torch.cat([p[name] for p in parts], dim=1))
-              for name in parts[0]}
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    chunk_indices = torch.tensor([[n, t] for n, T in enumerate(lengths) for t in range(math.ceil(T / C))])
+    packed, kw, refs = _packed(kind, seed=60)
+    scale = kw.pop("scale")
     _nan_filled_buffers(monkeypatch)
-    dq, dk, dv, dg, db = _in_two_parts(packed, K ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
-    rq, rk, rv, rg, rb = (torch.cat([r[i] for r in refs], dim=1) for i in range(5))
-    errors = {"dq": rel_err(dq, rq), "dk": rel_err(dk, rk), "dv": rel_err(dv, rv), "db": rel_err(db, rb[..., 0])}
-    if kind == "gdn":
-        errors["dg"] = rel_err(dg, rg[..., 0])
-    assert max(errors.values()) < 1e-5, errors
+    _assert_packed(kind, _in_two_parts(packed, scale, **kw), refs)
 
 
 def test_kernel_with_one_key_block_of_128():
