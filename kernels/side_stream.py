@@ -14,8 +14,8 @@ The same holds for the reverse recurrence ``bwd_dhu`` (0.27 ms there) and the
 output side of rewy's local kernel: dq, and P2 = dAqk * Gamma, need h, Vn, dO,
 q, k and the gate, but neither dh nor dVn, which ``bwd_dhu`` writes. With
 REWY_HF_OVERLAP_DQ=1 the local kernel runs in two parts (triton_gdn_bwd.py,
-PART 1 and 2), the first beside ``bwd_dhu``; the second, the key side, then
-has two of the loop's six products and one of the end's five fewer.
+PART 1 and 2), the first beside ``bwd_dhu``; the second, the key side, has
+four of the loop's six products and three of the end's four.
 
 ``fork`` makes the side stream wait for everything already queued on the
 current stream (the w/u recompute: launched first, so ``fwd_h``'s programs
@@ -23,8 +23,9 @@ are dispatched before the side stream's), ``aside`` runs the stage there, and
 ``join`` makes the current stream wait for the side stream before the stage
 that reads its output. The allocator is told which streams use which tensors
 (``record_stream``), so no memory is handed out again while the other stream
-may still read or write it. Off the GPU there is no second stream and the
-switch changes nothing.
+may still read or write it. Off the GPU there is no second stream: the local
+dv runs where it would without its switch, and the local kernel's two parts
+run one after the other.
 """
 
 from __future__ import annotations
