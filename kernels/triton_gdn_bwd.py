@@ -294,25 +294,25 @@ def _block_k(K: int, block_k: int | None) -> int:
     return BK
 
 
-def _launch(part, q, k, v, v_new, g, beta, A, h, dh, do, dv2, dq, dk, dv, dg, db, p2, scale, cu_seqlens,
-            chunk_indices, BK, BT):
+_POINTERS = ("q", "k", "v", "v_new", "g", "beta", "A", "h", "dh", "do", "dv2", "dq", "dk", "dv", "dg", "db", "p2",
+             "cu_seqlens", "chunk_indices")
+
+
+def _launch(part: int, BK: int, BT: int, scale: float, **tensors):
+    """One launch of the kernel's ``part``; ``tensors`` by the kernel's argument names. A pointer the
+    part neither reads nor writes (absent or None) gets a tensor it never touches, db."""
+    q, v_new, cu_seqlens, chunk_indices = (tensors.get(n) for n in ("q", "v_new", "cu_seqlens", "chunk_indices"))
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     varlen = cu_seqlens is not None
     if varlen and (B != 1 or chunk_indices is None):
         raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
     grid = (triton.cdiv(K, BK), chunk_indices.shape[0] if varlen else triton.cdiv(T, BT), B * HV)
-    # a pointer that a part neither reads nor writes still needs a tensor: one it never touches
-    stand_in = db
+    pointers = {n: tensors[n] if tensors.get(n) is not None else tensors["db"] for n in _POINTERS}
     direct_launch.launch(
-        rewy_gdn_bwd_local_kernel, grid, q=q, k=k, v=stand_in if v is None else v, v_new=v_new,
-        g=stand_in if g is None else g, beta=stand_in if beta is None else beta, A=stand_in if A is None else A,
-        h=h, dh=stand_in if dh is None else dh, do=do, dv2=stand_in if dv2 is None else dv2,
-        dq=stand_in if dq is None else dq, dk=stand_in if dk is None else dk, dv=stand_in if dv is None else dv,
-        dg=stand_in if dg is None else dg, db=db, p2=stand_in if p2 is None else p2,
-        cu_seqlens=cu_seqlens if varlen else stand_in, chunk_indices=chunk_indices if varlen else stand_in,
-        scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
-        FULL_T=not varlen and T % BT == 0, DX_FROM_DY=dx_from_dy(), PART=part,
+        rewy_gdn_bwd_local_kernel, grid, **pointers, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+        USE_G=tensors.get("g") is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0,
+        DX_FROM_DY=dx_from_dy(), PART=part,
     )
 
 
@@ -337,9 +337,9 @@ def rewy_gdn_bwd_output_side(q, k, v_new, g, h, do, scale: float, cu_seqlens=Non
     p2 = torch.empty(B, T, HV, chunk_size, device=q.device, dtype=q.dtype)
     # both passes' shares of the gate's and beta's gradients: [:, :NK] the key side's, [:, NK:] this pass's
     shares = torch.empty(1 + (g is not None), 2 * NK, B, T, HV, device=q.device, dtype=torch.float32)
-    _launch(1, q, k, None, v_new, g, None, None, h, None, do, None, dq, None, None,
-            shares[0, NK:] if g is not None else None, shares[-1, NK:], p2, scale, cu_seqlens, chunk_indices, BK,
-            chunk_size)
+    _launch(1, BK, chunk_size, scale, q=q, k=k, v_new=v_new, g=g, h=h, do=do, dq=dq, p2=p2,
+            dg=shares[0, NK:] if g is not None else None, db=shares[-1, NK:], cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices)
     return OutputSide(dq, p2, shares, BK)
 
 
@@ -386,7 +386,8 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
             raise ValueError(f"the output side ran with chunks of {p2.shape[-1]}, A has chunks of {BT}")
     dk = torch.empty_like(dq)
     dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    _launch(part, q, k, v, v_new, g, beta, A, h, dh, do, dv2, dq if part == 0 else None, dk, dv_,
-            shares[0, :NK] if g is not None else None, shares[-1, :NK], p2, scale, cu_seqlens, chunk_indices, BK, BT)
+    _launch(part, BK, BT, scale, q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, dh=dh, do=do, dv2=dv2,
+            dq=dq if part == 0 else None, dk=dk, dv=dv_, dg=shares[0, :NK] if g is not None else None,
+            db=shares[-1, :NK], p2=p2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     total = shares.sum(1) if shares.shape[1] > 1 else shares[:, 0]
     return dq, dk, dv_, total[0] if g is not None else None, total[-1]
