@@ -26,8 +26,6 @@ Kernels (``--kernel``, several allowed):
   kda-intra, gdn2-intra  stage 2 of the KDA / GDN2 backward (Matrix Intra)
   kda-wy, gdn2-wy        stage 1 (Residual WY)
   gdn-local              the GDN local kernel
-  gdn-local-output       its output side, when it runs in two parts (REWY_HF_OVERLAP_DQ)
-  gdn-local-key          its key side, then (timed alone)
 
 Usage: python benchmarks/kernel_configs.py --kernel kda-intra gdn-local [--B 2 --T 8192 --H 16] [--baseline DIR]
 """
@@ -119,7 +117,7 @@ def sweeps(name: str):
                  (128, 4, 1, 32), (64, 4, 1, 32), (64, 8, 3, 32)]
         make = lambda bv, nw, ns, bk=None: ({"block_k": bk} if bk else {},    # noqa: E731
                                             C({"BV": bv}, num_warps=nw, num_stages=ns))
-    elif name.startswith("gdn-local"):
+    elif name == "gdn-local":
         listed = [({"block_k": 64}, c) for c in G._CONFIGS]
         extra = [p for p in itertools.product((64, 128), (64, 32, 128), (4, 8), (1, 2, 3))
                  if not (p[0] == 128 and p[2] == 4)]
@@ -154,24 +152,6 @@ def stage(name: str, B, T, H, K, V, impl=None):
     if name == "gdn-local":
         x = inputs("gdn", B, T, H, K, V)
         return GI.rewy_gdn_bwd_local_kernel, lambda **kw: GI.rewy_gdn_bwd_local(**x, **kw)
-    if name in ("gdn-local-output", "gdn-local-key"):
-        # the kernel's two parts (REWY_HF_OVERLAP_DQ); the key side is timed alone, on an output side
-        # made once per key width (its first, untimed call)
-        x = inputs("gdn", B, T, H, K, V)
-        side_args = {n: x[n] for n in ("q", "k", "v_new", "g", "h", "do", "scale")}
-        if name == "gdn-local-output":
-            def output_side(**kw):
-                s = GI.rewy_gdn_bwd_output_side(**side_args, **kw)
-                return s.dq, s.p2, s.shares[:, s.shares.shape[1] // 2:]      # the half it writes
-            return GI.rewy_gdn_bwd_local_kernel, output_side
-        sides = {}
-
-        def key_side(**kw):
-            bk = kw.get("block_k") or 64
-            if bk not in sides:
-                sides[bk] = GI.rewy_gdn_bwd_output_side(**side_args, block_k=bk)
-            return GI.rewy_gdn_bwd_local(**x, output_side=sides[bk], **kw)
-        return GI.rewy_gdn_bwd_local_kernel, key_side
     raise ValueError(name)
 
 
@@ -193,7 +173,6 @@ def load_baseline(folder: str):
         spec = importlib.util.spec_from_file_location(
             f"{KB.__package__}.baseline_{os.path.basename(path)[:-3]}", path)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod        # dataclasses look their module up there while the file runs
         spec.loader.exec_module(mod)
         mods.append(mod)
     if all(m is c for m, c in zip(mods, (KB, G))):
@@ -277,8 +256,7 @@ def run_kernel(name: str, a) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--kernel", nargs="+", default=["kda-intra"],
-                   choices=["kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-local-output",
-                            "gdn-local-key"])
+                   choices=["kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local"])
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--H", type=int, default=16)

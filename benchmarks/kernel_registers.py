@@ -40,14 +40,13 @@ from triton.compiler import ASTSource  # noqa: E402
 _BF16 = {
     "intra": {"q", "k", "beta"},
     "wy": {"q", "k", "v", "v_new", "beta", "wg", "A", "h", "dh", "do", "dv2", "dv", "dw"},
-    "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv", "p2"},
+    "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
     "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv"},
     "state-scan": set(),
     "state-segment": {"k", "w", "u", "q", "do", "h_out", "vn_out"},
 }
 _SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
-KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-local-output", "gdn-local-key",
-           "gdn-prestage", "state-scan", "state-segment")
+KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "state-scan", "state-segment")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices"}
 
 
@@ -68,13 +67,11 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
         const = dict(heads, V=V, BK=bk, NK=triton.cdiv(K, bk), VEC=name == "gdn2-wy", STATE_V_FIRST=False,
                      IS_VARLEN=False, WPREC=KB.WY_PRECISION, FULL_T=True)
         return KB.rewy_kda_bwd_wy_kernel, "wy", const
-    if name.startswith("gdn-local"):
-        # REWY_HF_GDN_DX_FROM_DY picks the variant, as it does for the wrapper; -output / -key: the kernel's
-        # two parts when it runs split (REWY_HF_OVERLAP_DQ)
-        part = {"gdn-local": 0, "gdn-local-output": 1, "gdn-local-key": 2}[name]
+    if name == "gdn-local":
+        # REWY_HF_GDN_DX_FROM_DY picks the variant, as it does for the wrapper
         return G.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
                                                               IS_VARLEN=False, FULL_T=True,
-                                                              DX_FROM_DY=G.dx_from_dy(), PART=part)
+                                                              DX_FROM_DY=G.dx_from_dy())
     if name == "gdn-prestage":
         # the fused w/u recompute + local dv (REWY_HF_FUSED_PRESTAGE); block_k: its tile over K and V
         from rewy_hf.kernels import triton_gdn_prestage as P

@@ -11,6 +11,10 @@ bench's own inputs and sides, per backward:
   chained  N backward calls between two events, no flush, divided by N
   cpu      host time to issue one backward (no synchronize): above the GPU
            time, the measurement is bound by Python and launches, not kernels
+  gpu      the GPU's own time for one backward: N calls queued behind a spin
+           kernel (torch.cuda._sleep) long enough for the host to issue them
+           all, timed from its end; kernels on a second stream count once, as
+           they overlap, so this column is the one that shows an overlap
   kernels  sum of the device times of the kernels of one profiled call
            (gdn_bwd_stages.kernel_times, memsets left out; the eighth
            session's runs averaged five calls with memsets counted)
@@ -74,11 +78,36 @@ def measure(run, n: int = 20) -> dict:
         run()
     out["cpu"] = (time.perf_counter() - t0) * 1e3 / n
     torch.cuda.synchronize()
+    out["gpu"] = gpu_only(run, out["cpu"], n)
     from gdn_bwd_stages import kernel_times     # this folder is on sys.path when the script runs
 
     out["per_kernel"] = kernel_times(run)
     out["kernels"] = sum(ms for _, ms in out["per_kernel"])
     return out
+
+
+def gpu_only(run, host_ms: float, n: int) -> float:
+    """Device time per call of ``run`` with the host's issuing hidden behind a spin kernel: the
+    start event runs after the spin, by when all n calls are queued (checked: NaN otherwise)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    ms_per_mcycle = start.elapsed_time(end)
+    pad_ms = 1.5 * host_ms * n + 5.0
+    torch.cuda._sleep(int(pad_ms / ms_per_mcycle * 1e6))
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    end.record()
+    issued_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    # the spin must outlast the issuing, or the GPU waited for the host inside the timed span
+    return start.elapsed_time(end) / n if issued_ms < 0.9 * pad_ms else float("nan")
 
 
 def host_profile(run, n: int = 20, top: int = 12) -> list[str]:
@@ -211,7 +240,7 @@ def main(argv=None) -> int:
 
     guard = lift_gdn_guard() if a.op == "gdn" else {}
     print(f"{torch.cuda.get_device_name()}  op {a.op}  policy {a.policy}  (ms per backward)", flush=True)
-    print(f"{'shape':>14s} {'side':5s} {'bench':>7s} {'chained':>8s} {'cpu':>7s} {'kernels':>8s}", flush=True)
+    print(f"{'shape':>14s} {'side':5s} {'bench':>7s} {'chained':>8s} {'cpu':>7s} {'gpu':>7s} {'kernels':>8s}", flush=True)
     for B, T, H in a.shapes:
         text = f"{B},{T},{H}"
         forget_picks()      # as the bench does: each shape runs the configs tuned at it
@@ -220,7 +249,7 @@ def main(argv=None) -> int:
             impl = rewy_impl(a.op, "triton", a.policy) if side == "rewy" else fla_impl(a.op, a.policy, guard)
             run = runner("B", impl.fn, inputs, do)
             m = measure(run)
-            print(f"{text:>14s} {side:5s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} {m['kernels']:8.3f}",
+            print(f"{text:>14s} {side:5s} {m['bench']:7.3f} {m['chained']:8.3f} {m['cpu']:7.3f} {m['gpu']:7.3f} {m['kernels']:8.3f}",
                   flush=True)
             if a.per_kernel:
                 print("\n".join(f"    {ms:7.3f}  {name[:90]}" for name, ms in m["per_kernel"]), flush=True)

@@ -128,48 +128,6 @@ def test_direct_launch_changes_nothing_computed(monkeypatch, policy, packed):
         assert all(torch.equal(x, y) for x, y in zip(run, runs["0"][0]))
 
 
-def _runs_with_switch(monkeypatch, name, op, policy, packed, seed):
-    """The triton op's outputs and gradients with the switch ``name`` at 0, then twice at 1 (a second
-    run shows a read of a buffer that another stream had not finished), on one set of inputs."""
-    B, T, H, K, V = (1, 597, 2, 128, 64) if packed else (2, 1000, 16, 128, 128)
-    args, kw = _inputs(op, B, T, H, H, K, V, h0=not packed, seed=seed)
-    if packed:
-        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
-    do = torch.randn(B, T, H, V, device="cuda")
-    dht = torch.randn(3 if packed else B, H, K, V, device="cuda")
-    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
-    runs = []
-    for value in ("0", "1", "1"):
-        monkeypatch.setenv(name, value)
-        runs.append(_grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht))
-    torch.cuda.synchronize()
-    ref = lambda: _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    return runs, ref
-
-
-@pytest.mark.parametrize("op,packed", [("gdn", False), ("gdn", True), ("delta_rule", False)])
-def test_local_dv_beside_fwd_h_changes_nothing_computed(monkeypatch, op, packed):
-    """REWY_HF_OVERLAP_DV_LOCAL=1 (kernels/side_stream.py): the local dv runs on a second stream
-    beside fwd_h, with the same kernel and inputs, so every output and gradient is equal bit for
-    bit to a run on one stream, in both runs with it."""
-    (one, *overlapped), _ = _runs_with_switch(monkeypatch, "REWY_HF_OVERLAP_DV_LOCAL", op, "recompute", packed, 5)
-    for run in overlapped:
-        assert all(torch.equal(x, y) for x, y in zip(run, one))
-
-
-@pytest.mark.parametrize("op,policy,packed", [("gdn", "recompute", False), ("gdn", "full", True),
-                                               ("delta_rule", "recompute", False), ("delta_rule", "full", True)])
-def test_output_side_beside_bwd_dhu(monkeypatch, op, policy, packed):
-    """REWY_HF_OVERLAP_DQ=1 (kernels/side_stream.py): the local kernel in two parts, its output side
-    on a second stream beside bwd_dhu. Against the fp32 reference like the one-part kernel, within
-    1e-3 of it (the gate's sums run in another order), and the same bit for bit in both runs."""
-    (one, two, again), ref = _runs_with_switch(monkeypatch, "REWY_HF_OVERLAP_DQ", op, policy, packed, 6)
-    errs = [rel_err(x, r) for x, r in zip(two, ref())]
-    assert max(errs) <= BF16_TOL, errs
-    assert max(rel_err(x, y) for x, y in zip(two, one)) < 1e-3
-    assert all(torch.equal(x, y) for x, y in zip(two, again))
-
-
 def test_sequence_parallel_recurrences_match_fla():
     """The split state recurrences against FLA's sequential kernels on the same inputs."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h

@@ -28,7 +28,7 @@ def _width(entry) -> tuple:
     return kw.get("block_k"), cfg.kwargs.get("BV")
 
 
-@pytest.mark.parametrize("kernel", ["kda-intra", "gdn2-intra", "kda-wy", "gdn-local", "gdn-local-output", "gdn-local-key"])
+@pytest.mark.parametrize("kernel", ["kda-intra", "gdn2-intra", "kda-wy", "gdn-local"])
 def test_configs_agree_on_the_same_inputs(kernel, capsys):
     """The reference config and the first one that splits the work differently (key-block width for
     Matrix Intra, value-tile width for the WY and GDN local kernels)."""

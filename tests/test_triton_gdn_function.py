@@ -10,15 +10,12 @@ on the GPU. The reference is rewy's torch backend on the same float32 inputs.
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import rewy_hf
-from rewy_hf.kernels import side_stream, triton_gdn
+from rewy_hf.kernels import triton_gdn
 from rewy_hf.rel_error import rel_err
 
 
@@ -168,130 +165,6 @@ def test_function_with_fused_prestage(op, packed, monkeypatch):
 
 def _refuse_stage(*_, **__):
     raise AssertionError("FLA's w/u recompute or local dv ran with REWY_HF_FUSED_PRESTAGE=1")
-
-
-class _FakeStream:
-    def __init__(self, name, log):
-        self.name, self.log = name, log
-
-    def wait_stream(self, other):
-        self.log.append(("wait", self.name, other.name))
-
-
-def _fake_streams(monkeypatch, log):
-    """torch.cuda's stream calls that kernels/side_stream.py makes, on CPU: each logs what it does,
-    and the stages below log which stream is current when they are launched."""
-    state = {"current": _FakeStream("main", log)}
-
-    @contextlib.contextmanager
-    def use(stream):
-        before, state["current"] = state["current"], stream
-        yield
-        state["current"] = before
-
-    cuda = types.SimpleNamespace(current_device=lambda: 0, Stream=lambda device=None: _FakeStream("side", log),
-                                 current_stream=lambda device=None: state["current"], stream=use)
-    monkeypatch.setattr(side_stream, "has_streams", lambda device: True)
-    monkeypatch.setattr(side_stream, "_SIDE", {})
-    monkeypatch.setattr(side_stream, "_cuda", cuda)
-    monkeypatch.setattr(side_stream, "_record", lambda t, stream: log.append(("record", stream.name, t)))
-    return state
-
-
-def _logged(log, state, name, fn):
-    def run(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        log.append((name, state["current"].name, out))
-        return out
-    return run
-
-
-@pytest.mark.parametrize("op", ["gdn", "delta_rule"])
-def test_function_runs_local_dv_beside_fwd_h(op, monkeypatch):
-    """REWY_HF_OVERLAP_DV_LOCAL=1, policy recompute: the side stream waits for the w/u recompute,
-    fwd_h is queued first on the current stream, the local dv on the side stream, and bwd_dhu
-    only after the current stream waits for the side one; the tensors the side stream reads and
-    the one it writes are recorded for the allocator. Gradients as without it."""
-    log = []
-    state = _fake_streams(monkeypatch, log)
-    _replace_recurrences(monkeypatch, _logged(log, state, "fwd_h", _loop_fwd_h),
-                         _logged(log, state, "bwd_dhu", _loop_bwd_dhu))
-    for stage in ("recompute_w_u", "dv_local"):
-        monkeypatch.setattr(triton_gdn.fla_stages, stage, _logged(log, state, stage,
-                                                                  getattr(triton_gdn.fla_stages, stage)))
-    monkeypatch.setenv("REWY_HF_OVERLAP_DV_LOCAL", "1")
-    inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=1, seed=17)
-    _compare(op, inputs, do, dht, "recompute")
-    steps = [e[:2] if e[0] != "wait" else e for e in log if e[0] != "record"]
-    backward = steps[steps.index(("recompute_w_u", "main")):]
-    assert backward == [("recompute_w_u", "main"), ("wait", "side", "main"), ("fwd_h", "main"),
-                        ("dv_local", "side"), ("wait", "main", "side"), ("bwd_dhu", "main")], backward
-    dv_local = next(e[2] for e in log if e[0] == "dv_local")
-    records = [(e[1], e[2]) for e in log if e[0] == "record"]
-    assert [t for s, t in records if s == "main"] == [dv_local]
-    side_reads = [t for s, t in records if s == "side"]
-    assert len(side_reads) == (4 if op == "gdn" else 3)              # q, k, dO (and GDN's gate)
-    assert any(t.shape == do.shape for t in side_reads)
-
-
-@pytest.mark.parametrize("op,policy,packed", [("gdn", "recompute", False), ("gdn", "full", True),
-                                               ("delta_rule", "recompute", True), ("delta_rule", "full", False)])
-def test_function_with_local_kernel_in_two_parts(op, policy, packed, monkeypatch):
-    """REWY_HF_OVERLAP_DQ=1 without a GPU: the local kernel's output side, then its key side, one
-    after the other; the gradients are the torch backend's."""
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
-    monkeypatch.setenv("REWY_HF_OVERLAP_DQ", "1")
-    calls = []
-    real = triton_gdn.rewy_gdn_bwd_output_side
-    monkeypatch.setattr(triton_gdn, "rewy_gdn_bwd_output_side", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cu = torch.tensor([0, 70, 200, 230]) if packed else None
-    inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=3 if packed else 1,
-                              seed=19)
-    _compare(op, inputs, do, dht, policy, cu_seqlens=cu)
-    assert calls == [1]
-
-
-@pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_function_runs_output_side_beside_bwd_dhu(policy, monkeypatch):
-    """REWY_HF_OVERLAP_DQ=1 with a second stream (a recording stand-in): the side stream waits for
-    everything up to the local dv, bwd_dhu is queued first, the output side on the side stream,
-    and the key side only after the current stream waits for it; what each stream reads and writes
-    is recorded for the allocator."""
-    log = []
-    state = _fake_streams(monkeypatch, log)
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _logged(log, state, "bwd_dhu", _loop_bwd_dhu))
-    monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", _logged(log, state, "dv_local",
-                                                                   triton_gdn.fla_stages.dv_local))
-    for name in ("rewy_gdn_bwd_output_side", "rewy_gdn_bwd_local"):
-        monkeypatch.setattr(triton_gdn, name, _logged(log, state, name, getattr(triton_gdn, name)))
-    monkeypatch.setenv("REWY_HF_OVERLAP_DQ", "1")
-    inputs, do, dht = _inputs("gdn", T=230, H=1, HV=2, K=32, V=16, N=1, seed=20)
-    _compare("gdn", inputs, do, dht, policy)
-    steps = [e[:2] if e[0] != "wait" else e for e in log if e[0] != "record"]
-    assert steps == [("dv_local", "main"), ("wait", "side", "main"), ("bwd_dhu", "main"),
-                     ("rewy_gdn_bwd_output_side", "side"), ("wait", "main", "side"),
-                     ("rewy_gdn_bwd_local", "main")], steps
-    out = next(e[2] for e in log if e[0] == "rewy_gdn_bwd_output_side")
-    records = [(e[1], e[2]) for e in log if e[0] == "record"]
-    assert [t for s, t in records if s == "main"] == [out.dq, out.p2, out.shares]
-    assert len([t for s, t in records if s == "side"]) == 6                # q, k, Vn, the gate, h, dO
-
-
-def test_overlap_switch_needs_a_cuda_device(monkeypatch):
-    """Off the GPU there is no second stream: the switch changes nothing and no stream is made."""
-    def no_stream(*_, **__):
-        raise AssertionError("a CUDA stream was made for a CPU tensor")
-
-    monkeypatch.setattr(side_stream, "_cuda", types.SimpleNamespace(Stream=no_stream, current_stream=no_stream,
-                                                                    stream=no_stream, current_device=no_stream))
-    monkeypatch.setenv("REWY_HF_OVERLAP_DV_LOCAL", "1")
-    assert not side_stream.overlap_dv_local(torch.device("cpu"))
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
-    inputs, do, dht = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=18)
-    _compare("gdn", inputs, do, dht, "recompute")
-    monkeypatch.setenv("REWY_HF_OVERLAP_DV_LOCAL", "yes")
-    with pytest.raises(ValueError, match="REWY_HF_OVERLAP_DV_LOCAL='yes'.*use 0.*or 1"):
-        side_stream.overlap_dv_local(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("policy", ["recompute", "full"])
