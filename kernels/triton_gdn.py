@@ -5,11 +5,9 @@ cumsum in log2 units, the intra-chunk WY pair w, u and A, the state recurrence
 h / v_new, the output). Backward: FLA's stages that ReWY leaves alone (w/u
 recompute, the state recurrence, the local dv and the reverse state
 recurrence dh / dv2; with REWY_HF_FUSED_PRESTAGE=1 the w/u recompute and the
-local dv run as one kernel of rewy's, triton_gdn_prestage.py; with
-REWY_HF_OVERLAP_DV_LOCAL=1 the local dv runs beside the state recurrence on a
-second stream, side_stream.py), then rewy's own kernel for everything ReWY
-rewrites (triton_gdn_bwd.py; with REWY_HF_OVERLAP_DQ=1 in two parts, the
-first beside the reverse recurrence), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
+local dv run as one kernel of rewy's, triton_gdn_prestage.py), then rewy's own
+kernel for everything ReWY rewrites
+(triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
 kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
 
 Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new;
@@ -27,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from . import fla_stages, side_stream, state_launch, triton_gdn_prestage
+from . import fla_stages, state_launch, triton_gdn_prestage
 from .qk_l2norm import normalize, normalize_backward
-from .triton_gdn_bwd import rewy_gdn_bwd_local, rewy_gdn_bwd_output_side
+from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
@@ -91,9 +89,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
-        # the local dv and the output side each run in one of two places (a second stream or not)
-        local_dv = lambda: fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)  # noqa: E731
-        dv_local = side = None
+        dv_local = None
         if policy == "full":
             w, h, v_new = saved
         else:
@@ -102,35 +98,16 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                                                                scale=scale, **pk)
             else:
                 w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
-                if side_stream.overlap_dv_local(do.device):
-                    side = side_stream.fork(do.device)      # waits for the w/u recompute only
             h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
-            if side is not None:
-                # queued after fwd_h, so fwd_h's programs are dispatched first; it runs in their idle slots
-                with side_stream.aside(side, reads=(q, k, do, g2, *pk.values())):
-                    dv_local = local_dv()
-                side_stream.join(side, do.device, outputs=(dv_local,))
         if dv_local is None:
-            dv_local = local_dv()
+            dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
-        split = side_stream.overlap_dq()
-        side = side_stream.fork(do.device) if split and side_stream.has_streams(do.device) else None
         if ns > 1:
             dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
         else:
             dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
                                                 dht=dht, scale=scale, chunk_size=64, **pk)
-        output_side = lambda: rewy_gdn_bwd_output_side(q, k, v_new, g2, h, do, scale=scale, **pk)  # noqa: E731
-        out_side = None
-        if side is not None:
-            # queued after bwd_dhu, so its programs are dispatched first; it reads nothing bwd_dhu writes
-            with side_stream.aside(side, reads=(q, k, v_new, g2, h, do, *pk.values())):
-                out_side = output_side()
-            side_stream.join(side, do.device, outputs=(out_side.dq, out_side.p2, out_side.shares))
-        elif split:
-            out_side = output_side()
-        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale,
-                                                output_side=out_side, **pk)
+        dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)
         return (dq, dk, dv.to(v.dtype), dg if has_g else None, db.to(beta.dtype),

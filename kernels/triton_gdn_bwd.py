@@ -35,16 +35,10 @@ and the sums and reverse cumsum between them.
   and on the H200 0.594 ms against 0.506 ms at (2, 8192, 16); DeltaNet's
   worst gradient error moved from 5.2e-3 to 5.3e-3 (FLA's own: 5.8e-3).
 
-The kernel can also run in two parts (``PART``; REWY_HF_OVERLAP_DQ, see
-side_stream.py). The output side (PART 1: dO Vn^T and dO h^T in the loop,
-then P2 = dAqk * Gamma, dq and the gate's q . dq share) reads neither dh nor
-dVn, so it can run beside FLA's reverse state recurrence; it leaves P2 per
-chunk in the operands' dtype (the value the one-part kernel rounds it to).
-The key side (PART 2) reads P2 back for P2^T Q and does the rest: four of
-the loop's six products and three of the end's four. Offline (sm_90,
-shipped config): 222 registers, no spills, 1,936 instructions, against 255,
-248 bytes and 2,464 for the one-part kernel; the output side 139 registers,
-1,200 instructions.
+Split in two (the output side, dq and P2 = dAqk * Gamma, beside FLA's
+reverse state recurrence on a second stream; the key side after it), the
+kernel was no faster on the H200 (fifteenth session, docs/performance.md):
+the recurrence slowed by as much as the overlap hid.
 
 Gates arrive as FLA keeps them: chunk-local cumulative sums in log2 units
 (FLA scales by 1/ln 2 and uses exp2). The gradient written to ``dg`` is with
@@ -52,8 +46,6 @@ respect to the natural-log per-token gate.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -81,21 +73,18 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "V", "BT", "USE_G", "DX_FROM_DY", "PART"],
+@triton.autotune(configs=_CONFIGS, key=["K", "V", "BT", "USE_G", "DX_FROM_DY"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def rewy_gdn_bwd_local_kernel(
     q, k, v, v_new, g, beta, A, h, dh, do, dv2,
-    dq, dk, dv, dg, db, p2,
+    dq, dk, dv, dg, db,
     cu_seqlens, chunk_indices,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FULL_T: tl.constexpr, DX_FROM_DY: tl.constexpr, PART: tl.constexpr,
+    FULL_T: tl.constexpr, DX_FROM_DY: tl.constexpr,
 ):
-    # PART 0: the whole chunk backward. PART 1, the output side: dq, the gate's q share and
-    # P2 = dAqk * Gamma (stored in p2), which need no dh or dVn, so it can run beside the
-    # reverse state recurrence. PART 2, the key side: the rest, with P2 read back from p2.
     # Plain pointer arithmetic with masks (no block pointers): the same code
     # runs on the GPU and under the interpreter of every Triton version we use.
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -128,7 +117,6 @@ def rewy_gdn_bwd_local_kernel(
     g += row_hv
     beta += row_hv
     A += row_hv * BT
-    p2 += row_hv * BT
     v += row_hv * V
     v_new += row_hv * V
     do += row_hv * V
@@ -157,10 +145,9 @@ def rewy_gdn_bwd_local_kernel(
     else:
         b_g = tl.zeros([BT], dtype=tl.float32)
         b_g_last = 0.0
-    if PART != 1:
-        b_beta = tl.load(beta + o_i * HV, mask=valid, other=0.0).to(tl.float32)
-        b_A = tl.load(A + (o_i * HV)[:, None] * BT + o_i[None, :], mask=valid[:, None], other=0.0)
-        b_At = tl.trans(b_A)
+    b_beta = tl.load(beta + o_i * HV, mask=valid, other=0.0).to(tl.float32)
+    b_A = tl.load(A + (o_i * HV)[:, None] * BT + o_i[None, :], mask=valid[:, None], other=0.0)
+    b_At = tl.trans(b_A)
 
     # One pass over V. Key-independent: dY = A^T dVn (-> dv, dbeta), dAqk = dO Vn^T,
     # dY Vn^T (-> dL). Per key block: dVn h^T (DX_FROM_DY: dY h^T), dO h^T, Vn dh^T, sum(h * dh).
@@ -178,34 +165,27 @@ def rewy_gdn_bwd_local_kernel(
         m_kv = m_k[:, None] & m_v[None, :]
         off_tv = row_v + o_v[None, :]
         off_kv = o_k[:, None] * V + o_v[None, :]
-        if PART != 1:
-            b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0)
-        if PART != 2:
-            b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
+        b_dvn = tl.load(dv2 + off_tv, mask=m_tv, other=0.0)
+        b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
         b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
-        b_h = tl.load(h + off_kv, mask=m_kv, other=0.0).to(b_vn.dtype)
-        if PART != 1:
-            b_dh = tl.load(dh + off_kv, mask=m_kv, other=0.0).to(b_vn.dtype)
-            b_dy = tl.dot(b_At, b_dvn.to(b_At.dtype))
-            b_dy_lp = b_dy.to(b_vn.dtype)
-        if PART != 2:
-            b_dAqk += tl.dot(b_do, tl.trans(b_vn))
-        if PART != 1:
-            b_dyvn += tl.dot(b_dy_lp, tl.trans(b_vn))
-            if DX_FROM_DY:
-                b_dhw += tl.dot(b_dy_lp, tl.trans(b_h))                # holds dY h^T = A^T dVn h^T
-            else:
-                b_dhw += tl.dot(b_dvn.to(b_h.dtype), tl.trans(b_h))
-        if PART != 2:
-            b_dqg += tl.dot(b_do, tl.trans(b_h))
-        if PART != 1:
-            b_dkc += tl.dot(b_vn, tl.trans(b_dh))
-            if USE_G:
-                b_dgc += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-            if first:
-                b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
-                b_dbeta += tl.sum(b_dy * b_v, axis=1)
-                tl.store(dv + off_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_h = tl.load(h + off_kv, mask=m_kv, other=0.0).to(b_do.dtype)
+        b_dh = tl.load(dh + off_kv, mask=m_kv, other=0.0).to(b_vn.dtype)
+        b_dy = tl.dot(b_At, b_dvn.to(b_At.dtype))
+        b_dy_lp = b_dy.to(b_vn.dtype)
+        b_dAqk += tl.dot(b_do, tl.trans(b_vn))
+        b_dyvn += tl.dot(b_dy_lp, tl.trans(b_vn))
+        if DX_FROM_DY:
+            b_dhw += tl.dot(b_dy_lp, tl.trans(b_h))                # holds dY h^T = A^T dVn h^T
+        else:
+            b_dhw += tl.dot(b_dvn.to(b_h.dtype), tl.trans(b_h))
+        b_dqg += tl.dot(b_do, tl.trans(b_h))
+        b_dkc += tl.dot(b_vn, tl.trans(b_dh))
+        if USE_G:
+            b_dgc += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        if first:
+            b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+            b_dbeta += tl.sum(b_dy * b_v, axis=1)
+            tl.store(dv + off_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
 
     # The end phase consumes one accumulator at a time (each dies at its last use), and its
     # products take 16-bit operands, as FLA's do, so the phase needs no fp32 copy of q, k or A.
@@ -213,7 +193,6 @@ def rewy_gdn_bwd_local_kernel(
     b_q = tl.load(q + off_qk, mask=m_tk, other=0.0)
     b_k = tl.load(k + off_qk, mask=m_tk, other=0.0)
     lp = b_k.dtype
-    off_p2 = (o_i * HV)[:, None] * BT + o_i[None, :]
     off_out = (o_i * HV)[:, None] * K + o_k[None, :]
 
     # Pairwise decays (inclusive of the diagonal), masked before exp2 so no entry can overflow.
@@ -223,63 +202,39 @@ def rewy_gdn_bwd_local_kernel(
     b_eg = tl.where(valid, tl.exp2(b_g), 0.0)
 
     # Output side: P2 = dAqk * Gamma (diagonal included) -> dq and q's share of dk.
-    if PART != 2:
-        b_P2 = (b_dAqk * gam * scale).to(lp)
-        b_dq = tl.dot(b_P2, b_k) + scale * b_dqg * b_eg[:, None]
-        tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        b_dG = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
-    else:
-        b_P2 = tl.load(p2 + off_p2, mask=valid[:, None], other=0.0)
-        b_dG = tl.zeros([BT], dtype=tl.float32)
-    if PART == 1:
-        # P2 for the key side (the value it would compute, in the operands' dtype), and this
-        # side's share of the gate's gradient; beta's share is all the key side's.
-        if first:
-            tl.store(p2 + off_p2, b_P2, mask=valid[:, None])
-        tl.store(db + o_i * HV, tl.zeros([BT], dtype=tl.float32), mask=valid)
-        if USE_G:
-            b_dG = tl.where(valid, b_dG, 0.0)
-            tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True), mask=valid)
-    else:
-        b_dkg = tl.dot(tl.trans(b_P2), b_q)
+    b_P2 = (b_dAqk * gam * scale).to(lp)
+    b_dq = tl.dot(b_P2, b_k) + scale * b_dqg * b_eg[:, None]
+    tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+    b_dkg = tl.dot(tl.trans(b_P2), b_q)
 
-        # Key side: dX = A^T dW with dW = -dVn h^T; P = dL * Gamma (strictly lower), dL = -dY Vn^T
-        # (see the module docstring); Gram Elimination takes the key Gram's row and column
-        # gradients from P, and the gate terms from the same sums.
-        if DX_FROM_DY:
-            b_da = -b_dhw * b_eg[:, None]
-        else:
-            b_da = -tl.dot(b_At, b_dhw.to(lp)) * b_eg[:, None]
-        b_P = tl.where(o_i[:, None] > o_i[None, :], -b_dyvn * gam, 0.0)
-        b_da += tl.dot(b_P.to(lp), b_k)                               # wrt a = beta * k
-        b_dkg += tl.dot(tl.trans((b_P * b_beta[:, None]).to(lp)), b_k)
-        b_kf = b_k.to(tl.float32)
-        b_dbeta += tl.sum(b_da * b_kf, axis=1)
-        tl.store(db + o_i * HV, b_dbeta, mask=valid)
-        b_dkc = b_dkc * tl.where(valid, tl.exp2(b_g_last - b_g), 0.0)[:, None]
-        b_dk = b_dkg + b_dkc + b_da * b_beta[:, None]
-        tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    # Key side: dX = A^T dW with dW = -dVn h^T; P = dL * Gamma (strictly lower), dL = -dY Vn^T
+    # (see the module docstring); Gram Elimination takes the key Gram's row and column
+    # gradients from P, and the gate terms from the same sums.
+    if DX_FROM_DY:
+        b_da = -b_dhw * b_eg[:, None]
+    else:
+        b_da = -tl.dot(b_At, b_dhw.to(lp)) * b_eg[:, None]
+    b_P = tl.where(o_i[:, None] > o_i[None, :], -b_dyvn * gam, 0.0)
+    b_da += tl.dot(b_P.to(lp), b_k)                               # wrt a = beta * k
+    b_dkg += tl.dot(tl.trans((b_P * b_beta[:, None]).to(lp)), b_k)
+    b_kf = b_k.to(tl.float32)
+    b_dbeta += tl.sum(b_da * b_kf, axis=1)
+    tl.store(db + o_i * HV, b_dbeta, mask=valid)
+    b_dkc = b_dkc * tl.where(valid, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+    b_dk = b_dkg + b_dkc + b_da * b_beta[:, None]
+    tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
-        if USE_G:
-            b_dG += tl.sum(b_kf * (b_beta[:, None] * b_da - b_dkg - b_dkc), axis=1)
-            b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_kf)
-            b_dG = tl.where(valid, b_dG, 0.0)
-            tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
+    if USE_G:
+        b_dG += tl.sum(b_kf * (b_beta[:, None] * b_da - b_dkg - b_dkc), axis=1)
+        b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_kf)
+        b_dG = tl.where(valid, b_dG, 0.0)
+        tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
 
 
 def dx_from_dy() -> bool:
     """Whether dX is formed as -dY h^T in the loop (REWY_HF_GDN_DX_FROM_DY, on unless set to 0)."""
     return flag(DX_FROM_DY_ENV, True, on="dX from dY h^T in the loop", off="dX = A^T dW after the loop")
-
-
-@dataclasses.dataclass
-class OutputSide:
-    """What the output-side pass leaves for the key side: dq (final), P2 = dAqk * Gamma per chunk
-    ([B, T, HV, BT], the operands' dtype) and the gradient-share buffer, its half written."""
-    dq: torch.Tensor
-    p2: torch.Tensor
-    shares: torch.Tensor
-    block_k: int
 
 
 def _block_k(K: int, block_k: int | None) -> int:
@@ -294,13 +249,13 @@ def _block_k(K: int, block_k: int | None) -> int:
     return BK
 
 
-_POINTERS = ("q", "k", "v", "v_new", "g", "beta", "A", "h", "dh", "do", "dv2", "dq", "dk", "dv", "dg", "db", "p2",
+_POINTERS = ("q", "k", "v", "v_new", "g", "beta", "A", "h", "dh", "do", "dv2", "dq", "dk", "dv", "dg", "db",
              "cu_seqlens", "chunk_indices")
 
 
-def _launch(part: int, BK: int, BT: int, scale: float, **tensors):
-    """One launch of the kernel's ``part``; ``tensors`` by the kernel's argument names. A pointer the
-    part neither reads nor writes (absent or None) gets a tensor it never touches, db."""
+def _launch(BK: int, BT: int, scale: float, **tensors):
+    """One launch of the kernel; ``tensors`` by the kernel's argument names. A pointer the launch
+    neither reads nor writes (absent or None) gets a tensor it never touches, db."""
     q, v_new, cu_seqlens, chunk_indices = (tensors.get(n) for n in ("q", "v_new", "cu_seqlens", "chunk_indices"))
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
@@ -312,7 +267,7 @@ def _launch(part: int, BK: int, BT: int, scale: float, **tensors):
     direct_launch.launch(
         rewy_gdn_bwd_local_kernel, grid, **pointers, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
         USE_G=tensors.get("g") is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0,
-        DX_FROM_DY=dx_from_dy(), PART=part,
+        DX_FROM_DY=dx_from_dy(),
     )
 
 
@@ -322,30 +277,8 @@ def _dqk_dtype(q, HV):
     return q.dtype if HV == q.shape[2] else torch.float32
 
 
-def rewy_gdn_bwd_output_side(q, k, v_new, g, h, do, scale: float, cu_seqlens=None, chunk_indices=None,
-                             block_k: int | None = None, chunk_size: int = 64) -> OutputSide:
-    """The output side of the chunk-local backward (PART 1 of the kernel): dq, P2 and the gate's
-    q share. It reads no dh and no dVn, so it can run beside FLA's reverse state recurrence;
-    ``rewy_gdn_bwd_local(..., output_side=...)`` then does the rest. Arguments as there."""
-    q, k, v_new, h, do = (t.contiguous() for t in (q, k, v_new, h, do))
-    g = None if g is None else g.contiguous()
-    B, T, H, K = q.shape
-    HV = v_new.shape[2]
-    BK = _block_k(K, block_k)
-    NK = triton.cdiv(K, BK)
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=_dqk_dtype(q, HV))
-    p2 = torch.empty(B, T, HV, chunk_size, device=q.device, dtype=q.dtype)
-    # both passes' shares of the gate's and beta's gradients: [:, :NK] the key side's, [:, NK:] this pass's
-    shares = torch.empty(1 + (g is not None), 2 * NK, B, T, HV, device=q.device, dtype=torch.float32)
-    _launch(1, BK, chunk_size, scale, q=q, k=k, v_new=v_new, g=g, h=h, do=do, dq=dq, p2=p2,
-            dg=shares[0, NK:] if g is not None else None, db=shares[-1, NK:], cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices)
-    return OutputSide(dq, p2, shares, BK)
-
-
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
-                       cu_seqlens=None, chunk_indices=None, block_k: int | None = None,
-                       output_side: OutputSide | None = None):
+                       cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
     """Chunk-local ReWY backward in FLA's layout.
 
     q, k: [B, T, H, K]; v, v_new, do, dv2: [B, T, HV, V]; g (log2-unit chunk
@@ -358,8 +291,6 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     ``block_k``: key channels per program, 64 (the default) or 128 (each key
     block repeats the key-independent value-side products); narrower blocks are
     refused, as triton 3.6.0 miscompiles them (K < 64 runs masked 64-wide blocks).
-    ``output_side``: what ``rewy_gdn_bwd_output_side`` computed already (its dq, P2 and
-    gate share); only the key side runs then (PART 2).
     """
     q, k, v, v_new, beta, A, h, dh, do, dv2 = (
         t.contiguous() for t in (q, k, v, v_new, beta, A, h, dh, do, dv2))
@@ -367,27 +298,16 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = A.shape[-1]
-    if output_side is None:
-        BK = _block_k(K, block_k)
-        NK = triton.cdiv(K, BK)
-        dq = torch.empty(B, T, HV, K, device=q.device, dtype=_dqk_dtype(q, HV))
-        # Each key block's share of beta's gradient (and the gate's), in one buffer, so that one
-        # reduction adds them: a launch fewer per backward than one sum each.
-        shares = torch.empty(1 + (g is not None), NK, B, T, HV, device=q.device, dtype=torch.float32)
-        part, p2 = 0, None
-    else:
-        BK, dq, p2, shares = output_side.block_k, output_side.dq, output_side.p2, output_side.shares
-        if block_k is not None and block_k != BK:
-            raise ValueError(f"block_k={block_k}, but the output side ran with key blocks of {BK}: "
-                             "pass the same block_k to both parts")
-        NK = triton.cdiv(K, BK)
-        part = 2
-        if p2.shape[-1] != BT:
-            raise ValueError(f"the output side ran with chunks of {p2.shape[-1]}, A has chunks of {BT}")
+    BK = _block_k(K, block_k)
+    NK = triton.cdiv(K, BK)
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=_dqk_dtype(q, HV))
+    # Each key block's share of beta's gradient (and the gate's), in one buffer, so that one
+    # reduction adds them: a launch fewer per backward than one sum each.
+    shares = torch.empty(1 + (g is not None), NK, B, T, HV, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(dq)
     dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    _launch(part, BK, BT, scale, q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, dh=dh, do=do, dv2=dv2,
-            dq=dq if part == 0 else None, dk=dk, dv=dv_, dg=shares[0, :NK] if g is not None else None,
-            db=shares[-1, :NK], p2=p2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    _launch(BK, BT, scale, q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, dh=dh, do=do, dv2=dv2,
+            dq=dq, dk=dk, dv=dv_, dg=shares[0] if g is not None else None, db=shares[-1],
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     total = shares.sum(1) if shares.shape[1] > 1 else shares[:, 0]
     return dq, dk, dv_, total[0] if g is not None else None, total[-1]

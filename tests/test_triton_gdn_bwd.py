@@ -49,6 +49,14 @@ def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int,
     return x, gt, s, do, dVn, dHnext, ref
 
 
+def _nan_filled_buffers(monkeypatch):
+    """Every buffer the wrapper allocates from here on starts as NaN, so an output tile or a key
+    block's gradient share the kernel leaves unwritten cannot pass as zeros."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+
+
 # K = 128 and 96 split into key blocks of 64 (the second one partly masked).
 @pytest.mark.parametrize("kind,T,K,V", [("gdn", 2 * C, 16, 32), ("gdn", 150, 16, 128), ("gdn", 100, 16, 256),
                                         ("delta_rule", 150, 16, 32), ("gdn", 100, 128, 32), ("gdn", 70, 96, 64),
@@ -67,6 +75,7 @@ def test_kernel_matches_torch_stage(kind, T, K, V, dx_from_dy, monkeypatch):
     A = fla(s.A)
     h = s.Hs.permute(1, 0, 2, 3, 4).contiguous()
     dh = dHnext.permute(1, 0, 2, 3, 4).contiguous()
+    _nan_filled_buffers(monkeypatch)
     dq, dk, dv, dg, db = rewy_gdn_bwd_local(
         q, k, fla(x.v), fla(s.Vn), g2, fla(x.b)[..., 0], A, h, dh,
         fla(do), fla(dVn), scale=x.scale)
@@ -106,6 +115,7 @@ def test_kernel_packed_sequences(kind, dx_from_dy, monkeypatch):
     packed["dh"] = torch.cat([p["dh"] for p in parts], dim=1)
     cu = torch.tensor([0] + lengths).cumsum(0)
     chunk_indices = torch.tensor([[n, t] for n, T in enumerate(lengths) for t in range(math.ceil(T / C))])
+    _nan_filled_buffers(monkeypatch)
     dq, dk, dv, dg, db = rewy_gdn_bwd_local(**packed, scale=K ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
     rq, rk, rv, rg, rb = (torch.cat([r[i] for r in refs], dim=1) for i in range(5))
     errors = {"dq": rel_err(dq, rq), "dk": rel_err(dk, rk), "dv": rel_err(dv, rv), "db": rel_err(db, rb[..., 0])}
