@@ -25,23 +25,12 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. GDN recompute is at 1.33x of FLA on both sides' fastest rounds (fourteenth session); 1.4x needs about 0.05 ms
-#    less per backward at (2,8192,16). Two candidates written after that session's GPU calls, off by default
-#    (kernels/side_stream.py): REWY_HF_OVERLAP_DV_LOCAL=1, the local dv on a second stream beside fwd_h;
-#    REWY_HF_OVERLAP_DQ=1, the local kernel split in two, its output side beside bwd_dhu (offline, its key side
-#    compiles without spills, 1,936 instructions against 2,464).
-#   a. their GPU tests, then the bench time without, with each, and with both (timing_gaps: the "bench" and "chained"
-#      columns show an overlap; the kernel sum does not, it adds every kernel's time):
-#   TESTS_K="beside or two_parts or output_side" T_gaps=120 bash tools/h200_next.sh tests \
-#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--shapes+8,2048,16+2,8192,16" gaps \
-#       env:REWY_HF_OVERLAP_DQ=1 gaps env:REWY_HF_OVERLAP_DV_LOCAL=1 gaps
-#   b. the kernel's two parts alone, every config (does another config suit the smaller key side?):
-#   T_configs=200 bash tools/h200_next.sh configs:gdn-local-output,gdn-local-key
-#   c. if faster, the GDN and DeltaNet benches with what won (flip a default only if right and faster):
-#   T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DQ=1 bench-gdn:gdn
-#   T_bench_gdn=560 bash tools/h200_next.sh env:REWY_HF_OVERLAP_DQ=1 bench-gdn:delta_rule
-#   c. GDN full with dX from dY (the default since the fourteenth session; not benched since):
-#   BENCH_POLICY=full T_bench_gdn=400 bash tools/h200_next.sh bench-gdn:gdn
+# 0. GDN recompute is at 1.33x of FLA on both sides' fastest rounds (1.39x as run); 1.4x needs about 0.05 ms less
+#    per backward at (2,8192,16). Hiding stages on a second stream was timed in the fifteenth session and removed
+#    (docs/performance.md, "What would close the gap", item 2). A kernel change to time there goes through
+#    timing_gaps.py's gpu column (the GPU's own time per backward) before a bench:
+#   T_gaps=200 bash tools/h200_next.sh \
+#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--sides+rewy+--shapes+2,8192,16+8,2048,16" gaps
 # 1. The rest of the KDA / GDN2 GPU tests with the direct launch, on by default since the thirteenth session (their
 #    fp32-reference and packed tests passed with it in the fourteenth):
 #   TESTS_K="saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
@@ -51,6 +40,10 @@
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
 #   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
 # 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the fifteenth session (one H200): the GPU tests of the two second-stream candidates (7 passed),
+#   timing_gaps with a gpu column at five shapes without, with one and with both (no shape faster by more than
+#   0.5 %, three 1-5 % slower: removed), DeltaNet recompute bench at the shipped defaults (1.28x as run, 1.26x on
+#   fastest rounds), GDN full bench with dX from dY (1.77x / 1.69x).
 # Done in the fourteenth session (one H200): the GPU tests of the fused prestage and of dX from dY (20 + 10 passed),
 #   timing_gaps --per-kernel for GDN recompute with dX from dY and with both (local kernel 0.506 -> 0.459 ms at
 #   (2,8192,16); the prestage 0.13 ms against 0.15 ms for FLA's two stages, but bwd_dhu up to 0.02 ms slower after it),
@@ -128,7 +121,8 @@ scan)
   timeout $(lim scan 300) python3 benchmarks/state_scan_timing.py $SCAN_ARGS > $O/state_scan.log 2>&1
   tail -n 60 $O/state_scan.log ;;
 gaps)
-  # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time and kernel sum
+  # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time, the GPU's own
+  # time and kernel sum
   # appends, so that runs in one queue under different env: settings share the log (each under its own header)
   echo "== timing_gaps.py $GAP_ARGS (REWY_HF_STATE_BLOCK_V=${REWY_HF_STATE_BLOCK_V:-auto}; set: $(env | grep '^REWY' | sort | tr '\n' ' '))" >> $O/gaps${CUDA_VISIBLE_DEVICES}.log
   timeout $(lim gaps 200) python3 benchmarks/timing_gaps.py $GAP_ARGS >> $O/gaps${CUDA_VISIBLE_DEVICES}.log 2>&1
