@@ -237,46 +237,6 @@ def dx_from_dy() -> bool:
     return flag(DX_FROM_DY_ENV, True, on="dX from dY h^T in the loop", off="dX = A^T dW after the loop")
 
 
-def _block_k(K: int, block_k: int | None) -> int:
-    if K > 256:
-        raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
-    # Key blocks are 64 wide even where K is narrower (masked): at 32, triton 3.6.0 on the H200
-    # gave outputs that changed with the launch config by up to 3 % (twelfth session).
-    BK = block_k or 64
-    if BK < 64:
-        raise ValueError(f"block_k={BK}: key blocks narrower than 64 are miscompiled by triton 3.6 in this kernel; "
-                         "use 64 (the default) or 128")
-    return BK
-
-
-_POINTERS = ("q", "k", "v", "v_new", "g", "beta", "A", "h", "dh", "do", "dv2", "dq", "dk", "dv", "dg", "db",
-             "cu_seqlens", "chunk_indices")
-
-
-def _launch(BK: int, BT: int, scale: float, **tensors):
-    """One launch of the kernel; ``tensors`` by the kernel's argument names. A pointer the launch
-    neither reads nor writes (absent or None) gets a tensor it never touches, db."""
-    q, v_new, cu_seqlens, chunk_indices = (tensors.get(n) for n in ("q", "v_new", "cu_seqlens", "chunk_indices"))
-    B, T, H, K = q.shape
-    HV, V = v_new.shape[2], v_new.shape[3]
-    varlen = cu_seqlens is not None
-    if varlen and (B != 1 or chunk_indices is None):
-        raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
-    grid = (triton.cdiv(K, BK), chunk_indices.shape[0] if varlen else triton.cdiv(T, BT), B * HV)
-    pointers = {n: tensors[n] if tensors.get(n) is not None else tensors["db"] for n in _POINTERS}
-    direct_launch.launch(
-        rewy_gdn_bwd_local_kernel, grid, **pointers, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-        USE_G=tensors.get("g") is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0,
-        DX_FROM_DY=dx_from_dy(),
-    )
-
-
-def _dqk_dtype(q, HV):
-    # Gradients leave in the input dtype (accumulation is float32 in-kernel) unless the
-    # caller must still sum value heads into key heads (GVA): fp32 copies cost peak memory.
-    return q.dtype if HV == q.shape[2] else torch.float32
-
-
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
                        cu_seqlens=None, chunk_indices=None, block_k: int | None = None):
     """Chunk-local ReWY backward in FLA's layout.
@@ -298,16 +258,35 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = A.shape[-1]
-    BK = _block_k(K, block_k)
+    if K > 256:
+        raise ValueError(f"key head dim {K} > 256 is not supported by the ReWY Triton kernel")
+    # Key blocks are 64 wide even where K is narrower (masked): at 32, triton 3.6.0 on the H200
+    # gave outputs that changed with the launch config by up to 3 % (twelfth session).
+    BK = block_k or 64
+    if BK < 64:
+        raise ValueError(f"block_k={BK}: key blocks narrower than 64 are miscompiled by triton 3.6 in this kernel; "
+                         "use 64 (the default) or 128")
     NK = triton.cdiv(K, BK)
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=_dqk_dtype(q, HV))
+    # Gradients leave in the input dtype (accumulation is float32 in-kernel) unless the
+    # caller must still sum value heads into key heads (GVA): fp32 copies cost peak memory.
+    dqk_dtype = q.dtype if HV == H else torch.float32
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=dqk_dtype)
+    dk = torch.empty_like(dq)
+    dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     # Each key block's share of beta's gradient (and the gate's), in one buffer, so that one
     # reduction adds them: a launch fewer per backward than one sum each.
     shares = torch.empty(1 + (g is not None), NK, B, T, HV, device=q.device, dtype=torch.float32)
-    dk = torch.empty_like(dq)
-    dv_ = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    _launch(BK, BT, scale, q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, dh=dh, do=do, dv2=dv2,
-            dq=dq, dk=dk, dv=dv_, dg=shares[0] if g is not None else None, db=shares[-1],
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    total = shares.sum(1) if shares.shape[1] > 1 else shares[:, 0]
+    dg, db = (shares[0] if g is not None else None), shares[-1]
+    varlen = cu_seqlens is not None
+    if varlen and (B != 1 or chunk_indices is None):
+        raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
+    grid = (NK, chunk_indices.shape[0] if varlen else triton.cdiv(T, BT), B * HV)
+    direct_launch.launch(
+        rewy_gdn_bwd_local_kernel, grid, q=q, k=k, v=v, v_new=v_new, g=g if g is not None else beta, beta=beta,
+        A=A, h=h, dh=dh, do=do, dv2=dv2, dq=dq, dk=dk, dv=dv_, dg=dg if dg is not None else db, db=db,
+        cu_seqlens=cu_seqlens if varlen else beta, chunk_indices=chunk_indices if varlen else beta,
+        scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
+        FULL_T=not varlen and T % BT == 0, DX_FROM_DY=dx_from_dy(),
+    )
+    total = shares.sum(1) if NK > 1 else shares[:, 0]
     return dq, dk, dv_, total[0] if g is not None else None, total[-1]
