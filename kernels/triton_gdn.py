@@ -10,7 +10,10 @@ kernel for everything ReWY rewrites
 (triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
 kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
 
-Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new;
+Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new --
+h from the state checkpoints of ``state_checkpoints.py`` (h at the first
+chunk of every segment, a few MB) in parallel along the sequence where
+FLA's sequential rebuild would leave most SMs idle;
 ``full`` saves w, h and v_new (u is not needed: the ReWY kernel reads neither
 w nor u, and the reverse state recurrence needs only w). ``cu_seqlens``
 (packed sequences) goes to every FLA stage and to our kernel. With
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fla_stages, state_launch, triton_gdn_prestage
+from . import fla_stages, state_checkpoints, state_launch, triton_gdn_prestage
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -76,9 +79,15 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         ns = sequence_segments(k, v, cu_seqlens)
         h, v_new, ht = _states(f, ns, k, w, u, g2, h0, pk, final=True)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g2, scale=scale, chunk_size=64, **pk)
-        saved = (w, h, v_new) if policy == "full" else ()
+        # The opt-in sequence split (ns > 1) keeps its own rebuild, as it was timed.
+        segments = state_checkpoints.plan(v, cu_seqlens) if policy == "recompute" and ns == 1 else None
+        if policy == "full":
+            saved = (w, h, v_new)
+        else:
+            saved = () if segments is None else (state_checkpoints.save(h, h0, segments),)
         ctx.save_for_backward(q, k, v, g2, beta, A, h0, q_rstd, k_rstd, *pk.values(), *saved)
         ctx.meta = (scale, policy, g is not None, h0 is not None, cu_seqlens is not None, ns)
+        ctx.segments = segments
         return o.to(v.dtype), ht
 
     @staticmethod
@@ -98,7 +107,11 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                                                                scale=scale, **pk)
             else:
                 w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
-            h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
+            if ctx.segments is not None:
+                fwd_h = lambda **kw: state_launch.fwd_h(f["fwd_h"], chunk_size=64, **kw)
+                h, v_new = state_checkpoints.rebuild(fwd_h, k, w, u, g2, saved[0], ctx.segments)
+            else:
+                h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()

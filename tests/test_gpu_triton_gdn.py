@@ -210,3 +210,29 @@ def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed
               chunk_bwd_dv_local(q=q, k=k, do=do16, g=g2, scale=K ** -0.5, chunk_size=64, **pk))
     for name, a, b in zip(("w", "u", "dv_local"), mine, theirs):
         assert rel_err(a.float(), b.float()) < 1e-2, name
+
+
+@pytest.mark.parametrize("op", ["gdn", "delta_rule"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, packed, monkeypatch):
+    """Policy recompute with the states rebuilt from checkpoints (kernels/state_checkpoints.py):
+    2-chunk segments and auto, against the fp32 torch backend, no less accurate (within 10 %)
+    than the sequential rebuild (REWY_HF_STATE_CHECKPOINTS=off); the forward is the same run."""
+    B, T, H, K, V = (1, 1100, 2, 128, 128) if packed else (2, 1000, 2, 128, 128)
+    args, kw = _inputs(op, B, T, H, H, K, V, h0=not packed, seed=6)
+    N = 3 if packed else B
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 130, 900, 1100], device="cuda")
+        kw["initial_state"] = 0.3 * torch.randn(N, H, K, V, device="cuda")
+    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
+    do = torch.randn(B, T, H, V, device="cuda")
+    dht = torch.randn(N, H, K, V, device="cuda")
+    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    errs = {}
+    for mode in ("off", "2", "auto"):
+        monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", mode)
+        ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+        errs[mode] = [rel_err(x, r) for x, r in zip(ours, ref)]
+    assert max(errs["2"]) <= BF16_TOL, errs
+    for mode in ("2", "auto"):
+        assert all(e <= 1.1 * s + 1e-3 for e, s in zip(errs[mode], errs["off"])), errs

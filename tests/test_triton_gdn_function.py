@@ -17,75 +17,7 @@ import torch.nn.functional as F
 import rewy_hf
 from rewy_hf.kernels import triton_gdn
 from rewy_hf.rel_error import rel_err
-
-
-def _chunks(T, cu_seqlens):
-    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
-    return [(s, min(s + 64, e)) for b, e in zip(bounds[:-1], bounds[1:]) for s in range(b, e, 64)], bounds
-
-
-def _loop_fwd_h(k, w, u, g=None, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
-    """FLA's fwd_h in torch: h[c] = state entering chunk c; v_new = u - w h; S' = e^{g_C} S + (k e^{g_C-g})^T v_new."""
-    _, T, HV, K = w.shape
-    V = u.shape[-1]
-    k = k.repeat_interleave(HV // k.shape[2], dim=2)
-    chunks, bounds = _chunks(T, cu_seqlens)
-    h, vn, finals = torch.zeros(1, len(chunks), HV, K, V), torch.zeros_like(u), []
-    seq, S = -1, None
-    for i, (s, e) in enumerate(chunks):
-        if s in bounds[:-1]:
-            seq += 1
-            if S is not None:
-                finals.append(S)
-            S = torch.zeros(HV, K, V) if initial_state is None else initial_state[seq].clone()
-        h[0, i] = S
-        vn[0, s:e] = u[0, s:e] - torch.einsum("thk,hkv->thv", w[0, s:e], S)
-        gl = g[0, e - 1] if g is not None else torch.zeros(HV)
-        decay = torch.exp2(gl - g[0, s:e]) if g is not None else torch.ones(e - s, HV)
-        S = S * torch.exp2(gl)[:, None, None] + torch.einsum("thk,thv->hkv", k[0, s:e], vn[0, s:e] * decay[..., None])
-    finals.append(S)
-    return h, vn, torch.stack(finals) if output_final_state else None
-
-
-def _loop_bwd_dhu(q, k, w, do, dv, g=None, h0=None, dht=None, scale=None, cu_seqlens=None, **_):
-    """FLA's bwd_dhu in torch: dh[c] = gradient of the state leaving chunk c; dv2 = dv + (k e^{g_C-g}) dh."""
-    _, T, HV, K = w.shape
-    V = do.shape[-1]
-    q, k = (x.repeat_interleave(HV // x.shape[2], dim=2) for x in (q, k))
-    chunks, bounds = _chunks(T, cu_seqlens)
-    dh, dv2, firsts = torch.zeros(1, len(chunks), HV, K, V), torch.zeros_like(dv), []
-    seq, D = len(bounds) - 1, None
-    for i in reversed(range(len(chunks))):
-        s, e = chunks[i]
-        if e in bounds[1:]:
-            seq -= 1
-            D = torch.zeros(HV, K, V) if dht is None else dht[seq].clone()
-        dh[0, i] = D
-        gl = g[0, e - 1] if g is not None else torch.zeros(HV)
-        decay = torch.exp2(gl - g[0, s:e]) if g is not None else torch.ones(e - s, HV)
-        qg = q[0, s:e] * (torch.exp2(g[0, s:e])[..., None] if g is not None else 1.0)
-        dv2[0, s:e] = dv[0, s:e] + torch.einsum("thk,hkv->thv", k[0, s:e], D) * decay[..., None]
-        D = (D * torch.exp2(gl)[:, None, None] + scale * torch.einsum("thk,thv->hkv", qg, do[0, s:e])
-             - torch.einsum("thk,thv->hkv", w[0, s:e], dv2[0, s:e]))
-        if s in bounds[:-1]:
-            firsts.insert(0, D)
-    return dh, torch.stack(firsts), dv2
-
-
-def _replace_recurrences(monkeypatch, fwd_h, bwd_dhu):
-    """FLA's two recurrences replaced; rewy's own launch of FLA's kernels (on by default where B x H
-    is small, kernels/state_launch.py, and everywhere with REWY_HF_DIRECT_LAUNCH=1) is switched
-    off, so the replacements are what run."""
-    stages = triton_gdn._fla
-    monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
-    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")
-
-    def patched():
-        f = stages()
-        f["fwd_h"], f["bwd_dhu"] = fwd_h, bwd_dhu
-        return f
-
-    monkeypatch.setattr(triton_gdn, "_fla", patched)
+from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
 
 
 def _refuse(*_, **__):
@@ -132,7 +64,7 @@ def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False):
 def test_function_with_sequence_parallel_recurrences(op, policy, direct, monkeypatch):
     """Also with REWY_HF_DIRECT_LAUNCH=1: FLA's w/u recompute and local dv and rewy's local kernel
     launched without their autotuner wrappers (kernels/direct_launch.py)."""
-    _replace_recurrences(monkeypatch, _refuse, _refuse)
+    replace_recurrences(monkeypatch, _refuse, _refuse)
     monkeypatch.setenv("REWY_HF_SEQUENCE_PARALLEL", "2")
     monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", direct)
     H = 1 if op == "gdn" else 2                        # GVA for GDN (DeltaNet has none); five chunks
@@ -142,7 +74,7 @@ def test_function_with_sequence_parallel_recurrences(op, policy, direct, monkeyp
 
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 def test_function_packed_sequences(policy, monkeypatch):
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
+    replace_recurrences(monkeypatch, loop_fwd_h, loop_bwd_dhu)
     cu = torch.tensor([0, 70, 200, 230])
     inputs, do, dht = _inputs("gdn", T=230, H=2, HV=2, K=32, V=16, N=3, seed=12)
     _compare("gdn", inputs, do, dht, policy, cu_seqlens=cu)
@@ -153,7 +85,7 @@ def test_function_packed_sequences(policy, monkeypatch):
 def test_function_with_fused_prestage(op, packed, monkeypatch):
     """REWY_HF_FUSED_PRESTAGE=1, policy recompute: w, u and the local dv come from rewy's one
     kernel (kernels/triton_gdn_prestage.py), and FLA's two stages do not run; GVA for GDN."""
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
+    replace_recurrences(monkeypatch, loop_fwd_h, loop_bwd_dhu)
     monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", "1")
     monkeypatch.setattr(triton_gdn.fla_stages, "recompute_w_u", _refuse_stage)
     monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", _refuse_stage)
@@ -171,7 +103,7 @@ def _refuse_stage(*_, **__):
 def test_function_normalises_q_and_k_inside(policy, monkeypatch):
     """qk_l2norm (FLA's use_qk_l2norm_in_kernel): raw q and k go in, the l2norm and its
     gradient run inside the function; GVA, ragged T."""
-    _replace_recurrences(monkeypatch, _loop_fwd_h, _loop_bwd_dhu)
+    replace_recurrences(monkeypatch, loop_fwd_h, loop_bwd_dhu)
     inputs, do, dht = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=13)
     gen = torch.Generator().manual_seed(14)
     inputs[0] = 3 * torch.randn(inputs[0].shape, generator=gen)
@@ -184,10 +116,10 @@ def test_function_with_qk_l2norm_keeps_only_normalised_q_k_and_row_norms(monkeyp
     k in their dtype and one float32 per row each -- no other tensor of q's shape (a float32
     copy of q or k per layer is what made a patched Qwen3.5 step larger)."""
     def fwd_h_half(k, w, u, **kw):
-        h, v_new, ht = _loop_fwd_h(k.float(), w.float(), u.float(), **kw)
+        h, v_new, ht = loop_fwd_h(k=k.float(), w=w.float(), u=u.float(), **kw)
         return h.to(k.dtype), v_new.to(u.dtype), ht             # FLA's fwd_h returns both in k's dtype
 
-    _replace_recurrences(monkeypatch, fwd_h_half, _refuse)
+    replace_recurrences(monkeypatch, fwd_h_half, _refuse)
     (q, k, v, g, beta, h0), _, _ = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=15)
     q, k, v, beta = (x.half().requires_grad_() for x in (q, k, v, beta))     # beta in their dtype, as FLA takes it
     saved = []

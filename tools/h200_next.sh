@@ -11,6 +11,7 @@
 #   bash tools/h200_next.sh configs      # benchmarks/kernel_configs.py: launch configs outside the autotune lists;
 #                                        # configs:kda-wy,gdn-local picks kernels; T_configs per kernel, CONFIG_ARGS
 #   bash tools/h200_next.sh scan         # benchmarks/state_scan_timing.py (SCAN_ARGS): sequence-parallel recurrences vs FLA
+#   bash tools/h200_next.sh ckpt         # benchmarks/checkpoint_timing.py (CKPT_ARGS): state rebuild from checkpoints
 #   bash tools/h200_next.sh gaps         # benchmarks/timing_gaps.py (GAP_ARGS): bench time vs chained runs, host time, kernel sum
 #   bash tools/h200_next.sh ncu          # Nsight Compute sections for one launch of each rewy backward kernel
 #   bash tools/h200_next.sh kda-profile  # per-kernel profile (KDA, GDN2) + GVA / state_v_first / cu_seqlens checks
@@ -120,6 +121,10 @@ scan)
   # benchmarks/state_scan_timing.py: the sequence-parallel recurrences against FLA's sequential ones (SCAN_ARGS)
   timeout $(lim scan 300) python3 benchmarks/state_scan_timing.py $SCAN_ARGS > $O/state_scan.log 2>&1
   tail -n 60 $O/state_scan.log ;;
+ckpt)
+  # benchmarks/checkpoint_timing.py (CKPT_ARGS): the recompute policy's state rebuild from checkpoints vs sequential
+  timeout $(lim ckpt 200) python3 benchmarks/checkpoint_timing.py $CKPT_ARGS >> $O/checkpoints.log 2>&1
+  tail -n 40 $O/checkpoints.log ;;
 gaps)
   # benchmarks/timing_gaps.py (GAP_ARGS): the bench's backward time against chained runs, host time, the GPU's own
   # time and kernel sum
@@ -179,7 +184,7 @@ env:*)
   # env:NAME=VALUE sets a variable for the rest of this queue only (e.g. one GPU runs with REWY_KDA_INTRA_PRECISION=bf16);
   # a + in VALUE stands for a space (queues are split on spaces): env:CONFIG_ARGS=--B+1+--T+16384
   kv=${1#env:}; kv=${kv//+/ }; export "$kv"; echo "exported $kv" ;;
-*) echo "unknown mode $1: tests|gaps|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b|env:NAME=VALUE"; return 2 ;;
+*) echo "unknown mode $1: tests|gaps|stages|verify|bench-gdn|bench-kda|kda|kda-prec|configs|ncu|kda-profile|ckpt|model-gdn2|model-qwen|model-profile|gdn2-1b|qla-a|qla-b|env:NAME=VALUE"; return 2 ;;
 esac
 }
 

@@ -1,0 +1,150 @@
+"""State checkpoints: the ``recompute`` policy's states rebuilt in parallel along the sequence.
+
+Under ``recompute`` the backward needs h (the state entering every chunk)
+again. FLA rebuilds it with its sequential ``fwd_h``: one program per
+(sequence, value head, block of value columns) walks all the sequence's
+chunks in order. With few sequences x heads and long sequences that walk is
+the stage's whole time and leaves most of the GPU idle: 64 programs for 132
+SMs at (2, 8192, 16), 0.15 ms of a 1.05 ms GDN backward on the H200.
+
+The forward has just computed h for every chunk. Keeping it at the first
+chunk of every segment of L chunks (the checkpoints, NS x HV x K x V values,
+a few MB) lets the backward rebuild h with every sequence cut into those
+segments, each started from its checkpoint: FLA's own ``fwd_h`` kernel run
+on the segments as if they were packed sequences (``cu_seqlens`` at the
+segment bounds, the checkpoints as their initial states). Segments start on
+chunk bounds of their sequence, so the segmented run numbers its chunks as
+the whole-sequence run does, and h and v_new come back in the layout the rest
+of the backward reads. It walks the same chunks once, as the sequential
+rebuild does, with NS / N times as many programs. Unlike the sequence split
+of ``triton_state_scan.py``, which must first find the boundary states (twice
+the work), the forward hands them over.
+
+Precision: a checkpoint is the forward's h at that chunk in h's dtype (the
+value policy ``full`` keeps for every chunk), so from a checkpoint on the
+rebuilt states start from the stored state, not from the forward's float32
+running one. A sequence's first segment starts from its initial state as
+given (float32), or from zero.
+
+REWY_HF_STATE_CHECKPOINTS: ``auto`` (see ``chunks_per_segment``), ``off``
+(FLA's sequential rebuild), or a number of chunks per segment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+
+CHECKPOINTS_ENV = "REWY_HF_STATE_CHECKPOINTS"
+CHUNK = 64
+# Programs per SM the segmented rebuild aims for (FLA's fwd_h programs are latency-bound:
+# several per SM hide each other's waits), and the shortest segment worth a program.
+PROGRAMS_PER_SM = 4
+MIN_CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Every sequence cut into segments of ``length`` chunks (its last one shorter).
+
+    cu_seqlens: [NS + 1] token bounds of the segments in the rows-joined layout
+    (row b's tokens at b T .. b T + T - 1); chunk_indices: FLA's (segment, chunk)
+    table for them; starts: [NS] the joined chunk index of each segment's first
+    chunk; sequence_starts: [N] the segment that begins each sequence."""
+
+    length: int
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+    starts: torch.Tensor
+    sequence_starts: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
+
+
+def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sm_count: int) -> int | None:
+    """L for ``auto``: the shortest segments (at least MIN_CHUNKS chunks) that give about
+    PROGRAMS_PER_SM programs per SM at FLA's widest value block (64); None where the
+    sequential rebuild already gives that many, or no sequence would be cut."""
+    per_segment = value_heads * triton.cdiv(V, 64)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_segment)
+    if len(sequence_chunks) >= wanted:
+        return None
+    L = max(MIN_CHUNKS, triton.cdiv(sum(sequence_chunks), wanted))
+    return L if L < max(sequence_chunks) else None
+
+
+def _mode() -> str:
+    mode = os.environ.get(CHECKPOINTS_ENV, "auto").strip().lower()
+    if mode in ("", "auto", "off", "0") or (mode.isdigit() and int(mode) >= 1):
+        return "auto" if mode == "" else mode
+    raise ValueError(f"{CHECKPOINTS_ENV}={mode!r} is not understood; use auto (the default: cut long sequences "
+                     "where FLA's sequential rebuild of the states would leave most SMs idle), off (FLA's "
+                     "sequential rebuild) or a number of chunks per segment")
+
+
+def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
+    """The segments for this call (v: [B, T, HV, V]), or None to keep FLA's sequential rebuild."""
+    mode = _mode()
+    if mode in ("off", "0"):
+        return None
+    B, T, HV, V = v.shape
+    bounds = tuple(range(0, B * T + 1, T)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    if mode == "auto":
+        sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
+        L = chunks_per_segment([triton.cdiv(e - b, CHUNK) for b, e in zip(bounds[:-1], bounds[1:])], HV, V, sms)
+        if L is None:
+            return None
+    else:
+        L = int(mode)
+    return _segments(bounds, L, v.device)
+
+
+@lru_cache(maxsize=64)
+def _segments(bounds: tuple[int, ...], L: int, device: torch.device) -> Segments:
+    # Cached: a model's layers (and every step of a fixed-shape run) ask for the same
+    # segments, and building them costs host-to-device copies.
+    cu, table, starts, firsts = [0], [], [], []
+    chunk = 0
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        firsts.append(len(starts))
+        nt = triton.cdiv(eos - bos, CHUNK)
+        for j in range(0, nt, L):
+            starts.append(chunk + j)
+            table.extend((len(starts) - 1, i) for i in range(min(L, nt - j)))
+            cu.append(min(bos + (j + L) * CHUNK, eos))
+        chunk += nt
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    return Segments(L, torch.tensor(cu, dtype=torch.int32, device=device),
+                    torch.tensor(table, dtype=torch.int32, device=device).view(-1, 2),
+                    as_long(starts), as_long(firsts))
+
+
+def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.Tensor:
+    """The checkpoints [NS, HV, K, V]: h at each segment's first chunk, in h's dtype; float32
+    with each sequence's first segment holding ``h0`` exactly when there is one."""
+    states = h.flatten(0, 1).index_select(0, segments.starts)
+    if h0 is not None:
+        states = states.float().index_copy_(0, segments.sequence_starts, h0)
+    return states
+
+
+def rebuild(fwd_h, k, w, u, g, states: torch.Tensor, segments: Segments):
+    """h [B, NT, HV, K, V] and v_new [B, T, HV, V], as the sequential rebuild returns them.
+
+    ``fwd_h``: FLA's ``chunk_gated_delta_rule_fwd_h`` signature (k, w, u, g,
+    initial_state, cu_seqlens, chunk_indices, ...) returning (h, v_new, final)."""
+    B, T = u.shape[:2]
+
+    def joined(x):
+        return None if x is None else x.reshape(1, B * T, *x.shape[2:])
+
+    h, v_new, _ = fwd_h(k=joined(k), w=joined(w), u=joined(u), g=joined(g), initial_state=states,
+                        output_final_state=False, cu_seqlens=segments.cu_seqlens,
+                        chunk_indices=segments.chunk_indices)
+    return h.view(B, -1, *h.shape[2:]), v_new.view(u.shape)

@@ -1,0 +1,141 @@
+"""State checkpoints (kernels/state_checkpoints.py): the recompute policy's states rebuilt
+segment by segment from the forward's h. The segment tables are checked against FLA's own
+table builders, the rebuild against the whole-sequence recurrence (FLA's fwd_h as a torch
+loop, tests/state_loops.py), and the triton-backend Function with checkpoints against the
+torch backend under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewy_hf
+from rewy_hf.kernels import state_checkpoints as C
+from rewy_hf.kernels import triton_gdn
+from rewy_hf.rel_error import rel_err
+from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
+
+
+def _bounds(B, T, cu):
+    return list(range(0, B * T + 1, T)) if cu is None else cu.tolist()
+
+
+@pytest.mark.parametrize("B,T,cu,L", [(1, 300, None, 2), (3, 200, None, 1), (1, 230, [0, 70, 200, 230], 2),
+                                      (1, 700, [0, 5, 640, 700], 3)])
+def test_segments_cut_every_sequence_on_its_chunk_bounds(B, T, cu, L, monkeypatch):
+    from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
+
+    monkeypatch.setenv(C.CHECKPOINTS_ENV, str(L))
+    cu = None if cu is None else torch.tensor(cu)
+    seg = C.plan(torch.empty(B, T, 2, 16), cu)
+    bounds = _bounds(B, T, cu)
+    # Same chunks as the whole sequences, numbered the same way: FLA's builders on the segment
+    # bounds give our table and our start chunks.
+    assert torch.equal(seg.chunk_indices.long(), prepare_chunk_indices(seg.cu_seqlens.long(), 64).long())
+    assert torch.equal(seg.starts, prepare_chunk_offsets(seg.cu_seqlens.long(), 64)[:-1].long())
+    assert seg.count == len(seg.cu_seqlens) - 1
+    assert len(seg.chunk_indices) == len(prepare_chunk_indices(torch.tensor(bounds), 64))
+    cuts = seg.cu_seqlens.tolist()
+    assert set(bounds) <= set(cuts) and cuts[0] == 0 and cuts[-1] == bounds[-1]
+    for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        bos = max(x for x in bounds[:-1] if x <= a)
+        assert (a - bos) % (64 * L) == 0 and 0 < b - a <= 64 * L, (s, a, b)
+    assert [cuts[i] for i in seg.sequence_starts.tolist()] == bounds[:-1]
+
+
+def test_rebuild_from_checkpoints_gives_the_whole_sequence_states():
+    """h and v_new of the segmented rebuild equal the whole-sequence recurrence's (float32,
+    so each checkpoint is the exact state); rows, packed sequences and an initial state."""
+    gen = torch.Generator().manual_seed(3)
+    for B, T, cu in [(2, 300, None), (1, 460, torch.tensor([0, 130, 400, 460]))]:
+        N = B if cu is None else len(cu) - 1
+        k = F.normalize(torch.randn(B, T, 1, 16, generator=gen), dim=-1)
+        w = torch.randn(B, T, 2, 16, generator=gen) * 0.2
+        u = torch.randn(B, T, 2, 8, generator=gen)
+        g = F.logsigmoid(torch.randn(B, T, 2, generator=gen)) * 0.1
+        h0 = torch.randn(N, 2, 16, 8, generator=gen)
+        h, v_new, _ = loop_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, cu_seqlens=cu)
+        for L in (1, 2, 3):
+            seg = C._segments(tuple(_bounds(B, T, cu)), L, torch.device("cpu"))
+            states = C.save(h, h0, seg)
+            assert states.shape == (seg.count, 2, 16, 8) and torch.equal(states[seg.sequence_starts], h0)
+            h2, v_new2 = C.rebuild(loop_fwd_h, k, w, u, g, states, seg)
+            assert h2.shape == h.shape and v_new2.shape == v_new.shape
+            assert rel_err(h2, h) < 1e-6 and rel_err(v_new2, v_new) < 1e-6, (B, L)
+
+
+def test_checkpoints_keep_h_dtype_without_initial_state():
+    h = torch.randn(2, 5, 2, 16, 8).to(torch.bfloat16)
+    seg = C._segments((0, 300, 600), 2, torch.device("cpu"))
+    states = C.save(h, None, seg)
+    assert states.dtype == torch.bfloat16 and torch.equal(states, h.flatten(0, 1)[[0, 2, 4, 5, 7, 9]])
+
+
+def test_auto_cuts_only_where_programs_are_few():
+    sms = 132
+    for B, T, HV in [(2, 8192, 16), (1, 16384, 16), (1, 32768, 32), (4, 4096, 16)]:
+        NT = T // 64
+        L = C.chunks_per_segment([NT] * B, HV, 128, sms)
+        assert L is not None and C.MIN_CHUNKS <= L < NT
+        segments = B * -(-NT // L)
+        assert segments * HV * 2 >= C.PROGRAMS_PER_SM * sms * 0.9, (B, T, HV, L)
+    # Enough programs already (B x HV x 2 >= 4 x 132), or sequences too short to cut.
+    assert C.chunks_per_segment([32] * 8, 64, 128, sms) is None
+    assert C.chunks_per_segment([4], 16, 128, sms) is None
+
+
+def test_unknown_setting_names_the_choices(monkeypatch):
+    monkeypatch.setenv(C.CHECKPOINTS_ENV, "yes")
+    with pytest.raises(ValueError, match="auto .* off .* chunks per segment"):
+        C.plan(torch.empty(1, 300, 2, 16), None)
+    monkeypatch.setenv(C.CHECKPOINTS_ENV, "off")
+    assert C.plan(torch.empty(1, 30000, 2, 16), None) is None
+
+
+def _inputs(op, B, T, H, HV, K, V, N, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen)) if op == "gdn" else None
+    beta = torch.rand(B, T, HV, generator=gen)
+    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(N, HV, K, V, generator=gen) * 0.3
+    return [q, k, v, g, beta, h0], do, dht
+
+
+@pytest.mark.parametrize("op,B,cu", [("gdn", 1, [0, 70, 200, 330]), ("gdn", 2, None), ("delta_rule", 1, None)])
+def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
+    """Policy recompute with 2-chunk segments: the backward's fwd_h call is the segmented one
+    (checked), and every gradient matches the torch backend."""
+    calls = []
+
+    def fwd_h(**kw):
+        calls.append(None if kw.get("cu_seqlens") is None else len(kw["cu_seqlens"]) - 1)
+        return loop_fwd_h(**kw)
+
+    replace_recurrences(monkeypatch, fwd_h, loop_bwd_dhu)
+    monkeypatch.setenv(C.CHECKPOINTS_ENV, "2")
+    cu = None if cu is None else torch.tensor(cu)
+    T = 330 if cu is not None else 300
+    N = B if cu is None else len(cu) - 1
+    inputs, do, dht = _inputs(op, B, T, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=N, seed=21)
+    leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    q, k, v, g, beta, h0 = leaves
+    o, ht = triton_gdn.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, h0, True, False, "recompute", cu)
+    live = [i for i, t in enumerate(leaves) if t is not None]
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[i] for i in live])
+    # Forward: whole sequences; backward: segments of two chunks (3 per 300-token row; 1 + 2 + 2 packed).
+    expected = B * 3 if cu is None else 5
+    assert calls == [None if cu is None else N, expected], calls
+    ref_leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    rq, rk, rv, rg, rb, rh0 = ref_leaves
+    kw = dict(scale=32 ** -0.5, initial_state=rh0, output_final_state=True, backend="torch", cu_seqlens=cu)
+    if op == "gdn":
+        o_ref, ht_ref = rewy_hf.chunk_gated_delta_rule(rq, rk, rv, rg, rb, **kw)
+    else:
+        o_ref, ht_ref = rewy_hf.chunk_delta_rule(rq, rk, rv, rb, **kw)
+    ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref_leaves[i] for i in live])
+    errors = {i: rel_err(a, b) for i, a, b in zip(live, grads, ref)}
+    assert rel_err(o, o_ref) < 2e-5 and max(errors.values()) < 2e-5, errors
