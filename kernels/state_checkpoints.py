@@ -27,7 +27,9 @@ running one. A sequence's first segment starts from its initial state as
 given (float32), or from zero.
 
 REWY_HF_STATE_CHECKPOINTS: ``auto`` (see ``chunks_per_segment``), ``off``
-(FLA's sequential rebuild), or a number of chunks per segment.
+(FLA's sequential rebuild), or a number of chunks per segment. ``auto`` and a
+number both keep the checkpoints only under policy ``recompute`` (``full``
+keeps every h already).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ import triton
 
 CHECKPOINTS_ENV = "REWY_HF_STATE_CHECKPOINTS"
 CHUNK = 64
-# Programs per SM the segmented rebuild aims for (FLA's fwd_h programs are latency-bound:
-# several per SM hide each other's waits), and the shortest segment worth a program.
-PROGRAMS_PER_SM = 4
-MIN_CHUNKS = 4
+# Segments of at least MIN_CHUNKS chunks, about PROGRAMS_PER_SM programs per SM in all. Both from the
+# H200 (sixteenth session, benchmarks/checkpoint_timing.py): where the rebuild gained, 32 chunks per
+# segment was the fastest or close to it at every shape, and 9 segments of 57 chunks at (1, 32768, 32)
+# lost a third of the gain to a second wave of long programs.
+PROGRAMS_PER_SM = 8
+MIN_CHUNKS = 32
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,17 @@ class Segments:
 
 
 def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sm_count: int) -> int | None:
-    """L for ``auto``: the shortest segments (at least MIN_CHUNKS chunks) that give about
-    PROGRAMS_PER_SM programs per SM at FLA's widest value block (64); None where the
-    sequential rebuild already gives that many, or no sequence would be cut."""
+    """L for ``auto``, or None to keep the sequential rebuild.
+
+    Cut only where the sequential launch (N x HV x V / 64 programs at FLA's widest value
+    block) fills less than half the SMs: on the H200 the rebuild from checkpoints was
+    slower at every segment length where it gave 128 or more (B x H = 64 to 128 at
+    K = V = 128). There, the shortest segments of at least MIN_CHUNKS chunks that give
+    about PROGRAMS_PER_SM programs per SM."""
     per_segment = value_heads * triton.cdiv(V, 64)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_segment)
-    if len(sequence_chunks) >= wanted:
+    if 2 * len(sequence_chunks) * per_segment >= sm_count:
         return None
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_segment)
     L = max(MIN_CHUNKS, triton.cdiv(sum(sequence_chunks), wanted))
     return L if L < max(sequence_chunks) else None
 

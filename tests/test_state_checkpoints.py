@@ -72,17 +72,19 @@ def test_checkpoints_keep_h_dtype_without_initial_state():
     assert states.dtype == torch.bfloat16 and torch.equal(states, h.flatten(0, 1)[[0, 2, 4, 5, 7, 9]])
 
 
-def test_auto_cuts_only_where_programs_are_few():
+def test_auto_cuts_only_where_the_sequential_launch_fills_under_half_the_sms():
     sms = 132
-    for B, T, HV in [(2, 8192, 16), (1, 16384, 16), (1, 32768, 32), (4, 4096, 16)]:
+    for B, T, HV in [(2, 8192, 16), (1, 16384, 16), (1, 32768, 32), (1, 65536, 8)]:
         NT = T // 64
+        assert 2 * B * HV * 2 < sms
         L = C.chunks_per_segment([NT] * B, HV, 128, sms)
-        assert L is not None and C.MIN_CHUNKS <= L < NT
-        segments = B * -(-NT // L)
-        assert segments * HV * 2 >= C.PROGRAMS_PER_SM * sms * 0.9, (B, T, HV, L)
-    # Enough programs already (B x HV x 2 >= 4 x 132), or sequences too short to cut.
-    assert C.chunks_per_segment([32] * 8, 64, 128, sms) is None
-    assert C.chunks_per_segment([4], 16, 128, sms) is None
+        assert L is not None and C.MIN_CHUNKS <= L < NT, (B, T, HV, L)
+        programs = B * -(-NT // L) * HV * 2
+        assert L == C.MIN_CHUNKS or programs >= 0.9 * C.PROGRAMS_PER_SM * sms, (B, T, HV, L)
+    # Half the SMs or more already busy (B x HV x V / 64 >= 66), or sequences too short to cut.
+    for B, T, HV in [(8, 2048, 16), (4, 4096, 16), (4, 4096, 32), (1, 32768, 33)]:
+        assert C.chunks_per_segment([T // 64] * B, HV, 128, sms) is None, (B, T, HV)
+    assert C.chunks_per_segment([C.MIN_CHUNKS], 1, 128, sms) is None
 
 
 def test_unknown_setting_names_the_choices(monkeypatch):
