@@ -28,7 +28,8 @@ def main() -> None:
                             (1, 32768, 32)])
     p.add_argument("--lengths", nargs="+", default=["auto", "4", "8", "16", "32"],
                    help="chunks per segment; auto = what state_checkpoints.chunks_per_segment picks")
-    p.add_argument("--gate", choices=["gdn", "none"], default="gdn", help="GDN's scalar gate, or none (DeltaNet)")
+    p.add_argument("--gate", choices=["gdn", "kda", "none"], default="gdn",
+                   help="GDN's scalar gate, per-key gates with k pre-gated (KDA, GDN2), or none (DeltaNet)")
     args = p.parse_args()
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
@@ -40,9 +41,9 @@ def main() -> None:
     fwd_h = lambda **kw: state_launch.fwd_h(chunk_gated_delta_rule_fwd_h, chunk_size=64, **kw)    # noqa: E731
     rows = []
     for B, T, H in args.shapes:
-        x = inputs("gdn", B, T, H)
-        g = x["g"] if args.gate == "gdn" else None
-        seq = lambda: fwd_h(k=x["k"], w=x["w"], u=x["u"], g=g, initial_state=None)    # noqa: E731
+        x = inputs("kda" if args.gate == "kda" else "gdn", B, T, H)
+        gates = dict(g=x["g"] if args.gate == "gdn" else None, gk=x["gk"])
+        seq = lambda: fwd_h(k=x["k"], w=x["w"], u=x["u"], initial_state=None, **gates)    # noqa: E731
         h, v_new, _ = seq()
         t_seq = triton.testing.do_bench(seq, return_mode="median")
         NT = triton.cdiv(T, 64)
@@ -51,7 +52,7 @@ def main() -> None:
         for L in lengths:
             seg = C._segments(tuple(range(0, B * T + 1, T)), L, torch.device("cuda"))
             states = C.save(h, None, seg)
-            run = lambda: C.rebuild(fwd_h, x["k"], x["w"], x["u"], g, states, seg)    # noqa: E731
+            run = lambda: C.rebuild(fwd_h, states, seg, x["u"], k=x["k"], w=x["w"], **gates)    # noqa: E731
             h2, v_new2 = run()
             err = max(rel_err(h2, h), rel_err(v_new2, v_new))
             t = triton.testing.do_bench(run, return_mode="median")

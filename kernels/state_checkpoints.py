@@ -142,17 +142,19 @@ def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.
     return states
 
 
-def rebuild(fwd_h, k, w, u, g, states: torch.Tensor, segments: Segments):
-    """h [B, NT, HV, K, V] and v_new [B, T, HV, V], as the sequential rebuild returns them.
+def rebuild(fwd_h, states: torch.Tensor, segments: Segments, u: torch.Tensor, **inputs):
+    """h [B, NT, HV, ...] and v_new [B, T, HV, V], as the sequential rebuild returns them.
 
-    ``fwd_h``: FLA's ``chunk_gated_delta_rule_fwd_h`` signature (k, w, u, g,
-    initial_state, cu_seqlens, chunk_indices, ...) returning (h, v_new, final)."""
+    ``fwd_h``: a function with the signature of FLA's ``chunk_gated_delta_rule_fwd_h``,
+    returning (h, v_new, final state). ``inputs``: its other arguments (k, w, and g or
+    gk; options such as ``state_v_first``); the per-token ones [B, T, ...] are joined
+    into one row, as the segments' ``cu_seqlens`` count them."""
     B, T = u.shape[:2]
 
     def joined(x):
-        return None if x is None else x.reshape(1, B * T, *x.shape[2:])
+        return x.reshape(1, B * T, *x.shape[2:]) if isinstance(x, torch.Tensor) else x
 
-    h, v_new, _ = fwd_h(k=joined(k), w=joined(w), u=joined(u), g=joined(g), initial_state=states,
+    h, v_new, _ = fwd_h(u=joined(u), **{n: joined(x) for n, x in inputs.items()}, initial_state=states,
                         output_final_state=False, cu_seqlens=segments.cu_seqlens,
                         chunk_indices=segments.chunk_indices)
     return h.view(B, -1, *h.shape[2:]), v_new.view(u.shape)

@@ -17,7 +17,9 @@ with the gate's reverse cumulative sum. They replace FLA's
 the final ``chunk_local_cumsum`` (and their GDN2 twins).
 
 Policies: ``recompute`` saves what FLA's default saves (inputs, the log2 gate
-cumsum, Aqk, Akk) and rebuilds w, qg, kg, h and v_new; ``full`` (FLA's
+cumsum, Aqk, Akk) and rebuilds w, qg, kg, h and v_new -- h from the state
+checkpoints of ``state_checkpoints.py`` where FLA's sequential rebuild would
+leave most SMs idle; ``full`` (FLA's
 ``disable_recompute=True``) also saves w, qg, kg, v_new and h -- but not u,
 which our backward never reads (Residual WY needs only Vn).
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from . import state_launch
+from . import state_checkpoints, state_launch
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn import RCP_LN2, fold_gva
 from .triton_kda_bwd import rewy_kda_bwd
@@ -101,9 +103,15 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         h, v_new, ht = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu_seqlens, ci, final=True)
         o = f["fwd_o"](q=q, v=v_new, g=g2, A=Aqk, h=h, scale=scale, state_v_first=state_v_first,
                        cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=ci)
-        saved = (w, qg, kg, v_new, h) if full else ()
+        # The opt-in sequence split (ns > 1) keeps its own rebuild, as it was timed.
+        segments = state_checkpoints.plan(v, cu_seqlens) if not full and ns == 1 else None
+        if full:
+            saved = (w, qg, kg, v_new, h)
+        else:
+            saved = () if segments is None else (state_checkpoints.save(h, h0, segments),)
         ctx.save_for_backward(q, k, v, g2, beta, w_gate, Aqk, Akk, h0, cu_seqlens, ci, q_rstd, k_rstd, *saved)
         ctx.meta = (kind, scale, policy, state_v_first, g.dtype, ns)
+        ctx.segments = segments
         return o.to(v.dtype), ht
 
     @staticmethod
@@ -116,7 +124,12 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
             w, qg, kg, v_new, h = saved
         else:
             w, u, qg, kg = _recompute(f, kind, q, k, v, g2, beta, w_gate, Akk, cu, ci)
-            h, v_new, _ = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final=False)
+            if ctx.segments is not None:
+                fwd_h = lambda **kw: state_launch.fwd_h(f["fwd_h"], chunk_size=CHUNK, **kw)    # noqa: E731
+                h, v_new = state_checkpoints.rebuild(fwd_h, saved[0], ctx.segments, u, k=kg, w=w, gk=g2,
+                                                     state_v_first=state_v_first)
+            else:
+                h, v_new, _ = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final=False)
         dAqk, dv_local = f["dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
                                   chunk_size=CHUNK, chunk_indices=ci)
         dht = None if dht is None else dht.contiguous()

@@ -144,3 +144,27 @@ def test_triton_packed_sequences(op, policy):
     fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
     assert max(errs) < 2e-2, errs
     assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
+
+
+@pytest.mark.parametrize("op,state_v_first,packed", [("kda", False, False), ("kda", True, False), ("gdn2", False, True)])
+def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, state_v_first, packed, monkeypatch):
+    """Policy recompute with the states rebuilt from checkpoints (kernels/state_checkpoints.py,
+    2-chunk segments), against the fp32 torch backend and no less accurate (within 10 %)
+    than the sequential rebuild (REWY_HF_STATE_CHECKPOINTS=off)."""
+    B, T, H, K, V = (1, 1100, 2, 128, 128) if packed else (2, 700, 2, 128, 128)
+    args, kw = _inputs(op, B, T, H, K, V, seed=12)
+    N = 3 if packed else B
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 130, 900, 1100], device="cuda")
+    state = (N, H, V, K) if state_v_first else (N, H, K, V)
+    kw.update(initial_state=0.3 * torch.randn(*state, device="cuda"), state_v_first=state_v_first)
+    do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(*state, device="cuda")
+    fn = rewy_hf.chunk_kda if op == "kda" else rewy_hf.chunk_gdn2
+    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    errs = {}
+    for mode in ("off", "2"):
+        monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", mode)
+        ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+        errs[mode] = [rel_err(x, r) for x, r in zip(ours, ref)]
+    assert max(errs["2"]) < 2e-2, errs
+    assert all(e <= 1.1 * s + 1e-3 for e, s in zip(errs["2"], errs["off"])), errs

@@ -60,7 +60,7 @@ def test_rebuild_from_checkpoints_gives_the_whole_sequence_states():
             seg = C._segments(tuple(_bounds(B, T, cu)), L, torch.device("cpu"))
             states = C.save(h, h0, seg)
             assert states.shape == (seg.count, 2, 16, 8) and torch.equal(states[seg.sequence_starts], h0)
-            h2, v_new2 = C.rebuild(loop_fwd_h, k, w, u, g, states, seg)
+            h2, v_new2 = C.rebuild(loop_fwd_h, states, seg, u, k=k, w=w, g=g)
             assert h2.shape == h.shape and v_new2.shape == v_new.shape
             assert rel_err(h2, h) < 1e-6 and rel_err(v_new2, v_new) < 1e-6, (B, L)
 
