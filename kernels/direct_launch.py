@@ -30,6 +30,7 @@ runs: the same outputs bit for bit, and GDN recompute at (8, 2048, 16) 1.42 ->
 from __future__ import annotations
 
 import warnings
+import weakref
 
 from triton.runtime.autotuner import Autotuner, Heuristics
 
@@ -93,11 +94,16 @@ def _plan(kernel) -> _Plan | None:
     return plan
 
 
+# Each config's launch arguments, built once. Kept beside the configs, never on them: with
+# TRITON_CACHE_AUTOTUNING=1 Triton writes every attribute of the autotuner's configs into its
+# disk cache and rebuilds them with Config(**attributes), which refuses a name it does not know.
+_CONFIG_KWARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _config_kwargs(config) -> dict:
-    cached = getattr(config, "_rewy_all_kwargs", None)
+    cached = _CONFIG_KWARGS.get(config)
     if cached is None:
-        cached = config.all_kwargs()
-        config._rewy_all_kwargs = cached
+        cached = _CONFIG_KWARGS[config] = config.all_kwargs()
     return cached
 
 

@@ -108,6 +108,24 @@ def test_a_tuned_key_skips_the_autotuner_and_runs_its_pick(monkeypatch):
     assert calls == [n, n], "without a pick the launch must go through the autotuner"
 
 
+def test_direct_launches_leave_the_configs_as_tritons_disk_cache_rebuilds_them(monkeypatch):
+    """With TRITON_CACHE_AUTOTUNING=1 Triton stores each config's attributes and rebuilds the
+    config with Config(**attributes): after direct launches every config of the autotuner must
+    still rebuild that way, to an equal config (an attribute added by rewy broke the H200's
+    sixteenth-session run at its next autotune)."""
+    tuner = _tuner()
+    monkeypatch.setattr(_scaled_add, "_rewy_direct_plan", False, raising=False)
+    a, b, n = torch.arange(40.0), torch.ones(40), 40
+    for pick in tuner.configs:
+        tuner.cache[(n, "torch.float32", "torch.float32", "torch.float32", "torch.int32")] = pick
+        for _ in range(2):                                         # the second launch is the direct one
+            _launch(a, b, n)
+    for config in tuner.configs:
+        rebuilt = triton.Config(**config.__dict__)
+        assert rebuilt.all_kwargs() == config.all_kwargs()
+    tuner.cache.clear()
+
+
 def test_a_key_rule_that_does_not_match_is_never_used(monkeypatch):
     """If rewy's key differs from the one the autotuner stored (another Triton version's rule),
     the direct path is switched off for that kernel, with a warning, not guessed at."""
