@@ -26,21 +26,26 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. GDN recompute is at 1.33x of FLA on both sides' fastest rounds (1.39x as run); 1.4x needs about 0.05 ms less
-#    per backward at (2,8192,16). Hiding stages on a second stream was timed in the fifteenth session and removed
-#    (docs/performance.md, "What would close the gap", item 2). A kernel change to time there goes through
-#    timing_gaps.py's gpu column (the GPU's own time per backward) before a bench:
+# 0. GDN recompute is at 1.36x of FLA (sixteenth session, state checkpoints on, both measures); 1.4x needs about 3 %
+#    more. A kernel change to time there goes through timing_gaps.py's gpu / kernels columns before a bench:
 #   T_gaps=200 bash tools/h200_next.sh \
 #       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--sides+rewy+--shapes+2,8192,16+8,2048,16" gaps
-# 1. The rest of the KDA / GDN2 GPU tests with the direct launch, on by default since the thirteenth session (their
-#    fp32-reference and packed tests passed with it in the fourteenth):
-#   TESTS_K="saturated or state_launch or launch_configs" bash tools/h200_next.sh tests
-# 2. The KDA / GDN2 bench at the six shapes with the direct launch and the BV 16 state launch (their rows are the
-#    tenth session's; one call per op at the H = 16 shapes, then both at H = 32, as the tenth session did):
+# 1. The state checkpoints in the KDA backward (the sixteenth session's try was cut by FLA's first compilation, then
+#    crashed on the Triton-cache bug fixed in 3a13ea5), then DeltaNet recompute at the six shapes with them:
+#   T_gaps=250 bash tools/h200_next.sh "env:REWY_HF_STATE_CHECKPOINTS=off" \
+#       "env:GAP_ARGS=--op+kda+--policy+recompute+--sides+rewy+--shapes+2,8192,16+1,16384,16+1,32768,32" gaps \
+#       "env:REWY_HF_STATE_CHECKPOINTS=auto" gaps
+#   BENCH_POLICY=recompute T_bench_gdn=560 bash tools/h200_next.sh bench-gdn:delta_rule
+# 2. The KDA / GDN2 bench at the six shapes with the direct launch, the BV 16 state launch and the checkpoints (their
+#    rows are the tenth session's; one call per op at the H = 16 shapes, then both at H = 32, as the tenth session did):
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:kda
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
 #   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
 # 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the sixteenth session (one H200): checkpoint_timing (GDN gate, L 4-64; KDA gate at auto), timing_gaps for
+#   GDN recompute with the checkpoints off / auto, the GPU tests "checkpoint", GDN fp32-reference / packed / direct
+#   launch and KDA "saturated or state_launch or launch_configs" (57 + 7 passed), GDN recompute bench twice (1.36x on
+#   the quiet run).
 # Done in the fifteenth session (one H200): the GPU tests of the two second-stream candidates (7 passed),
 #   timing_gaps with a gpu column at five shapes without, with one and with both (no shape faster by more than
 #   0.5 %, three 1-5 % slower: removed), DeltaNet recompute bench at the shipped defaults (1.28x as run, 1.26x on
