@@ -35,6 +35,7 @@ keeps every h already).
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -79,12 +80,31 @@ def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sm_
     slower at every segment length where it gave 128 or more (B x H = 64 to 128 at
     K = V = 128). There, the shortest segments of at least MIN_CHUNKS chunks that give
     about PROGRAMS_PER_SM programs per SM."""
-    per_segment = value_heads * triton.cdiv(V, 64)
-    if 2 * len(sequence_chunks) * per_segment >= sm_count:
+    if _fills_half(len(sequence_chunks), value_heads, V, sm_count):
         return None
+    per_segment = value_heads * triton.cdiv(V, 64)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_segment)
     L = max(MIN_CHUNKS, triton.cdiv(sum(sequence_chunks), wanted))
     return L if L < max(sequence_chunks) else None
+
+
+def _fills_half(sequences: int, value_heads: int, V: int, sm_count: int) -> bool:
+    """Whether FLA's sequential launch (N x HV x V / 64 programs) fills half the SMs or more."""
+    return 2 * sequences * value_heads * triton.cdiv(V, 64) >= sm_count
+
+
+_last_bounds: tuple = (None, ())
+
+
+def _host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """cu_seqlens on the host; one copy (a device sync) per tensor, as a model's layers
+    all pass the same one."""
+    global _last_bounds
+    ref, bounds = _last_bounds
+    if ref is None or ref() is not cu_seqlens:
+        bounds = tuple(cu_seqlens.tolist())
+        _last_bounds = (weakref.ref(cu_seqlens), bounds)
+    return bounds
 
 
 def _mode() -> str:
@@ -102,9 +122,12 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     if mode in ("off", "0"):
         return None
     B, T, HV, V = v.shape
-    bounds = tuple(range(0, B * T + 1, T)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
+    sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
+    if mode == "auto" and _fills_half(sequences, HV, V, sms):
+        return None         # decided from shapes alone: packed lengths are not read (a device sync)
+    bounds = tuple(range(0, B * T + 1, T)) if cu_seqlens is None else _host_bounds(cu_seqlens)
     if mode == "auto":
-        sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
         L = chunks_per_segment([triton.cdiv(e - b, CHUNK) for b, e in zip(bounds[:-1], bounds[1:])], HV, V, sms)
         if L is None:
             return None

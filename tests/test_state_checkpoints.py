@@ -87,6 +87,23 @@ def test_auto_cuts_only_where_the_sequential_launch_fills_under_half_the_sms():
     assert C.chunks_per_segment([C.MIN_CHUNKS], 1, 128, sms) is None
 
 
+def test_packed_lengths_are_read_only_when_the_shapes_leave_room_and_once_per_tensor(monkeypatch):
+    """auto decides from the shapes when the sequences alone fill half the SMs, without
+    reading cu_seqlens (a device sync on the GPU); otherwise it reads it once per tensor."""
+    monkeypatch.setenv(C.CHECKPOINTS_ENV, "auto")
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
+    many = torch.arange(0, 40 * 4096 + 1, 4096)                     # 40 sequences x 16 heads x 2 blocks
+    assert C.plan(torch.empty(1, 40 * 4096, 16, 128), many) is None and reads == []
+    few = torch.tensor([0, 4096, 12288])
+    seg = C.plan(torch.empty(1, 12288, 16, 128), few)
+    assert len(reads) == 1 and reads[0] is few and seg is not None and seg.length == C.MIN_CHUNKS
+    assert C.plan(torch.empty(1, 12288, 16, 128), few) is seg        # same tensor: cached bounds and segments
+    assert len(reads) == 1
+    assert C.plan(torch.empty(1, 12288, 16, 128), few.clone()) is seg and len(reads) == 2
+
+
 def test_unknown_setting_names_the_choices(monkeypatch):
     monkeypatch.setenv(C.CHECKPOINTS_ENV, "yes")
     with pytest.raises(ValueError, match="auto .* off .* chunks per segment"):
