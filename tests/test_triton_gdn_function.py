@@ -4,7 +4,7 @@ FLA's forward stages (gate cumsum, intra-chunk WY, output, local dv) run in the
 interpreter; its two sequential state recurrences do not (their loop indices are
 plain ints there), so each test replaces them: by rewy's sequence-parallel
 recurrences (REWY_HF_SEQUENCE_PARALLEL, with FLA's made to fail), or, for packed
-sequences, by the small torch loops below. Everything else is the code that runs
+sequences, by the small torch loops of state_loops.py. Everything else is the code that runs
 on the GPU. The reference is rewy's torch backend on the same float32 inputs.
 """
 
