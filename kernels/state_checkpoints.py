@@ -59,13 +59,15 @@ class Segments:
     cu_seqlens: [NS + 1] token bounds of the segments in the rows-joined layout
     (row b's tokens at b T .. b T + T - 1); chunk_indices: FLA's (segment, chunk)
     table for them; starts: [NS] the joined chunk index of each segment's first
-    chunk; sequence_starts: [N] the segment that begins each sequence."""
+    chunk; sequence_starts: the segment that begins each sequence with tokens, and
+    sequences: which sequence that is (an empty packed sequence has no segment)."""
 
     length: int
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
     starts: torch.Tensor
     sequence_starts: torch.Tensor
+    sequences: torch.Tensor
 
     @property
     def count(self) -> int:
@@ -140,11 +142,13 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
 def _segments(bounds: tuple[int, ...], L: int, device: torch.device) -> Segments:
     # Cached: a model's layers (and every step of a fixed-shape run) ask for the same
     # segments, and building them costs host-to-device copies.
-    cu, table, starts, firsts = [0], [], [], []
+    cu, table, starts, firsts, sequences = [0], [], [], [], []
     chunk = 0
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        firsts.append(len(starts))
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
         nt = triton.cdiv(eos - bos, CHUNK)
+        if nt:
+            firsts.append(len(starts))
+            sequences.append(n)
         for j in range(0, nt, L):
             starts.append(chunk + j)
             table.extend((len(starts) - 1, i) for i in range(min(L, nt - j)))
@@ -153,7 +157,7 @@ def _segments(bounds: tuple[int, ...], L: int, device: torch.device) -> Segments
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     return Segments(L, torch.tensor(cu, dtype=torch.int32, device=device),
                     torch.tensor(table, dtype=torch.int32, device=device).view(-1, 2),
-                    as_long(starts), as_long(firsts))
+                    as_long(starts), as_long(firsts), as_long(sequences))
 
 
 def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.Tensor:
@@ -161,7 +165,7 @@ def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.
     with each sequence's first segment holding ``h0`` exactly when there is one."""
     states = h.flatten(0, 1).index_select(0, segments.starts)
     if h0 is not None:
-        states = states.float().index_copy_(0, segments.sequence_starts, h0)
+        states = states.float().index_copy_(0, segments.sequence_starts, h0.index_select(0, segments.sequences))
     return states
 
 

@@ -11,9 +11,16 @@ import torch
 from rewy_hf.kernels import triton_gdn
 
 
-def _chunks(T, cu_seqlens):
+def _sequences(T, cu_seqlens):
+    """Per sequence: its chunks (start, end) and the index of its first chunk, as FLA counts them;
+    an empty packed sequence has no chunk (FLA hands its initial state through)."""
     bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
-    return [(s, min(s + 64, e)) for b, e in zip(bounds[:-1], bounds[1:]) for s in range(b, e, 64)], bounds
+    out, first = [], 0
+    for b, e in zip(bounds[:-1], bounds[1:]):
+        chunks = [(s, min(s + 64, e)) for s in range(b, e, 64)]
+        out.append((chunks, first))
+        first += len(chunks)
+    return out, first
 
 
 _PER_TOKEN = ("q", "k", "w", "u", "g", "do", "dv")
@@ -43,21 +50,18 @@ def loop_fwd_h(k, w, u, g=None, initial_state=None, output_final_state=False, cu
     _, T, HV, K = w.shape
     V = u.shape[-1]
     k = k.repeat_interleave(HV // k.shape[2], dim=2)
-    chunks, bounds = _chunks(T, cu_seqlens)
-    h, vn, finals = torch.zeros(1, len(chunks), HV, K, V), torch.zeros_like(u), []
-    seq, S = -1, None
-    for i, (s, e) in enumerate(chunks):
-        if s in bounds[:-1]:
-            seq += 1
-            if S is not None:
-                finals.append(S)
-            S = torch.zeros(HV, K, V) if initial_state is None else initial_state[seq].clone().float()
-        h[0, i] = S
-        vn[0, s:e] = u[0, s:e] - torch.einsum("thk,hkv->thv", w[0, s:e], S)
-        gl = g[0, e - 1] if g is not None else torch.zeros(HV)
-        decay = torch.exp2(gl - g[0, s:e]) if g is not None else torch.ones(e - s, HV)
-        S = S * torch.exp2(gl)[:, None, None] + torch.einsum("thk,thv->hkv", k[0, s:e], vn[0, s:e] * decay[..., None])
-    finals.append(S)
+    sequences, NT = _sequences(T, cu_seqlens)
+    h, vn, finals = torch.zeros(1, NT, HV, K, V), torch.zeros_like(u), []
+    for n, (chunks, first) in enumerate(sequences):
+        S = torch.zeros(HV, K, V) if initial_state is None else initial_state[n].clone().float()
+        for i, (s, e) in enumerate(chunks, start=first):
+            h[0, i] = S
+            vn[0, s:e] = u[0, s:e] - torch.einsum("thk,hkv->thv", w[0, s:e], S)
+            gl = g[0, e - 1] if g is not None else torch.zeros(HV)
+            decay = torch.exp2(gl - g[0, s:e]) if g is not None else torch.ones(e - s, HV)
+            S = S * torch.exp2(gl)[:, None, None] + torch.einsum("thk,thv->hkv", k[0, s:e],
+                                                                 vn[0, s:e] * decay[..., None])
+        finals.append(S)
     return h, vn, torch.stack(finals) if output_final_state else None
 
 
@@ -67,23 +71,19 @@ def loop_bwd_dhu(q, k, w, do, dv, g=None, h0=None, dht=None, scale=None, cu_seql
     _, T, HV, K = w.shape
     V = do.shape[-1]
     q, k = (x.repeat_interleave(HV // x.shape[2], dim=2) for x in (q, k))
-    chunks, bounds = _chunks(T, cu_seqlens)
-    dh, dv2, firsts = torch.zeros(1, len(chunks), HV, K, V), torch.zeros_like(dv), []
-    seq, D = len(bounds) - 1, None
-    for i in reversed(range(len(chunks))):
-        s, e = chunks[i]
-        if e in bounds[1:]:
-            seq -= 1
-            D = torch.zeros(HV, K, V) if dht is None else dht[seq].clone()
-        dh[0, i] = D
-        gl = g[0, e - 1] if g is not None else torch.zeros(HV)
-        decay = torch.exp2(gl - g[0, s:e]) if g is not None else torch.ones(e - s, HV)
-        qg = q[0, s:e] * (torch.exp2(g[0, s:e])[..., None] if g is not None else 1.0)
-        dv2[0, s:e] = dv[0, s:e] + torch.einsum("thk,hkv->thv", k[0, s:e], D) * decay[..., None]
-        D = (D * torch.exp2(gl)[:, None, None] + scale * torch.einsum("thk,thv->hkv", qg, do[0, s:e])
-             - torch.einsum("thk,thv->hkv", w[0, s:e], dv2[0, s:e]))
-        if s in bounds[:-1]:
-            firsts.insert(0, D)
+    sequences, NT = _sequences(T, cu_seqlens)
+    dh, dv2, firsts = torch.zeros(1, NT, HV, K, V), torch.zeros_like(dv), []
+    for n, (chunks, first) in enumerate(sequences):
+        D = torch.zeros(HV, K, V) if dht is None else dht[n].clone()
+        for i, (s, e) in reversed(list(enumerate(chunks, start=first))):
+            dh[0, i] = D
+            gl = g[0, e - 1] if g is not None else torch.zeros(HV)
+            decay = torch.exp2(gl - g[0, s:e]) if g is not None else torch.ones(e - s, HV)
+            qg = q[0, s:e] * (torch.exp2(g[0, s:e])[..., None] if g is not None else 1.0)
+            dv2[0, s:e] = dv[0, s:e] + torch.einsum("thk,hkv->thv", k[0, s:e], D) * decay[..., None]
+            D = (D * torch.exp2(gl)[:, None, None] + scale * torch.einsum("thk,thv->hkv", qg, do[0, s:e])
+                 - torch.einsum("thk,thv->hkv", w[0, s:e], dv2[0, s:e]))
+        firsts.append(D)
     return dh, torch.stack(firsts), dv2
 
 

@@ -22,7 +22,7 @@ def _bounds(B, T, cu):
 
 
 @pytest.mark.parametrize("B,T,cu,L", [(1, 300, None, 2), (3, 200, None, 1), (1, 230, [0, 70, 200, 230], 2),
-                                      (1, 700, [0, 5, 640, 700], 3)])
+                                      (1, 700, [0, 5, 640, 700], 3), (1, 200, [0, 0, 70, 70, 200, 200], 1)])
 def test_segments_cut_every_sequence_on_its_chunk_bounds(B, T, cu, L, monkeypatch):
     from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -41,14 +41,17 @@ def test_segments_cut_every_sequence_on_its_chunk_bounds(B, T, cu, L, monkeypatc
     for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         bos = max(x for x in bounds[:-1] if x <= a)
         assert (a - bos) % (64 * L) == 0 and 0 < b - a <= 64 * L, (s, a, b)
-    assert [cuts[i] for i in seg.sequence_starts.tolist()] == bounds[:-1]
+    filled = [n for n in range(len(bounds) - 1) if bounds[n + 1] > bounds[n]]     # empty sequences have no segment
+    assert seg.sequences.tolist() == filled
+    assert [cuts[i] for i in seg.sequence_starts.tolist()] == [bounds[n] for n in filled]
 
 
 def test_rebuild_from_checkpoints_gives_the_whole_sequence_states():
     """h and v_new of the segmented rebuild equal the whole-sequence recurrence's (float32,
     so each checkpoint is the exact state); rows, packed sequences and an initial state."""
     gen = torch.Generator().manual_seed(3)
-    for B, T, cu in [(2, 300, None), (1, 460, torch.tensor([0, 130, 400, 460]))]:
+    for B, T, cu in [(2, 300, None), (1, 460, torch.tensor([0, 130, 400, 460])),
+                     (1, 460, torch.tensor([0, 0, 130, 130, 460, 460]))]:
         N = B if cu is None else len(cu) - 1
         k = F.normalize(torch.randn(B, T, 1, 16, generator=gen), dim=-1)
         w = torch.randn(B, T, 2, 16, generator=gen) * 0.2
@@ -59,7 +62,8 @@ def test_rebuild_from_checkpoints_gives_the_whole_sequence_states():
         for L in (1, 2, 3):
             seg = C._segments(tuple(_bounds(B, T, cu)), L, torch.device("cpu"))
             states = C.save(h, h0, seg)
-            assert states.shape == (seg.count, 2, 16, 8) and torch.equal(states[seg.sequence_starts], h0)
+            assert states.shape == (seg.count, 2, 16, 8)
+            assert torch.equal(states[seg.sequence_starts], h0[seg.sequences])
             h2, v_new2 = C.rebuild(loop_fwd_h, states, seg, u, k=k, w=w, g=g)
             assert h2.shape == h.shape and v_new2.shape == v_new.shape
             assert rel_err(h2, h) < 1e-6 and rel_err(v_new2, v_new) < 1e-6, (B, L)
@@ -124,7 +128,8 @@ def _inputs(op, B, T, H, HV, K, V, N, seed):
     return [q, k, v, g, beta, h0], do, dht
 
 
-@pytest.mark.parametrize("op,B,cu", [("gdn", 1, [0, 70, 200, 330]), ("gdn", 2, None), ("delta_rule", 1, None)])
+@pytest.mark.parametrize("op,B,cu", [("gdn", 1, [0, 70, 200, 330]), ("gdn", 1, [0, 70, 70, 200, 330, 330]),
+                                     ("gdn", 2, None), ("delta_rule", 1, None)])
 def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
     """Policy recompute with 2-chunk segments: the backward's fwd_h call is the segmented one
     (checked), and every gradient matches the torch backend."""
