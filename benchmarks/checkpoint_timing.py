@@ -52,7 +52,8 @@ def main() -> None:
         for L in lengths:
             seg = C._segments(tuple(range(0, B * T + 1, T)), L, torch.device("cuda"))
             states = C.save(h, None, seg)
-            run = lambda: C.rebuild(fwd_h, states, seg, x["u"], k=x["k"], w=x["w"], **gates)    # noqa: E731
+            run = lambda: C.rebuild(chunk_gated_delta_rule_fwd_h, states, seg, x["u"],    # noqa: E731
+                                    k=x["k"], w=x["w"], **gates)
             h2, v_new2 = run()
             err = max(rel_err(h2, h), rel_err(v_new2, v_new))
             t = triton.testing.do_bench(run, return_mode="median")

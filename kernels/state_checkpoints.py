@@ -42,6 +42,8 @@ from functools import lru_cache
 import torch
 import triton
 
+from . import state_launch
+
 CHECKPOINTS_ENV = "REWY_HF_STATE_CHECKPOINTS"
 CHUNK = 64
 # Segments of at least MIN_CHUNKS chunks, about PROGRAMS_PER_SM programs per SM in all. Both from the
@@ -169,19 +171,19 @@ def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.
     return states
 
 
-def rebuild(fwd_h, states: torch.Tensor, segments: Segments, u: torch.Tensor, **inputs):
+def rebuild(fla_fwd_h, states: torch.Tensor, segments: Segments, u: torch.Tensor, **inputs):
     """h [B, NT, HV, ...] and v_new [B, T, HV, V], as the sequential rebuild returns them.
 
-    ``fwd_h``: a function with the signature of FLA's ``chunk_gated_delta_rule_fwd_h``,
-    returning (h, v_new, final state). ``inputs``: its other arguments (k, w, and g or
-    gk; options such as ``state_v_first``); the per-token ones [B, T, ...] are joined
-    into one row, as the segments' ``cu_seqlens`` count them."""
+    ``fla_fwd_h``: FLA's ``chunk_gated_delta_rule_fwd_h``, launched through
+    ``state_launch.fwd_h`` as the sequential rebuild is. ``inputs``: its other
+    arguments (k, w, and g or gk; options such as ``state_v_first``); the per-token
+    ones [B, T, ...] are joined into one row, as the segments' ``cu_seqlens`` count them."""
     B, T = u.shape[:2]
 
     def joined(x):
         return x.reshape(1, B * T, *x.shape[2:]) if isinstance(x, torch.Tensor) else x
 
-    h, v_new, _ = fwd_h(u=joined(u), **{n: joined(x) for n, x in inputs.items()}, initial_state=states,
-                        output_final_state=False, cu_seqlens=segments.cu_seqlens,
-                        chunk_indices=segments.chunk_indices)
+    h, v_new, _ = state_launch.fwd_h(fla_fwd_h, u=joined(u), **{n: joined(x) for n, x in inputs.items()},
+                                     initial_state=states, output_final_state=False, chunk_size=CHUNK,
+                                     cu_seqlens=segments.cu_seqlens, chunk_indices=segments.chunk_indices)
     return h.view(B, -1, *h.shape[2:]), v_new.view(u.shape)

@@ -108,8 +108,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
             else:
                 w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
             if ctx.segments is not None:
-                fwd_h = lambda **kw: state_launch.fwd_h(f["fwd_h"], chunk_size=64, **kw)
-                h, v_new = state_checkpoints.rebuild(fwd_h, saved[0], ctx.segments, u, k=k, w=w, g=g2)
+                h, v_new = state_checkpoints.rebuild(f["fwd_h"], saved[0], ctx.segments, u, k=k, w=w, g=g2)
             else:
                 h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
         if dv_local is None:

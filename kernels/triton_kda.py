@@ -125,8 +125,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
         else:
             w, u, qg, kg = _recompute(f, kind, q, k, v, g2, beta, w_gate, Akk, cu, ci)
             if ctx.segments is not None:
-                fwd_h = lambda **kw: state_launch.fwd_h(f["fwd_h"], chunk_size=CHUNK, **kw)    # noqa: E731
-                h, v_new = state_checkpoints.rebuild(fwd_h, saved[0], ctx.segments, u, k=kg, w=w, gk=g2,
+                h, v_new = state_checkpoints.rebuild(f["fwd_h"], saved[0], ctx.segments, u, k=kg, w=w, gk=g2,
                                                      state_v_first=state_v_first)
             else:
                 h, v_new, _ = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final=False)

@@ -216,8 +216,9 @@ def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, packed, monkeypatch):
     """Policy recompute with the states rebuilt from checkpoints (kernels/state_checkpoints.py):
-    2-chunk segments and auto, against the fp32 torch backend, no less accurate (within 10 %)
-    than the sequential rebuild (REWY_HF_STATE_CHECKPOINTS=off); the forward is the same run."""
+    2-chunk segments against the fp32 torch backend, and they and auto (which leaves sequences
+    this short whole) no less accurate (within 10 %) than the sequential rebuild
+    (REWY_HF_STATE_CHECKPOINTS=off); the forward is the same run."""
     B, T, H, K, V = (1, 1100, 2, 128, 128) if packed else (2, 1000, 2, 128, 128)
     args, kw = _inputs(op, B, T, H, H, K, V, h0=not packed, seed=6)
     N = 3 if packed else B

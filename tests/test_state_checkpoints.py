@@ -46,9 +46,13 @@ def test_segments_cut_every_sequence_on_its_chunk_bounds(B, T, cu, L, monkeypatc
     assert [cuts[i] for i in seg.sequence_starts.tolist()] == [bounds[n] for n in filled]
 
 
-def test_rebuild_from_checkpoints_gives_the_whole_sequence_states():
+def test_rebuild_from_checkpoints_gives_the_whole_sequence_states(monkeypatch):
     """h and v_new of the segmented rebuild equal the whole-sequence recurrence's (float32,
-    so each checkpoint is the exact state); rows, packed sequences and an initial state."""
+    so each checkpoint is the exact state); rows, packed sequences and an initial state.
+    The rebuild goes through rewy's launch of FLA's fwd_h, set here to call the function
+    it is given (the torch loop)."""
+    monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
+    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")
     gen = torch.Generator().manual_seed(3)
     for B, T, cu in [(2, 300, None), (1, 460, torch.tensor([0, 130, 400, 460])),
                      (1, 460, torch.tensor([0, 0, 130, 130, 460, 460]))]:
