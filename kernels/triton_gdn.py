@@ -29,11 +29,20 @@ from __future__ import annotations
 import torch
 
 from . import fla_stages, state_checkpoints, state_launch, triton_gdn_prestage
+from .env_switch import flag
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
+REVERSE_FIRST_ENV = "REWY_HF_REVERSE_FIRST"
+
+
+def reverse_recurrence_first() -> bool:
+    """Whether the ``recompute`` backward runs the reverse recurrence (bwd_dhu) before the rebuild of h.
+    Neither needs the other's output; the order decides which tensors are fresh in L2 for the next stage."""
+    return flag(REVERSE_FIRST_ENV, False, on="bwd_dhu, then the rebuild of h",
+                off="the rebuild of h, then bwd_dhu")
 
 
 def _fla():
@@ -53,6 +62,14 @@ def _states(f, ns, k, w, u, g2, h0, pk, final: bool):
         return state_forward(k, w, u, g2, h0, ns)
     return state_launch.fwd_h(f["fwd_h"], k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=final,
                               chunk_size=64, **pk)
+
+
+def _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk):
+    """h and v_new again under ``recompute``: from the forward's state checkpoints when it kept them."""
+    if ctx.segments is not None:
+        return state_checkpoints.rebuild(f["fwd_h"], saved[0], ctx.segments, u, k=k, w=w, g=g2)
+    h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
+    return h, v_new
 
 
 def fold_gva(dq, dk, key_heads: int):
@@ -98,19 +115,18 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
-        dv_local = None
+        dv_local = u = None
         if policy == "full":
             w, h, v_new = saved
+        elif triton_gdn_prestage.enabled():
+            w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2,
+                                                                           scale=scale, **pk)
         else:
-            if triton_gdn_prestage.enabled():
-                w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2,
-                                                                               scale=scale, **pk)
-            else:
-                w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
-            if ctx.segments is not None:
-                h, v_new = state_checkpoints.rebuild(f["fwd_h"], saved[0], ctx.segments, u, k=k, w=w, g=g2)
-            else:
-                h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
+            w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
+        reverse_first = u is not None and reverse_recurrence_first()
+        if u is not None and not reverse_first:
+            h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk)
+            u = None
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
@@ -119,6 +135,10 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         else:
             dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
                                                 dht=dht, scale=scale, chunk_size=64, **pk)
+        dv_local = None
+        if reverse_first:
+            h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk)
+            u = None
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)

@@ -95,6 +95,31 @@ def test_function_with_fused_prestage(op, packed, monkeypatch):
     _compare(op, inputs, do, dht, "recompute", cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("prestage", ["0", "1"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_function_with_reverse_recurrence_first(prestage, packed, monkeypatch):
+    """REWY_HF_REVERSE_FIRST=1, policy recompute: the backward runs bwd_dhu before it rebuilds h,
+    with FLA's two local stages or the fused prestage; gradients as the torch backend's."""
+    calls = []
+
+    def fwd_h(**kw):
+        calls.append("fwd_h")
+        return loop_fwd_h(**kw)
+
+    def bwd_dhu(**kw):
+        calls.append("bwd_dhu")
+        return loop_bwd_dhu(**kw)
+
+    replace_recurrences(monkeypatch, fwd_h, bwd_dhu)
+    monkeypatch.setenv("REWY_HF_REVERSE_FIRST", "1")
+    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", prestage)
+    monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", "off")
+    cu = torch.tensor([0, 70, 200, 230]) if packed else None
+    inputs, do, dht = _inputs("gdn", T=230, H=1, HV=2, K=32, V=16, N=3 if packed else 1, seed=17)
+    _compare("gdn", inputs, do, dht, "recompute", cu_seqlens=cu)
+    assert calls == ["fwd_h", "bwd_dhu", "fwd_h"], calls     # the forward's, then the backward's two
+
+
 def _refuse_stage(*_, **__):
     raise AssertionError("FLA's w/u recompute or local dv ran with REWY_HF_FUSED_PRESTAGE=1")
 
