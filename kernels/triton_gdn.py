@@ -4,11 +4,11 @@ Forward: FLA 0.6.0's stage functions, called in FLA's order (chunk-local gate
 cumsum in log2 units, the intra-chunk WY pair w, u and A, the state recurrence
 h / v_new, the output). Backward: FLA's stages that ReWY leaves alone (w/u
 recompute, the state recurrence, the local dv and the reverse state
-recurrence dh / dv2; with REWY_HF_FUSED_PRESTAGE=1 the w/u recompute and the
-local dv run as one kernel of rewy's, triton_gdn_prestage.py), then rewy's own
-kernel for everything ReWY rewrites
-(triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg`` — the
-kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
+recurrence dh / dv2; under ``recompute`` the w/u recompute and the local dv
+run as one kernel of rewy's, triton_gdn_prestage.py, unless
+REWY_HF_FUSED_PRESTAGE=0), then rewy's own kernel for everything ReWY
+rewrites (triton_gdn_bwd.py), which also replaces FLA's ``chunk_bwd_dqkwg``,
+the kernel FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1.
 
 Policies: ``recompute`` saves A (as FLA does) and rebuilds w, u, h, v_new --
 h from the state checkpoints of ``state_checkpoints.py`` (h at the first
@@ -29,20 +29,11 @@ from __future__ import annotations
 import torch
 
 from . import fla_stages, state_checkpoints, state_launch, triton_gdn_prestage
-from .env_switch import flag
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
 
 RCP_LN2 = 1.4426950408889634
-REVERSE_FIRST_ENV = "REWY_HF_REVERSE_FIRST"
-
-
-def reverse_recurrence_first() -> bool:
-    """Whether the ``recompute`` backward runs the reverse recurrence (bwd_dhu) before the rebuild of h.
-    Neither needs the other's output; the order decides which tensors are fresh in L2 for the next stage."""
-    return flag(REVERSE_FIRST_ENV, False, on="bwd_dhu, then the rebuild of h",
-                off="the rebuild of h, then bwd_dhu")
 
 
 def _fla():
@@ -123,10 +114,9 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
                                                                            scale=scale, **pk)
         else:
             w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
-        reverse_first = u is not None and reverse_recurrence_first()
-        if u is not None and not reverse_first:
+        if u is not None:
             h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk)
-            u = None
+            u = None                                   # freed before the reverse recurrence allocates dh
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
@@ -135,10 +125,7 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         else:
             dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
                                                 dht=dht, scale=scale, chunk_size=64, **pk)
-        dv_local = None
-        if reverse_first:
-            h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk)
-            u = None
+        dv_local = None                                # dv2 holds it now; freed before the local kernel's outputs
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)

@@ -20,12 +20,14 @@ budget allows:
 Operand dtypes follow the stages it replaces: products take the inputs'
 16-bit dtype in training, accumulate in fp32, and store in the input dtype.
 
-REWY_HF_FUSED_PRESTAGE: ``0`` (the default: FLA's two stages run) or ``1``
-(this kernel, policy ``recompute`` only). Timed on the H200 in the
-fourteenth session: 0.13 ms against 0.15 ms for FLA's two, but FLA's
-reverse recurrence, which reads dV_loc, then ran up to 0.02 ms slower (the
-gradient no longer fresh in L2), so the backward moved -4.9 to +1.9 % per
-shape; it stays off.
+REWY_HF_FUSED_PRESTAGE: ``1`` (the default, policy ``recompute``: this
+kernel) or ``0`` (FLA's two stages). On the H200 the kernel takes 0.13 ms
+against 0.15 ms for FLA's two, about the memory roofline of its traffic, but
+FLA's reverse recurrence, which reads dV_loc, runs up to 0.02 ms slower after
+it (the gradient is no longer fresh in L2; running that recurrence first, so
+that it follows this kernel directly, did not recover it). Net, per GDN
+recompute backward (seventeenth session, the GPU's own time): -2.4, -2.5,
+0.0, +0.9, -2.2, -0.6 % at the six bench shapes, -1.1 % in the geometric mean.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ _CONFIGS = [triton.Config({}, num_warps=nw, num_stages=ns) for nw in (4, 8) for 
 
 def enabled() -> bool:
     """Whether REWY_HF_FUSED_PRESTAGE asks for this kernel instead of FLA's two stages."""
-    return flag(FUSED_PRESTAGE_ENV, False, on="rewy's fused kernel for both",
+    return flag(FUSED_PRESTAGE_ENV, True, on="rewy's fused kernel for both",
                 off="FLA's w/u recompute and local dv")
 
 

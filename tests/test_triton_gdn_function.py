@@ -80,48 +80,28 @@ def test_function_packed_sequences(policy, monkeypatch):
     _compare("gdn", inputs, do, dht, policy, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("prestage", ["1", "0"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
-def test_function_with_fused_prestage(op, packed, monkeypatch):
-    """REWY_HF_FUSED_PRESTAGE=1, policy recompute: w, u and the local dv come from rewy's one
-    kernel (kernels/triton_gdn_prestage.py), and FLA's two stages do not run; GVA for GDN."""
+def test_function_recompute_prestage_either_way(op, packed, prestage, monkeypatch):
+    """Policy recompute. REWY_HF_FUSED_PRESTAGE=1 (the default): w, u and the local dv come from
+    rewy's one kernel (kernels/triton_gdn_prestage.py) and FLA's two stages do not run; 0: FLA's two
+    stages, and rewy's kernel does not run. GVA for GDN."""
     replace_recurrences(monkeypatch, loop_fwd_h, loop_bwd_dhu)
-    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", "1")
-    monkeypatch.setattr(triton_gdn.fla_stages, "recompute_w_u", _refuse_stage)
-    monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", _refuse_stage)
+    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", prestage)
+    if prestage == "1":
+        monkeypatch.setattr(triton_gdn.fla_stages, "recompute_w_u", _refuse_stage)
+        monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", _refuse_stage)
+    else:
+        monkeypatch.setattr(triton_gdn.triton_gdn_prestage, "recompute_wu_and_dv_local", _refuse_stage)
     cu = torch.tensor([0, 70, 200, 230]) if packed else None
     inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=3 if packed else 1,
                               seed=16)
     _compare(op, inputs, do, dht, "recompute", cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("prestage", ["0", "1"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_function_with_reverse_recurrence_first(prestage, packed, monkeypatch):
-    """REWY_HF_REVERSE_FIRST=1, policy recompute: the backward runs bwd_dhu before it rebuilds h,
-    with FLA's two local stages or the fused prestage; gradients as the torch backend's."""
-    calls = []
-
-    def fwd_h(**kw):
-        calls.append("fwd_h")
-        return loop_fwd_h(**kw)
-
-    def bwd_dhu(**kw):
-        calls.append("bwd_dhu")
-        return loop_bwd_dhu(**kw)
-
-    replace_recurrences(monkeypatch, fwd_h, bwd_dhu)
-    monkeypatch.setenv("REWY_HF_REVERSE_FIRST", "1")
-    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", prestage)
-    monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", "off")
-    cu = torch.tensor([0, 70, 200, 230]) if packed else None
-    inputs, do, dht = _inputs("gdn", T=230, H=1, HV=2, K=32, V=16, N=3 if packed else 1, seed=17)
-    _compare("gdn", inputs, do, dht, "recompute", cu_seqlens=cu)
-    assert calls == ["fwd_h", "bwd_dhu", "fwd_h"], calls     # the forward's, then the backward's two
-
-
 def _refuse_stage(*_, **__):
-    raise AssertionError("FLA's w/u recompute or local dv ran with REWY_HF_FUSED_PRESTAGE=1")
+    raise AssertionError("a stage ran that REWY_HF_FUSED_PRESTAGE switched off")
 
 
 @pytest.mark.parametrize("policy", ["recompute", "full"])

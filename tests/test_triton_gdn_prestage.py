@@ -104,11 +104,11 @@ def test_bad_arguments_name_the_fix():
         recompute_wu_and_dv_local(**inputs, cu_seqlens=torch.tensor([0, 32, 64]))
 
 
-def test_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+def test_switch_is_on_by_default_and_refuses_other_values(monkeypatch):
     monkeypatch.delenv(triton_gdn_prestage.FUSED_PRESTAGE_ENV, raising=False)
-    assert not triton_gdn_prestage.enabled()
-    monkeypatch.setenv(triton_gdn_prestage.FUSED_PRESTAGE_ENV, "1")
     assert triton_gdn_prestage.enabled()
+    monkeypatch.setenv(triton_gdn_prestage.FUSED_PRESTAGE_ENV, "0")
+    assert not triton_gdn_prestage.enabled()
     monkeypatch.setenv(triton_gdn_prestage.FUSED_PRESTAGE_ENV, "on")
-    with pytest.raises(ValueError, match="REWY_HF_FUSED_PRESTAGE='on'.*use 0.*or 1"):
+    with pytest.raises(ValueError, match="REWY_HF_FUSED_PRESTAGE='on'.*use 1.*or 0"):
         triton_gdn_prestage.enabled()
