@@ -129,6 +129,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
                                                      state_v_first=state_v_first)
             else:
                 h, v_new, _ = _states(f, ns, kg, w, u, g2, h0, state_v_first, cu, ci, final=False)
+            u = None                                   # freed before the reverse recurrence allocates dh
         dAqk, dv_local = f["dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
                                   chunk_size=CHUNK, chunk_indices=ci)
         dht = None if dht is None else dht.contiguous()
@@ -138,6 +139,7 @@ class ReWYTritonKDAFunction(torch.autograd.Function):
             dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=qg, k=kg, w=w, do=do, dv=dv_local, gk=g2, h0=h0,
                                                 dht=dht, scale=scale, state_v_first=state_v_first, cu_seqlens=cu,
                                                 chunk_size=CHUNK, chunk_indices=ci)
+        dv_local = None                                # dv2 holds it now; freed before the local kernels' outputs
         # Without GVA the kernel writes dq, dk (and GDN2's db) in the input dtypes: no conversion pass after it.
         dq, dk, dv, dg, db, dw = rewy_kda_bwd(q, k, v, v_new, g2, beta, Akk, h, dh, do, dv2, dAqk, scale,
                                               w_gate=w_gate, state_v_first=state_v_first, cu_seqlens=cu,

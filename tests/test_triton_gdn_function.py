@@ -10,6 +10,8 @@ on the GPU. The reference is rewy's torch backend on the same float32 inputs.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,6 +104,56 @@ def test_function_recompute_prestage_either_way(op, packed, prestage, monkeypatc
 
 def _refuse_stage(*_, **__):
     raise AssertionError("a stage ran that REWY_HF_FUSED_PRESTAGE switched off")
+
+
+@pytest.mark.parametrize("prestage", ["1", "0"])
+def test_recompute_backward_drops_u_and_the_local_dv_once_read(prestage, monkeypatch):
+    """Peak memory: under recompute the backward holds u only until h is rebuilt, and the local
+    dv only until the reverse recurrence has folded it into dv2; neither is alive when the
+    next stage allocates its outputs (dh, dv2; the local kernel's gradients)."""
+    refs = {}
+    if prestage == "1":
+        produce = triton_gdn.triton_gdn_prestage.recompute_wu_and_dv_local
+
+        def recompute(*a, **kw):
+            w, u, dv = produce(*a, **kw)
+            refs["u"], refs["dv_local"] = weakref.ref(u), weakref.ref(dv)
+            return w, u, dv
+
+        monkeypatch.setattr(triton_gdn.triton_gdn_prestage, "recompute_wu_and_dv_local", recompute)
+    else:
+        produce_wu, produce_dv = triton_gdn.fla_stages.recompute_w_u, triton_gdn.fla_stages.dv_local
+
+        def recompute(*a, **kw):
+            w, u = produce_wu(*a, **kw)
+            refs["u"] = weakref.ref(u)
+            return w, u
+
+        def dv_local(*a, **kw):
+            dv = produce_dv(*a, **kw)
+            refs["dv_local"] = weakref.ref(dv)
+            return dv
+
+        monkeypatch.setattr(triton_gdn.fla_stages, "recompute_w_u", recompute)
+        monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", dv_local)
+
+    def bwd_dhu(**kw):
+        assert refs["u"]() is None, "u is still held when the reverse recurrence runs"
+        return loop_bwd_dhu(**kw)
+
+    local = triton_gdn.rewy_gdn_bwd_local
+
+    def local_kernel(*a, **kw):
+        assert refs["dv_local"]() is None, "the local dv is still held when the local kernel runs"
+        refs["local ran"] = True
+        return local(*a, **kw)
+
+    replace_recurrences(monkeypatch, loop_fwd_h, bwd_dhu)
+    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", prestage)
+    monkeypatch.setattr(triton_gdn, "rewy_gdn_bwd_local", local_kernel)
+    inputs, do, dht = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=18)
+    _compare("gdn", inputs, do, dht, "recompute")
+    assert refs.get("local ran")
 
 
 @pytest.mark.parametrize("policy", ["recompute", "full"])

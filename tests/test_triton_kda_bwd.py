@@ -20,6 +20,7 @@ cannot pass. bfloat16 is not used: the interpreter's tl.dot is wrong for it.
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -532,3 +533,34 @@ def test_function_with_sequence_parallel_recurrences(policy, monkeypatch):
     errors = _function_errors(monkeypatch, refuse, refuse, B=1, T=300, H=2, HV=2, K=32, V=32,
                               state_v_first=False, policy=policy, seed=8)
     assert max(errors.values()) < 1e-5, errors
+
+
+def test_recompute_backward_drops_u_and_the_local_dv_once_read(monkeypatch):
+    """Peak memory: under recompute the backward holds u only until h is rebuilt, and the local
+    dv only until the reverse recurrence has folded it into dv2 (the GDN backward does the same)."""
+    from rewy_hf.kernels import triton_kda
+
+    refs = {}
+    recompute, local = triton_kda._recompute, triton_kda.rewy_kda_bwd
+
+    def recompute_and_watch(*a, **kw):
+        w, u, qg, kg = recompute(*a, **kw)
+        refs["u"] = weakref.ref(u)
+        return w, u, qg, kg
+
+    def bwd_dhu(**kw):
+        assert refs["u"]() is None, "u is still held when the reverse recurrence runs"
+        refs["dv_local"] = weakref.ref(kw["dv"])
+        return _torch_bwd_dhu(**kw)
+
+    def local_and_check(*a, **kw):
+        assert refs["dv_local"]() is None, "the local dv is still held when the local kernels run"
+        refs["local ran"] = True
+        return local(*a, **kw)
+
+    monkeypatch.setattr(triton_kda, "_recompute", recompute_and_watch)
+    monkeypatch.setattr(triton_kda, "rewy_kda_bwd", local_and_check)
+    errors = _function_errors(monkeypatch, _torch_fwd_h, bwd_dhu, B=1, T=70, H=1, HV=1, K=32, V=32,
+                              state_v_first=False, policy="recompute", seed=9)
+    assert max(errors.values()) < 1e-5, errors
+    assert refs.get("local ran")
