@@ -1,5 +1,6 @@
 # H200 measurements, one mode per queue entry; each device call stays under 10 minutes.
-# Carry .whl. Everything the modes write comes back as one $OUT/logs.tgz (a device call returns at most 8 files).
+# Carry .whl. Everything the modes write comes back as one $OUT/logs.tgz (a device call returns at most 8 files);
+# a second run of this script in the same device call adds its own logs-2.tgz, logs-3.tgz, ... beside it.
 #   bash tools/h200_next.sh tests        # every GPU test: Triton GDN (packed, sequence-parallel), state scan, KDA
 #   bash tools/h200_next.sh stages       # per-kernel GDN backward times at (2,8192,16) and (1,16384,16)
 #   bash tools/h200_next.sh verify       # rewy-hf verify --device cuda, timed (a cold machine, as a user has)
@@ -26,22 +27,27 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. GDN recompute is at 1.36x of FLA (sixteenth session, state checkpoints on, both measures); 1.4x needs about 3 %
-#    more. A kernel change to time there goes through timing_gaps.py's gpu / kernels columns before a bench:
-#   T_gaps=200 bash tools/h200_next.sh \
-#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--sides+rewy+--shapes+2,8192,16+8,2048,16" gaps
-# 1. The state checkpoints in the KDA backward (the sixteenth session's try was cut by FLA's first compilation, then
-#    crashed on the Triton-cache bug fixed in 3a13ea5), then DeltaNet recompute at the six shapes with them:
+# 0. GDN recompute is at about 1.37x of FLA (seventeenth session, fused prestage on: 1.49x as run and 1.42x on fastest
+#    rounds, but FLA's (8,2048,16) and (4,4096,16) rows ran 1.50-1.75 ms against 1.27 ms in the sixteenth session's
+#    quiet run). A repeat on a warm machine whose FLA rows are quiet at every shape settles it:
+#   BENCH_POLICY=recompute T_bench_gdn=300 bash tools/h200_next.sh bench-gdn:gdn   (right after a warm-up call)
+# 1. DeltaNet recompute with the prestage on (the seventeenth session's H = 16 rows ran cold with host stalls on both
+#    sides: 1.24x as run), then the state checkpoints in the KDA backward (off / auto):
+#   BENCH_POLICY=recompute T_bench_gdn=560 bash tools/h200_next.sh bench-gdn:delta_rule
 #   T_gaps=250 bash tools/h200_next.sh "env:REWY_HF_STATE_CHECKPOINTS=off" \
 #       "env:GAP_ARGS=--op+kda+--policy+recompute+--sides+rewy+--shapes+2,8192,16+1,16384,16+1,32768,32" gaps \
 #       "env:REWY_HF_STATE_CHECKPOINTS=auto" gaps
-#   BENCH_POLICY=recompute T_bench_gdn=560 bash tools/h200_next.sh bench-gdn:delta_rule
-# 2. The KDA / GDN2 bench at the six shapes with the direct launch, the BV 16 state launch and the checkpoints (their
-#    rows are the tenth session's; one call per op at the H = 16 shapes, then both at H = 32, as the tenth session did):
+# 2. The KDA / GDN2 bench at the six shapes with the direct launch, the BV 16 state launch, the checkpoints and the
+#    early frees of u and the local dv (their rows are the tenth session's; one call per op at the H = 16 shapes, then
+#    both at H = 32, as the tenth session did):
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:kda
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
 #   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
 # 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the seventeenth session (one H200): timing_gaps for GDN recompute at the six shapes with the reverse
+#   recurrence first and with the fused prestage (prestage -1.1 % geomean: now on; the order: no change, dropped),
+#   GPU tests "prestage or checkpoint or direct_launch or (test_gpu_triton_gdn and fp32_reference)" (27 passed), GDN
+#   recompute bench twice (the first cold and cut at four shapes), DeltaNet recompute bench (two calls).
 # Done in the sixteenth session (one H200): checkpoint_timing (GDN gate, L 4-64; KDA gate at auto), timing_gaps for
 #   GDN recompute with the checkpoints off / auto, the GPU tests "checkpoint", GDN fp32-reference / packed / direct
 #   launch and KDA "saturated or state_launch or launch_configs" (57 + 7 passed), GDN recompute bench twice (1.36x on
@@ -204,8 +210,10 @@ else
   queue "$*"
 fi
 # At most 8 files come back from one device call and the Triton cache is too large to: every log and JSON goes
-# into one logs.tgz (the loose copies are removed so that it is never the one left out).
-(cd $O && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
+# into one logs.tgz (the loose copies are removed so that it is never the one left out). An earlier run's archive in
+# the same call is kept: the seventeenth session lost a test log when the second run's clean-up deleted it.
+(cd $O && name=logs.tgz && n=2 && while [ -e $name ]; do name=logs-$n.tgz; n=$((n + 1)); done
+ tar czf /tmp/logs.tgz --exclude='logs*.tgz' . && find . -mindepth 1 ! -name 'logs*.tgz' -delete && mv /tmp/logs.tgz $name)
 # SAVE_CACHE=1: the Triton cache (compiled kernels and, with TRITON_CACHE_AUTOTUNING, autotune choices: a cold
 # bench spends about 4 minutes per op on them) comes back in 15 MiB parts, when it fits beside the 15 MiB of wheels
 # in a call's 64 MiB carry. Here: mkdir -p .triton-cache && cp /work/.device/N/tritoncache.part* .triton-cache/,
