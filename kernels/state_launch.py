@@ -96,7 +96,7 @@ def relaunched_kernels():
     return _fwd_h_kernel, _bwd_dhu_kernel
 
 
-def _chunks(T: int, cu_seqlens, chunk_size: int, chunk_indices):
+def chunk_count_and_offsets(T: int, cu_seqlens, chunk_size: int, chunk_indices):
     """(chunks per row of the state tensors, first chunk of each sequence): packed
     sequences count their chunks one sequence at a time, as FLA does."""
     NT, _ = chunk_table(T, cu_seqlens, chunk_size, chunk_indices)
@@ -119,7 +119,7 @@ def fwd_h(fla_fwd_h, k, w, u, g=None, gk=None, initial_state=None, output_final_
                          output_final_state=output_final_state, chunk_size=chunk_size, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     K = k.shape[-1]
-    NT, offsets = _chunks(T, cu_seqlens, chunk_size, chunk_indices)
+    NT, offsets = chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices)
     state = (V, K) if state_v_first else (K, V)
     h = k.new_empty(B, NT, HV, *state)
     ht = k.new_zeros(N, HV, *state, dtype=torch.float32) if output_final_state else None
@@ -144,7 +144,7 @@ def bwd_dhu(fla_bwd_dhu, q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, sc
                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                            chunk_indices=chunk_indices)
     K = q.shape[-1]
-    NT, offsets = _chunks(T, cu_seqlens, chunk_size, chunk_indices)
+    NT, offsets = chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices)
     dh = q.new_empty(B, NT, HV, *((V, K) if state_v_first else (K, V)))
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(dv)

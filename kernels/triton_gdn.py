@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fla_stages, state_checkpoints, state_launch, triton_gdn_prestage
+from . import fla_stages, state_checkpoints, state_launch, triton_gdn_prestage, triton_gdn_walk
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -106,9 +106,14 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
-        dv_local = u = None
+        # REWY_HF_GDN_WALK=1: rewy's reverse walk forms the local dv itself from the prestage's S^T.
+        walk = policy != "full" and ns == 1 and triton_gdn_walk.enabled()
+        dv_local = u = st = None
         if policy == "full":
             w, h, v_new = saved
+        elif walk:
+            w, u, st = triton_gdn_prestage.recompute_wu_and_scores(q, k, v, beta, A, g=g2, scale=scale,
+                                                                   dtype=do.dtype, **pk)
         elif triton_gdn_prestage.enabled():
             w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2,
                                                                            scale=scale, **pk)
@@ -117,15 +122,19 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         if u is not None:
             h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk)
             u = None                                   # freed before the reverse recurrence allocates dh
-        if dv_local is None:
-            dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
         dht = None if dht is None else dht.contiguous()
-        if ns > 1:
-            dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
+        if walk:
+            dh, dh0, dv2 = triton_gdn_walk.reverse_walk(q, k, w, st, do, g=g2, h0=h0, dht=dht, scale=scale, **pk)
+            st = None
         else:
-            dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
-                                                dht=dht, scale=scale, chunk_size=64, **pk)
-        dv_local = None                                # dv2 holds it now; freed before the local kernel's outputs
+            if dv_local is None:
+                dv_local = fla_stages.dv_local(q=q, k=k, do=do, g=g2, scale=scale, chunk_size=64, **pk)
+            if ns > 1:
+                dh, dh0, dv2 = state_backward(q, k, w, do, dv_local, g2, dht, scale, ns)
+            else:
+                dh, dh0, dv2 = state_launch.bwd_dhu(f["bwd_dhu"], q=q, k=k, w=w, do=do, dv=dv_local, g=g2, h0=h0,
+                                                    dht=dht, scale=scale, chunk_size=64, **pk)
+            dv_local = None                            # dv2 holds it now; freed before the local kernel's outputs
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(q, k, v, v_new, g2, beta, A, h, dh, do, dv2, scale=scale, **pk)
         dq, dk = fold_gva(dq, dk, q.shape[2])
         dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)

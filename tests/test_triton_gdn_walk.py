@@ -1,0 +1,139 @@
+"""rewy's reverse walk with the local value gradient inside (REWY_HF_GDN_WALK), under TRITON_INTERPRET=1.
+
+Two parts: the prestage's S^T output, whose product with dO per chunk must be
+the local value gradient its dv output gives; and the walk fed that S^T,
+whose dh, dh0 and dv2 must be those of FLA's reverse recurrence fed the local
+dv (written out as the torch loop of state_loops.py), in float32. Outputs are
+NaN-filled first, so a tile the kernels skip cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_hf.kernels import triton_gdn, triton_gdn_walk
+from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local, recompute_wu_and_scores
+from rewy_hf.kernels.triton_gdn_walk import reverse_walk
+from rewy_hf.rel_error import rel_err
+from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
+
+C = 64
+
+
+def _nan_filled(monkeypatch):
+    empty, empty_like = torch.Tensor.new_empty, torch.empty_like
+    nan = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t   # noqa: E731
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: nan(empty(self, *a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+def _log2_cumsum(g, cu_seqlens):
+    """FLA's chunk-local cumulative gate in log2 units, chunked per sequence."""
+    out = torch.empty_like(g)
+    bounds = [0, g.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    for b, e in zip(bounds[:-1], bounds[1:]):
+        for s in range(b, e, C):
+            out[:, s:min(s + C, e)] = g[:, s:min(s + C, e)].cumsum(1) / 0.6931471805599453
+    return out
+
+
+def _case(gated, B, T, H, HV, K, V, seed, cu_seqlens=None, states=True):
+    gen = torch.Generator().manual_seed(seed)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    x = dict(q=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+             k=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+             v=torch.randn(B, T, HV, V, generator=gen), beta=torch.rand(B, T, HV, generator=gen),
+             A=torch.randn(B, T, HV, C, generator=gen) * 0.5,
+             g=_log2_cumsum(F.logsigmoid(torch.randn(B, T, HV, generator=gen)), cu_seqlens) if gated else None,
+             scale=K ** -0.5, cu_seqlens=cu_seqlens)
+    do = torch.randn(B, T, HV, V, generator=gen)
+    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3 if states else None
+    dht = torch.randn(N, HV, K, V, generator=gen) * 0.3 if states else None
+    return x, do, h0, dht
+
+
+CASES = {
+    "gdn_two_halves": (True, 2, 150, 1, 2, 128, 64, None, True),
+    "gdn_one_half_masked": (True, 1, 130, 2, 2, 32, 16, None, False),
+    "delta_rule_k64": (False, 2, 128, 2, 2, 64, 32, None, True),
+    "gdn_k96_packed_with_empty": (True, 1, 230, 1, 2, 96, 32, [0, 70, 70, 200, 230], True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_scores_give_the_local_dv(name, monkeypatch):
+    gated, B, T, H, HV, K, V, cu, _ = CASES[name]
+    cu = None if cu is None else torch.tensor(cu)
+    x, do, _, _ = _case(gated, B, T, H, HV, K, V, seed=1, cu_seqlens=cu)
+    _nan_filled(monkeypatch)
+    w, u, dv = recompute_wu_and_dv_local(**x, do=do)
+    w2, u2, st = recompute_wu_and_scores(**x)
+    assert st.shape == (B, T, HV, C) and torch.equal(w, w2) and torch.equal(u, u2)
+    dv_from_st = torch.zeros_like(dv)
+    bounds = [0, T] if cu is None else cu.tolist()
+    for b, e in zip(bounds[:-1], bounds[1:]):
+        for s in range(b, e, C):
+            n = min(s + C, e) - s
+            dv_from_st[:, s:s + n] = torch.einsum("bjhi,bihv->bjhv", st[:, s:s + n, :, :n], do[:, s:s + n])
+    assert rel_err(dv_from_st, dv) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_walk_matches_the_reverse_recurrence(name, monkeypatch):
+    """dh, dh0, dv2 against the reverse recurrence fed the local dv: K in one or two 64-row
+    halves (masked below 64 and between), GVA, rows (B > 1), ragged and packed sequences (one
+    empty), with and without h0 / dht, DeltaNet (no gate)."""
+    gated, B, T, H, HV, K, V, cu, states = CASES[name]
+    cu = None if cu is None else torch.tensor(cu)
+    x, do, h0, dht = _case(gated, B, T, H, HV, K, V, seed=2, cu_seqlens=cu, states=states)
+    w, _, dv = recompute_wu_and_dv_local(**x, do=do)
+    _, _, st = recompute_wu_and_scores(**x)
+    want = loop_bwd_dhu(q=x["q"], k=x["k"], w=w, do=do, dv=dv, g=x["g"], h0=h0, dht=dht, scale=x["scale"],
+                        cu_seqlens=cu)
+    _nan_filled(monkeypatch)
+    got = reverse_walk(x["q"], x["k"], w, st, do, g=x["g"], h0=h0, dht=dht, scale=x["scale"], cu_seqlens=cu)
+    errors = {n: rel_err(a, b) for n, a, b in zip(("dh", "dh0", "dv2"), got, want) if a is not None}
+    assert (got[1] is None) == (h0 is None)
+    assert len(errors) == 2 + (h0 is not None) and max(errors.values()) < 2e-6, errors
+
+
+def test_walk_refuses_wide_keys_and_rows_with_packing():
+    x, do, _, _ = _case(True, 1, 64, 1, 1, 64, 16, seed=3)
+    w, _, st = recompute_wu_and_scores(**x)
+    wide = torch.zeros(1, 64, 1, 192)
+    with pytest.raises(ValueError, match="up to 128.*REWY_HF_GDN_WALK=0"):
+        reverse_walk(wide, wide, wide, st, do, g=x["g"])
+    with pytest.raises(ValueError, match="need B = 1"):
+        reverse_walk(x["q"].expand(2, -1, -1, -1), x["k"], w, st, do, cu_seqlens=torch.tensor([0, 32, 64]))
+
+
+def test_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+    monkeypatch.delenv(triton_gdn_walk.WALK_ENV, raising=False)
+    assert not triton_gdn_walk.enabled()
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "1")
+    assert triton_gdn_walk.enabled()
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "yes")
+    with pytest.raises(ValueError, match="REWY_HF_GDN_WALK='yes'.*use 0.*or 1"):
+        triton_gdn_walk.enabled()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("op", ["gdn", "delta_rule"])
+def test_function_with_the_walk(op, packed, monkeypatch):
+    """REWY_HF_GDN_WALK=1, policy recompute: the GDN / DeltaNet Function's gradients against the
+    torch backend's, with FLA's reverse recurrence and the prestage's dv form made to fail."""
+    from test_triton_gdn_function import _compare, _inputs
+
+    def refuse(*_, **__):
+        raise AssertionError("FLA's reverse recurrence or the local dv ran with REWY_HF_GDN_WALK=1")
+
+    replace_recurrences(monkeypatch, loop_fwd_h, refuse)
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "1")
+    monkeypatch.setattr(triton_gdn.triton_gdn_prestage, "recompute_wu_and_dv_local", refuse)
+    monkeypatch.setattr(triton_gdn.fla_stages, "dv_local", refuse)
+    cu = torch.tensor([0, 70, 200, 230]) if packed else None
+    inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=3 if packed else 1,
+                              seed=19)
+    _compare(op, inputs, do, dht, "recompute", cu_seqlens=cu)
