@@ -212,6 +212,53 @@ def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed
         assert rel_err(a.float(), b.float()) < 1e-2, name
 
 
+@pytest.mark.parametrize("op,shape,packed", [
+    ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
+    ("gdn", (1, 1100, 2, 2, 64, 128), True),       # one 64-row half
+    ("delta_rule", (1, 597, 4, 4, 128, 64), True),
+])
+def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, packed, monkeypatch):
+    """REWY_HF_GDN_WALK=1 (kernels/triton_gdn_walk.py): the op's gradients against the fp32 reference,
+    and the walk's dh, dh0, dv2 against FLA's bwd_dhu fed FLA's local dv on the same BF16 inputs
+    (the local dv rounds to BF16 before FLA's walk adds it, and not in rewy's, so to BF16 accuracy)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_scores
+    from rewy_hf.kernels.triton_gdn_walk import reverse_walk
+
+    monkeypatch.setenv("REWY_HF_GDN_WALK", "1")
+    B, T, H, HV, K, V = shape
+    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=7)
+    N = 3 if packed else B
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, T], device="cuda")
+        kw["initial_state"] = 0.3 * torch.randn(N, HV, K, V, device="cuda")
+    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
+    do = torch.randn(B, T, HV, V, device="cuda")
+    dht = torch.randn(N, HV, K, V, device="cuda")
+    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    assert max(errs) <= BF16_TOL, errs
+
+    q, k, v = args[:3]
+    beta = args[-1].bfloat16()
+    pk = {"cu_seqlens": kw["cu_seqlens"]} if packed else {}
+    g2 = None if op == "delta_rule" else chunk_local_cumsum(args[3], chunk_size=64, scale=1.4426950408889634, **pk)
+    w, _, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
+    do16, h0 = do.bfloat16(), kw["initial_state"].float()
+    _, _, st = recompute_wu_and_scores(q, k, v, beta, A, g=g2, scale=K ** -0.5, dtype=do16.dtype, **pk)
+    mine = reverse_walk(q, k, w, st, do16, g=g2, h0=h0, dht=dht, scale=K ** -0.5, **pk)
+    dv = chunk_bwd_dv_local(q=q, k=k, do=do16, g=g2, scale=K ** -0.5, chunk_size=64, **pk)
+    theirs = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do16, dv=dv, g=g2, h0=h0, dht=dht, scale=K ** -0.5,
+                                            **pk)
+    for name, a, b in zip(("dh", "dh0", "dv2"), mine, theirs):
+        assert rel_err(a.float(), b.float()) < 1e-2, name
+
+
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, packed, monkeypatch):
