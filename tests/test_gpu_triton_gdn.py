@@ -171,6 +171,31 @@ def test_sequence_parallel_op_matches_fp32_reference(monkeypatch, policy):
     assert max(errs) <= BF16_TOL, errs
 
 
+def _recompute_against_reference(op, args, kw, B, T, HV, K, V, N):
+    """The op under policy recompute against the fp32 torch backend; returns the dO and dht used."""
+    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
+    do = torch.randn(B, T, HV, V, device="cuda")
+    dht = torch.randn(N, HV, K, V, device="cuda")
+    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
+    assert max(errs) <= BF16_TOL, errs
+    return do, dht
+
+
+def _fla_forward_stages(op, args, kw):
+    """q, k, v, beta (BF16), the packing kwargs, FLA's log2 gate cumsum and its w, u, A for the same inputs."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    q, k, v = args[:3]
+    beta = args[-1].bfloat16()
+    pk = {"cu_seqlens": kw["cu_seqlens"]} if "cu_seqlens" in kw else {}
+    g2 = None if op == "delta_rule" else chunk_local_cumsum(args[3], chunk_size=64, scale=1.4426950408889634, **pk)
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
+    return q, k, v, beta, pk, g2, w, u, A
+
+
 @pytest.mark.parametrize("op,shape,packed", [
     ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
     ("delta_rule", (1, 597, 4, 4, 128, 64), True),
@@ -180,9 +205,7 @@ def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed
     reference, and w, u, dV_loc against FLA's recompute_w_u_fwd and chunk_bwd_dv_local on the
     same BF16 inputs (the two round at different points, so to BF16 accuracy, not bit for bit)."""
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum
 
     from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local
 
@@ -191,19 +214,9 @@ def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed
     args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=6)
     if packed:
         kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
-    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
-    do = torch.randn(B, T, HV, V, device="cuda")
-    dht = torch.randn(3 if packed else B, HV, K, V, device="cuda")
-    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
-    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
-    assert max(errs) <= BF16_TOL, errs
+    do, _ = _recompute_against_reference(op, args, kw, B, T, HV, K, V, 3 if packed else B)
 
-    q, k, v = args[:3]
-    beta = args[-1].bfloat16()
-    pk = {"cu_seqlens": kw["cu_seqlens"]} if packed else {}
-    g2 = None if op == "delta_rule" else chunk_local_cumsum(args[3], chunk_size=64, scale=1.4426950408889634, **pk)
-    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
+    q, k, v, beta, pk, g2, _, _, A = _fla_forward_stages(op, args, kw)
     do16 = do.bfloat16()
     mine = recompute_wu_and_dv_local(q, k, v, beta, A, do16, g=g2, scale=K ** -0.5, **pk)
     theirs = (*recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **pk),
@@ -223,8 +236,6 @@ def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, pack
     (the local dv rounds to BF16 before FLA's walk adds it, and not in rewy's, so to BF16 accuracy)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
 
     from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_scores
     from rewy_hf.kernels.triton_gdn_walk import reverse_walk
@@ -236,19 +247,9 @@ def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, pack
     if packed:
         kw["cu_seqlens"] = torch.tensor([0, 200, 264, T], device="cuda")
         kw["initial_state"] = 0.3 * torch.randn(N, HV, K, V, device="cuda")
-    fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
-    do = torch.randn(B, T, HV, V, device="cuda")
-    dht = torch.randn(N, HV, K, V, device="cuda")
-    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
-    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
-    assert max(errs) <= BF16_TOL, errs
+    do, dht = _recompute_against_reference(op, args, kw, B, T, HV, K, V, N)
 
-    q, k, v = args[:3]
-    beta = args[-1].bfloat16()
-    pk = {"cu_seqlens": kw["cu_seqlens"]} if packed else {}
-    g2 = None if op == "delta_rule" else chunk_local_cumsum(args[3], chunk_size=64, scale=1.4426950408889634, **pk)
-    w, _, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta, chunk_size=64, **pk)
+    q, k, v, beta, pk, g2, w, _, A = _fla_forward_stages(op, args, kw)
     do16, h0 = do.bfloat16(), kw["initial_state"].float()
     _, _, st = recompute_wu_and_scores(q, k, v, beta, A, g=g2, scale=K ** -0.5, dtype=do16.dtype, **pk)
     mine = reverse_walk(q, k, w, st, do16, g=g2, h0=h0, dht=dht, scale=K ** -0.5, **pk)
