@@ -43,13 +43,15 @@ _BF16 = {
     "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
     "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv", "st"},
     "gdn-walk": {"q", "k", "w", "st", "do", "dh", "dv2"},
+    "gdn-fwd-walk": {"k", "w", "v", "beta", "A", "h", "v_new"},
+    "fla-fwd-h": {"k", "w", "v", "v_new", "h"},
     "fla-dhu": {"q", "k", "w", "do", "dh", "dv", "dv2"},
     "state-scan": set(),
     "state-segment": {"k", "w", "u", "q", "do", "h_out", "vn_out"},
 }
 _SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
 KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "gdn-walk", "fla-dhu",
-           "state-scan", "state-segment")
+           "gdn-fwd-walk", "fla-fwd-h", "state-scan", "state-segment")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 
 
@@ -81,8 +83,8 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
 
         bk = block_k or 64
         return P.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
-                                                      IS_VARLEN=False, FULL_T=True,
-                                                      LOCAL_DV=not triton_gdn_walk_enabled())
+                                                      IS_VARLEN=False, FULL_T=True, LOCAL_DV=not walk_enabled("GDN_WALK"),
+                                                      WRITE_U=not walk_enabled("GDN_FWD_WALK"))
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
         const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
@@ -94,6 +96,18 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
 
         return fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64, name, dict(
             const, USE_GK=False, USE_INITIAL_STATE=True, USE_FINAL_STATE_GRADIENT=True, STATE_V_FIRST=False)
+    if name in ("gdn-fwd-walk", "fla-fwd-h"):
+        # the rebuild of h in the backward, GDN gate, K-first state from an initial state; block_k: BV
+        const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
+        if name == "gdn-fwd-walk":
+            from rewy_hf.kernels import triton_gdn_fwd_walk as FW
+
+            return FW.rewy_gdn_fwd_walk_kernel, name, dict(const, USE_H0=True, NARROW=False)
+        from fla.ops.common import chunk_delta_h as fla
+
+        return fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, name, dict(
+            const, USE_GK=False, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, SAVE_NEW_VALUE=True,
+            STATE_V_FIRST=False)
     if name in ("state-scan", "state-segment"):
         # the sequence-parallel recurrences, backward direction, per-key gates (KDA's form)
         from rewy_hf.kernels import triton_state_scan as S
@@ -106,11 +120,12 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     raise ValueError(f"unknown kernel {name!r}: {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
 
 
-def triton_gdn_walk_enabled() -> bool:
-    """REWY_HF_GDN_WALK=1 compiles the prestage in the form that walk uses (S^T out, no local dv)."""
-    from rewy_hf.kernels import triton_gdn_walk
+def walk_enabled(name: str) -> bool:
+    """REWY_HF_GDN_WALK=1 / REWY_HF_GDN_FWD_WALK=1 compile the prestage in the form that walk uses
+    (S^T out and no local dv / no u)."""
+    from rewy_hf.kernels.env_switch import flag
 
-    return triton_gdn_walk.enabled()
+    return flag(f"REWY_HF_{name}", False, on="the walk's prestage form", off="the default form")
 
 
 def _jit_function(kernel):
