@@ -29,6 +29,7 @@ import triton.language as tl
 from . import direct_launch
 from .env_switch import flag
 from .state_launch import chunk_count_and_offsets, narrow_block_v
+from .state_walk import WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_program
 
 FWD_WALK_ENV = "REWY_HF_GDN_FWD_WALK"
 MAX_K = 128
@@ -40,20 +41,8 @@ def enabled() -> bool:
                 off="FLA's forward walk over the prestage's u")
 
 
-def _prune(configs, named_args, **kwargs):
-    # BV 16 only where FLA's widths would leave most SMs idle (the state launch's rule), 32 and 64 elsewhere.
-    narrow = (named_args if "NARROW" in named_args else kwargs)["NARROW"]
-    kept = [c for c in configs if (c.kwargs["BV"] == 16) == bool(narrow)]
-    return kept or configs[:1]
-
-
-# As the reverse walk's list (triton_gdn_walk.py): BV 64 only at 4 and 8 warps.
-_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-            for bv, warps in ((32, (2, 4)), (64, (4, 8)), (16, (2, 4))) for nw in warps for ns in (1, 2, 3)]
-
-
-@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "USE_G", "NARROW"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=WALK_CONFIGS, key=["H", "HV", "K", "V", "BT", "USE_G", "NARROW"],
+                 prune_configs_by={"early_config_prune": prune_widths})
 @triton.jit(do_not_specialize=["T"])
 def rewy_gdn_fwd_walk_kernel(
     k, w, v, beta, A, g, h0, h, v_new,
@@ -61,18 +50,7 @@ def rewy_gdn_fwd_walk_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, NARROW: tl.constexpr,
 ):
-    NV = tl.cdiv(V, BV)
-    pid = tl.program_id(0)
-    i_v, i_nh = pid % NV, pid // NV
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    i_v, i_nh, i_hv, i_h, bos, T, boh = walk_program(cu_seqlens, chunk_offsets, T, H, HV, V, BT, BV, IS_VARLEN)
     NT = tl.cdiv(T, BT)
 
     k += (bos * H + i_h) * K
@@ -86,31 +64,17 @@ def rewy_gdn_fwd_walk_kernel(
         g += bos * HV + i_hv
 
     o_r = tl.arange(0, BT)
-    o_k = tl.arange(0, 64)
-    m_k1 = o_k < K
-    m_k2 = o_k + 64 < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    off_s1 = o_k[:, None] * V + o_v[None, :]           # the state's first 64 key rows, this value block
-    off_s2 = off_s1 + 64 * V
-    m_s1 = m_k1[:, None] & m_v[None, :]
-    m_s2 = m_k2[:, None] & m_v[None, :]
-
-    b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-    b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+    o_k, m_k1, m_k2, o_v, m_v, off_s, m_s1, m_s2 = state_tiles(i_v, K, V, BV)
     if USE_H0:
-        p_h0 = h0 + i_nh.to(tl.int64) * K * V
-        b_h1 += tl.load(p_h0 + off_s1, mask=m_s1, other=0.0).to(tl.float32)
-        if K > 64:
-            b_h2 += tl.load(p_h0 + off_s2, mask=m_s2, other=0.0).to(tl.float32)
+        b_h1, b_h2 = load_halves(h0 + i_nh.to(tl.int64) * K * V, off_s, m_s1, m_s2, K, V)
+    else:
+        b_h1 = tl.zeros([64, BV], dtype=tl.float32)
+        b_h2 = tl.zeros([64, BV], dtype=tl.float32)
 
     zero = bos * 0                      # int64, so chunk and token offsets are 64-bit however long the input
     for i_t in range(0, NT):
         c0 = zero + i_t * BT            # the chunk's first token
-        p_h = h + (zero + i_t) * (HV * K * V)
-        tl.store(p_h + off_s1, b_h1.to(h.dtype.element_ty), mask=m_s1)
-        if K > 64:
-            tl.store(p_h + off_s2, b_h2.to(h.dtype.element_ty), mask=m_s2)
+        store_halves(h + (zero + i_t) * (HV * K * V), b_h1, b_h2, off_s, m_s1, m_s2, K, V)
         m_t = c0 + o_r < T
         m_tv = m_t[:, None] & m_v[None, :]
         off_tv = (c0 + o_r)[:, None] * (HV * V) + o_v[None, :]
