@@ -11,6 +11,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .state_launch import chunk_count_and_offsets
+
+MAX_K = 128
+
+
+def walk_layout(switch: str, what: str, B: int, T: int, K: int, cu_seqlens, chunk_indices, chunk_size: int):
+    """(sequences, chunks per row, first chunk of each packed sequence or None) for a walk, after
+    refusing what it cannot take; ``switch`` / ``what``: its environment switch and what 0 runs."""
+    if K > MAX_K:
+        raise ValueError(f"{switch}=1 supports key head dims up to {MAX_K} (got {K}); set {switch}=0 for {what}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError("packed sequences (cu_seqlens) need B = 1, as in FLA")
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    return (N, *chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices))
+
 
 def prune_widths(configs, named_args, **kwargs):
     """BV 16 only where FLA's widths would leave most SMs idle (the state launch's rule, passed as

@@ -28,11 +28,11 @@ import triton.language as tl
 
 from . import direct_launch
 from .env_switch import flag
-from .state_launch import chunk_count_and_offsets, narrow_block_v
-from .state_walk import WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_program
+from .state_launch import narrow_block_v
+from .state_walk import (WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_layout,
+                         walk_program)
 
 FWD_WALK_ENV = "REWY_HF_GDN_FWD_WALK"
-MAX_K = 128
 
 
 def enabled() -> bool:
@@ -117,13 +117,7 @@ def rebuild_states(k, w, v, beta, A, g=None, initial_state=None, cu_seqlens=None
     (K-first state, no final state), with u formed inside instead of read."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    if K > MAX_K:
-        raise ValueError(f"{FWD_WALK_ENV}=1 supports key head dims up to {MAX_K} (got {K}); "
-                         f"set {FWD_WALK_ENV}=0 for FLA's forward walk")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError("packed sequences (cu_seqlens) need B = 1, as in FLA")
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    NT, offsets = chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices)
+    N, NT, offsets = walk_layout(FWD_WALK_ENV, "FLA's forward walk", B, T, K, cu_seqlens, chunk_indices, chunk_size)
     h = k.new_empty(B, NT, HV, K, V)
     v_new = torch.empty_like(v)
     varlen = cu_seqlens is not None

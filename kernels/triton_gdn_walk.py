@@ -34,11 +34,11 @@ import triton.language as tl
 
 from . import direct_launch
 from .env_switch import flag
-from .state_launch import chunk_count_and_offsets, narrow_block_v
-from .state_walk import WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_program
+from .state_launch import narrow_block_v
+from .state_walk import (WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_layout,
+                         walk_program)
 
 WALK_ENV = "REWY_HF_GDN_WALK"
-MAX_K = 128
 
 
 def enabled() -> bool:
@@ -140,13 +140,7 @@ def reverse_walk(q, k, w, st, do, g=None, h0=None, dht=None, scale: float = 1.0,
     instead of read as a [B, T, HV, V] tensor."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
-    if K > MAX_K:
-        raise ValueError(f"{WALK_ENV}=1 supports key head dims up to {MAX_K} (got {K}); "
-                         f"set {WALK_ENV}=0 for FLA's reverse recurrence")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError("packed sequences (cu_seqlens) need B = 1, as in FLA")
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    NT, offsets = chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices)
+    N, NT, offsets = walk_layout(WALK_ENV, "FLA's reverse recurrence", B, T, K, cu_seqlens, chunk_indices, chunk_size)
     dh = q.new_empty(B, NT, HV, K, V)
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(do)

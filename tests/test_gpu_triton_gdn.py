@@ -183,6 +183,17 @@ def _recompute_against_reference(op, args, kw, B, T, HV, K, V, N):
     return do, dht
 
 
+def _walk_inputs(op, shape, packed, seed):
+    """The walks' GPU cases: rows with an initial state, or three packed sequences with one each."""
+    B, T, H, HV, K, V = shape
+    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=seed)
+    N = 3 if packed else B
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, T], device="cuda")
+        kw["initial_state"] = 0.3 * torch.randn(N, HV, K, V, device="cuda")
+    return args, kw, N
+
+
 def _fla_forward_stages(op, args, kw):
     """q, k, v, beta (BF16), the packing kwargs, FLA's log2 gate cumsum and its w, u, A for the same inputs."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -241,12 +252,8 @@ def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, pack
     from rewy_hf.kernels.triton_gdn_walk import reverse_walk
 
     monkeypatch.setenv("REWY_HF_GDN_WALK", "1")
+    args, kw, N = _walk_inputs(op, shape, packed, seed=7)
     B, T, H, HV, K, V = shape
-    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=7)
-    N = 3 if packed else B
-    if packed:
-        kw["cu_seqlens"] = torch.tensor([0, 200, 264, T], device="cuda")
-        kw["initial_state"] = 0.3 * torch.randn(N, HV, K, V, device="cuda")
     do, dht = _recompute_against_reference(op, args, kw, B, T, HV, K, V, N)
 
     q, k, v, beta, pk, g2, w, _, A = _fla_forward_stages(op, args, kw)
@@ -277,12 +284,8 @@ def test_fwd_walk_matches_fp32_reference_and_flas_forward_recurrence(op, shape, 
     for name in walks:
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", "2")
+    args, kw, N = _walk_inputs(op, shape, packed, seed=8)
     B, T, H, HV, K, V = shape
-    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=8)
-    N = 3 if packed else B
-    if packed:
-        kw["cu_seqlens"] = torch.tensor([0, 200, 264, T], device="cuda")
-        kw["initial_state"] = 0.3 * torch.randn(N, HV, K, V, device="cuda")
     _recompute_against_reference(op, args, kw, B, T, HV, K, V, N)
 
     _, k, v, beta, pk, g2, w, u, A = _fla_forward_stages(op, args, kw)

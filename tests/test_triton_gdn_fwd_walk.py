@@ -18,15 +18,13 @@ from rewy_hf.kernels.triton_gdn_fwd_walk import rebuild_states
 from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_scores
 from rewy_hf.rel_error import rel_err
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
-from test_triton_gdn_walk import CASES, _case, _nan_filled
+from walk_cases import CASES, named_case, nan_filled, walk_case
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_prestage_without_u_writes_the_same_w_and_scores(name, monkeypatch):
-    gated, B, T, H, HV, K, V, cu, _ = CASES[name]
-    cu = None if cu is None else torch.tensor(cu)
-    x, _, _, _ = _case(gated, B, T, H, HV, K, V, seed=4, cu_seqlens=cu)
-    _nan_filled(monkeypatch)
+    x, *_ = named_case(name, seed=4)
+    nan_filled(monkeypatch)
     w, u, st = recompute_wu_and_scores(**x)
     w2, u2, st2 = recompute_wu_and_scores(**x, with_u=False)
     assert u2 is None and torch.equal(w, w2) and torch.equal(st, st2) and not u.isnan().any()
@@ -37,35 +35,23 @@ def test_walk_matches_the_forward_recurrence(name, monkeypatch):
     """h and v_new against the forward recurrence fed the prestage's u: K in one or two 64-row
     halves (masked below 64 and between), GVA, rows (B > 1), ragged and packed sequences (one
     empty), with and without an initial state, DeltaNet (no gate)."""
-    gated, B, T, H, HV, K, V, cu, states = CASES[name]
-    cu = None if cu is None else torch.tensor(cu)
-    x, _, h0, _ = _case(gated, B, T, H, HV, K, V, seed=5, cu_seqlens=cu, states=states)
+    x, _, h0, _, _, cu = named_case(name, seed=5)
     w, u, _ = recompute_wu_and_scores(**x)
     want = loop_fwd_h(k=x["k"], w=w, u=u, g=x["g"], initial_state=h0, cu_seqlens=cu)[:2]
-    _nan_filled(monkeypatch)
+    nan_filled(monkeypatch)
     got = rebuild_states(x["k"], w, x["v"], x["beta"], x["A"], g=x["g"], initial_state=h0, cu_seqlens=cu)
     errors = {n: rel_err(a, b) for n, a, b in zip(("h", "v_new"), got, want)}
     assert max(errors.values()) < 2e-6, errors
 
 
 def test_walk_refuses_wide_keys_and_rows_with_packing():
-    x, _, _, _ = _case(True, 1, 64, 1, 1, 64, 16, seed=6)
+    x, _, _, _ = walk_case(True, 1, 64, 1, 1, 64, 16, seed=6)
     wide = torch.zeros(1, 64, 1, 192)
     with pytest.raises(ValueError, match="up to 128.*REWY_HF_GDN_FWD_WALK=0"):
         rebuild_states(wide, wide, x["v"], x["beta"], x["A"])
     two = x["k"].expand(2, -1, -1, -1)
     with pytest.raises(ValueError, match="need B = 1"):
         rebuild_states(two, two, x["v"], x["beta"], x["A"], cu_seqlens=torch.tensor([0, 32, 64]))
-
-
-def test_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
-    monkeypatch.delenv(triton_gdn_fwd_walk.FWD_WALK_ENV, raising=False)
-    assert not triton_gdn_fwd_walk.enabled()
-    monkeypatch.setenv(triton_gdn_fwd_walk.FWD_WALK_ENV, "1")
-    assert triton_gdn_fwd_walk.enabled()
-    monkeypatch.setenv(triton_gdn_fwd_walk.FWD_WALK_ENV, "on")
-    with pytest.raises(ValueError, match="REWY_HF_GDN_FWD_WALK='on'.*use 0.*or 1"):
-        triton_gdn_fwd_walk.enabled()
 
 
 @pytest.mark.parametrize("setting", ["alone", "with the reverse walk", "from checkpoints"])

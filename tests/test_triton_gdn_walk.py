@@ -11,63 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from rewy_hf.kernels import triton_gdn, triton_gdn_walk
+from rewy_hf.kernels import triton_gdn, triton_gdn_fwd_walk, triton_gdn_walk
 from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local, recompute_wu_and_scores
 from rewy_hf.kernels.triton_gdn_walk import reverse_walk
 from rewy_hf.rel_error import rel_err
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
-
-C = 64
-
-
-def _nan_filled(monkeypatch):
-    empty, empty_like = torch.Tensor.new_empty, torch.empty_like
-    nan = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t   # noqa: E731
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: nan(empty(self, *a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
-
-
-def _log2_cumsum(g, cu_seqlens):
-    """FLA's chunk-local cumulative gate in log2 units, chunked per sequence."""
-    out = torch.empty_like(g)
-    bounds = [0, g.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-    for b, e in zip(bounds[:-1], bounds[1:]):
-        for s in range(b, e, C):
-            out[:, s:min(s + C, e)] = g[:, s:min(s + C, e)].cumsum(1) / 0.6931471805599453
-    return out
-
-
-def _case(gated, B, T, H, HV, K, V, seed, cu_seqlens=None, states=True):
-    gen = torch.Generator().manual_seed(seed)
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    x = dict(q=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
-             k=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
-             v=torch.randn(B, T, HV, V, generator=gen), beta=torch.rand(B, T, HV, generator=gen),
-             A=torch.randn(B, T, HV, C, generator=gen) * 0.5,
-             g=_log2_cumsum(F.logsigmoid(torch.randn(B, T, HV, generator=gen)), cu_seqlens) if gated else None,
-             scale=K ** -0.5, cu_seqlens=cu_seqlens)
-    do = torch.randn(B, T, HV, V, generator=gen)
-    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3 if states else None
-    dht = torch.randn(N, HV, K, V, generator=gen) * 0.3 if states else None
-    return x, do, h0, dht
-
-
-CASES = {
-    "gdn_two_halves": (True, 2, 150, 1, 2, 128, 64, None, True),
-    "gdn_one_half_masked": (True, 1, 130, 2, 2, 32, 16, None, False),
-    "delta_rule_k64": (False, 2, 128, 2, 2, 64, 32, None, True),
-    "gdn_k96_packed_with_empty": (True, 1, 230, 1, 2, 96, 32, [0, 70, 70, 200, 230], True),
-}
-
+from walk_cases import CASES, C, named_case, nan_filled, walk_case
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_scores_give_the_local_dv(name, monkeypatch):
-    gated, B, T, H, HV, K, V, cu, _ = CASES[name]
-    cu = None if cu is None else torch.tensor(cu)
-    x, do, _, _ = _case(gated, B, T, H, HV, K, V, seed=1, cu_seqlens=cu)
-    _nan_filled(monkeypatch)
+    x, do, _, _, (B, T, HV, V), cu = named_case(name, seed=1)
+    nan_filled(monkeypatch)
     w, u, dv = recompute_wu_and_dv_local(**x, do=do)
     w2, u2, st = recompute_wu_and_scores(**x)
     assert st.shape == (B, T, HV, C) and torch.equal(w, w2) and torch.equal(u, u2)
@@ -85,14 +40,12 @@ def test_walk_matches_the_reverse_recurrence(name, monkeypatch):
     """dh, dh0, dv2 against the reverse recurrence fed the local dv: K in one or two 64-row
     halves (masked below 64 and between), GVA, rows (B > 1), ragged and packed sequences (one
     empty), with and without h0 / dht, DeltaNet (no gate)."""
-    gated, B, T, H, HV, K, V, cu, states = CASES[name]
-    cu = None if cu is None else torch.tensor(cu)
-    x, do, h0, dht = _case(gated, B, T, H, HV, K, V, seed=2, cu_seqlens=cu, states=states)
+    x, do, h0, dht, _, cu = named_case(name, seed=2)
     w, _, dv = recompute_wu_and_dv_local(**x, do=do)
     _, _, st = recompute_wu_and_scores(**x)
     want = loop_bwd_dhu(q=x["q"], k=x["k"], w=w, do=do, dv=dv, g=x["g"], h0=h0, dht=dht, scale=x["scale"],
                         cu_seqlens=cu)
-    _nan_filled(monkeypatch)
+    nan_filled(monkeypatch)
     got = reverse_walk(x["q"], x["k"], w, st, do, g=x["g"], h0=h0, dht=dht, scale=x["scale"], cu_seqlens=cu)
     errors = {n: rel_err(a, b) for n, a, b in zip(("dh", "dh0", "dv2"), got, want) if a is not None}
     assert (got[1] is None) == (h0 is None)
@@ -100,7 +53,7 @@ def test_walk_matches_the_reverse_recurrence(name, monkeypatch):
 
 
 def test_walk_refuses_wide_keys_and_rows_with_packing():
-    x, do, _, _ = _case(True, 1, 64, 1, 1, 64, 16, seed=3)
+    x, do, _, _ = walk_case(True, 1, 64, 1, 1, 64, 16, seed=3)
     w, _, st = recompute_wu_and_scores(**x)
     wide = torch.zeros(1, 64, 1, 192)
     with pytest.raises(ValueError, match="up to 128.*REWY_HF_GDN_WALK=0"):
@@ -109,14 +62,17 @@ def test_walk_refuses_wide_keys_and_rows_with_packing():
         reverse_walk(x["q"].expand(2, -1, -1, -1), x["k"], w, st, do, cu_seqlens=torch.tensor([0, 32, 64]))
 
 
-def test_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
-    monkeypatch.delenv(triton_gdn_walk.WALK_ENV, raising=False)
-    assert not triton_gdn_walk.enabled()
-    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "1")
-    assert triton_gdn_walk.enabled()
-    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "yes")
-    with pytest.raises(ValueError, match="REWY_HF_GDN_WALK='yes'.*use 0.*or 1"):
-        triton_gdn_walk.enabled()
+@pytest.mark.parametrize("module", [triton_gdn_walk, triton_gdn_fwd_walk])
+def test_switches_are_off_by_default_and_refuse_other_values(module, monkeypatch):
+    """REWY_HF_GDN_WALK and REWY_HF_GDN_FWD_WALK (the rebuild walk, tests/test_triton_gdn_fwd_walk.py)."""
+    switch = module.WALK_ENV if module is triton_gdn_walk else module.FWD_WALK_ENV
+    monkeypatch.delenv(switch, raising=False)
+    assert not module.enabled()
+    monkeypatch.setenv(switch, "1")
+    assert module.enabled()
+    monkeypatch.setenv(switch, "yes")
+    with pytest.raises(ValueError, match=f"{switch}='yes'.*use 0.*or 1"):
+        module.enabled()
 
 
 @pytest.mark.parametrize("packed", [False, True])
