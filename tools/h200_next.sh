@@ -29,13 +29,14 @@
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
 # 0. GDN recompute is at about 1.37x of FLA (seventeenth session, fused prestage on: 1.49x as run and 1.42x on fastest
 #    rounds, but FLA's (8,2048,16) and (4,4096,16) rows ran 1.50-1.75 ms against 1.27 ms in the sixteenth session's
-#    quiet run). First the opt-in reverse walk with the local dv inside (REWY_HF_GDN_WALK=1, written in the
-#    seventeenth session, CPU-tested only): its GPU test, then its A/B in the GPU's own time at the six shapes; if it
-#    wins, make it the default and bench GDN and DeltaNet recompute on the warm machine:
-#   T_tests=200 TESTS_K="walk or prestage" bash tools/h200_next.sh tests
-#   T_gaps=140 bash tools/h200_next.sh \
+#    quiet run). First the two opt-in walks written in the seventeenth session, CPU-tested only (REWY_HF_GDN_WALK=1:
+#    the reverse pass forms the local dv itself; REWY_HF_GDN_FWD_WALK=1: the rebuild of h forms u itself): their GPU
+#    tests, then the GPU's own time per backward at the six shapes without, with each and with both; make the
+#    winner the default and bench GDN and DeltaNet recompute on the warm machine:
+#   T_tests=240 TESTS_K="walk or prestage" bash tools/h200_next.sh tests
+#   T_gaps=120 bash tools/h200_next.sh \
 #       "env:GAP_ARGS=--op+gdn+--policy+recompute+--sides+rewy+--shapes+8,2048,16+4,4096,16+2,8192,16+1,16384,16+4,4096,32+1,32768,32" \
-#       gaps env:REWY_HF_GDN_WALK=1 gaps
+#       gaps env:REWY_HF_GDN_WALK=1 gaps env:REWY_HF_GDN_FWD_WALK=1 gaps env:REWY_HF_GDN_WALK=0 gaps
 #   BENCH_POLICY=recompute T_bench_gdn=300 bash tools/h200_next.sh bench-gdn:gdn   (right after, machine warm)
 # 1. DeltaNet recompute with the prestage on (the seventeenth session's H = 16 rows ran cold with host stalls on both
 #    sides: 1.24x as run), then the state checkpoints in the KDA backward (off / auto):
