@@ -34,8 +34,8 @@
 #    tests, then the GPU's own time per backward at the six shapes without, with each and with both; make the
 #    winner the default and bench GDN and DeltaNet recompute on the warm machine:
 #   T_tests=240 TESTS_K="walk or prestage" bash tools/h200_next.sh tests
-#   T_gaps=120 bash tools/h200_next.sh \
-#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--sides+rewy+--shapes+8,2048,16+4,4096,16+2,8192,16+1,16384,16+4,4096,32+1,32768,32" \
+#   T_gaps=130 bash tools/h200_next.sh \
+#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--sides+rewy+--shapes+8,2048,16+4,4096,16+2,8192,16+1,16384,16+4,4096,32+1,32768,32" \
 #       gaps env:REWY_HF_GDN_WALK=1 gaps env:REWY_HF_GDN_FWD_WALK=1 gaps env:REWY_HF_GDN_WALK=0 gaps
 #   BENCH_POLICY=recompute T_bench_gdn=300 bash tools/h200_next.sh bench-gdn:gdn   (right after, machine warm)
 # 1. DeltaNet recompute with the prestage on (the seventeenth session's H = 16 rows ran cold with host stalls on both
