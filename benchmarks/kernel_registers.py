@@ -79,12 +79,15 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
                                                               DX_FROM_DY=G.dx_from_dy())
     if name == "gdn-prestage":
         # the fused w/u recompute + local dv (REWY_HF_FUSED_PRESTAGE); block_k: its tile over K and V
+        from rewy_hf.kernels import triton_gdn_fwd_walk, triton_gdn_walk
         from rewy_hf.kernels import triton_gdn_prestage as P
 
+        # REWY_HF_GDN_WALK=1 / REWY_HF_GDN_FWD_WALK=1 compile the form those walks use (no local dv / no u)
         bk = block_k or 64
         return P.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
-                                                      IS_VARLEN=False, FULL_T=True, LOCAL_DV=not walk_enabled("GDN_WALK"),
-                                                      WRITE_U=not walk_enabled("GDN_FWD_WALK"))
+                                                      IS_VARLEN=False, FULL_T=True,
+                                                      LOCAL_DV=not triton_gdn_walk.enabled(),
+                                                      WRITE_U=not triton_gdn_fwd_walk.enabled())
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
         const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
@@ -118,14 +121,6 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
         return S._segment_kernel, name, dict(heads, V=V, BKH=key_block(K), USE_G=False, USE_GK=True, REVERSE=True,
                                              FINAL=False, FULL_T=True)
     raise ValueError(f"unknown kernel {name!r}: {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
-
-
-def walk_enabled(name: str) -> bool:
-    """REWY_HF_GDN_WALK=1 / REWY_HF_GDN_FWD_WALK=1 compile the prestage in the form that walk uses
-    (S^T out and no local dv / no u)."""
-    from rewy_hf.kernels.env_switch import flag
-
-    return flag(f"REWY_HF_{name}", False, on="the walk's prestage form", off="the default form")
 
 
 def _jit_function(kernel):
