@@ -82,11 +82,12 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
         from rewy_hf.kernels import triton_gdn_fwd_walk, triton_gdn_walk
         from rewy_hf.kernels import triton_gdn_prestage as P
 
-        # REWY_HF_GDN_WALK=1 / REWY_HF_GDN_FWD_WALK=1 compile the form those walks use (no local dv / no u)
+        # REWY_HF_GDN_WALK=1 / REWY_HF_GDN_FWD_WALK=1 compile the form those walks use (no local dv / no u);
+        # under the walk's auto the local dv form, which the narrow launches keep
         bk = block_k or 64
         return P.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
                                                       IS_VARLEN=False, FULL_T=True,
-                                                      LOCAL_DV=not triton_gdn_walk.enabled(),
+                                                      LOCAL_DV=triton_gdn_walk.mode() != "1",
                                                       WRITE_U=not triton_gdn_fwd_walk.enabled())
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV

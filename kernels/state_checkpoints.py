@@ -84,7 +84,7 @@ def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sm_
     slower at every segment length where it gave 128 or more (B x H = 64 to 128 at
     K = V = 128). There, the shortest segments of at least MIN_CHUNKS chunks that give
     about PROGRAMS_PER_SM programs per SM."""
-    if _fills_half(len(sequence_chunks), value_heads, V, sm_count):
+    if fills_half(len(sequence_chunks), value_heads, V, sm_count):
         return None
     per_segment = value_heads * triton.cdiv(V, 64)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_segment)
@@ -92,7 +92,7 @@ def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sm_
     return L if L < max(sequence_chunks) else None
 
 
-def _fills_half(sequences: int, value_heads: int, V: int, sm_count: int) -> bool:
+def fills_half(sequences: int, value_heads: int, V: int, sm_count: int) -> bool:
     """Whether FLA's sequential launch (N x HV x V / 64 programs) fills half the SMs or more."""
     return 2 * sequences * value_heads * triton.cdiv(V, 64) >= sm_count
 
@@ -128,7 +128,7 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     B, T, HV, V = v.shape
     sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
     sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
-    if mode == "auto" and _fills_half(sequences, HV, V, sms):
+    if mode == "auto" and fills_half(sequences, HV, V, sms):
         return None         # decided from shapes alone: packed lengths are not read (a device sync)
     bounds = tuple(range(0, B * T + 1, T)) if cu_seqlens is None else _host_bounds(cu_seqlens)
     if mode == "auto":

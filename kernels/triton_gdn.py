@@ -112,9 +112,11 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         saved = rest[2:] if varlen else rest
         f = _fla()
         do = do.contiguous()
-        # REWY_HF_GDN_WALK=1: rewy's reverse walk forms the local dv itself from the prestage's S^T;
-        # REWY_HF_GDN_FWD_WALK=1: rewy's rebuild of h forms u itself (both opt-in; not with the sequence split).
-        walk = policy != "full" and ns == 1 and triton_gdn_walk.enabled()
+        # rewy's reverse walk forms the local dv itself from the prestage's S^T where the GPU is full
+        # (REWY_HF_GDN_WALK); REWY_HF_GDN_FWD_WALK=1: rewy's rebuild of h forms u itself (opt-in);
+        # neither with the sequence split.
+        walk = policy != "full" and ns == 1 and triton_gdn_walk.chosen(k, v, pk.get("cu_seqlens"),
+                                                                            triton_gdn_prestage.enabled())
         fwd_walk = policy != "full" and ns == 1 and triton_gdn_fwd_walk.enabled()
         dv_local = u = st = None
         if policy == "full":

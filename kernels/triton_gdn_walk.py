@@ -1,7 +1,8 @@
 """Triton kernel: GDN / DeltaNet's reverse state recurrence with the local value gradient inside.
 
-Under ``recompute`` with REWY_HF_GDN_WALK=1 (opt-in, not yet timed on the
-GPU), the backward runs this kernel in place of FLA's ``bwd_dhu``. FLA's
+Under ``recompute`` the backward runs this kernel in place of FLA's
+``bwd_dhu`` where the sequential walks fill the GPU (REWY_HF_GDN_WALK=auto,
+the default; 1 / 0 force it on / off). FLA's
 walk reads the local value gradient dV_loc = S^T dO (S^T[j, i] =
 scale q_i . k_j 2^(G_i - G_j) for i >= j, the chunk's causal, gated
 attention transposed) from a [T, V] tensor that an earlier pass wrote; here
@@ -28,12 +29,14 @@ st [B, T, HV, 64]; dh [B, NT, HV, K, V]. K up to 128 (two halves).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import direct_launch
-from .env_switch import flag
+from .state_checkpoints import fills_half
 from .state_launch import narrow_block_v
 from .state_walk import (WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_layout,
                          walk_program)
@@ -41,10 +44,39 @@ from .state_walk import (WALK_CONFIGS, load_halves, prune_widths, state_tiles, s
 WALK_ENV = "REWY_HF_GDN_WALK"
 
 
-def enabled() -> bool:
-    """Whether REWY_HF_GDN_WALK asks for this walk (and the prestage's S^T) instead of FLA's bwd_dhu."""
-    return flag(WALK_ENV, False, on="rewy's reverse walk with the local dv inside",
-                off="FLA's bwd_dhu after the prestage's local dv")
+def mode() -> str:
+    """REWY_HF_GDN_WALK: ``auto`` (the default), ``1`` or ``0``."""
+    setting = os.environ.get(WALK_ENV, "").strip().lower()
+    if setting in ("", "auto"):
+        return "auto"
+    if setting in ("0", "1"):
+        return setting
+    raise ValueError(f"{WALK_ENV}={setting!r} is not understood; use auto (the default: rewy's reverse walk with "
+                     "the local dv inside where the sequential walks fill the GPU, FLA's bwd_dhu elsewhere), "
+                     "1 (always rewy's walk) or 0 (always FLA's bwd_dhu after the prestage's local dv)")
+
+
+def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, prestage: bool = True) -> bool:
+    """Whether this backward's reverse pass is this walk (k [B, T, H, K], v [B, T, HV, V]).
+    ``prestage``: whether REWY_HF_FUSED_PRESTAGE is on; ``auto`` keeps FLA's two stages
+    and ``bwd_dhu`` together when it is off, ``1`` brings the prestage's S^T form with it.
+
+    ``auto`` picks it where N x HV x V / 64 programs fill half the SMs or more, the
+    same measure that keeps the state checkpoints off. There the walk's extra
+    product per chunk hides behind other programs' loads, and the traffic it saves
+    shows: on the H200 the backward was 2.6-2.9 % faster at B x H = 64 and 128
+    (K = V = 128). Below it one program's chain is the critical path and the extra
+    product lengthens it: from 0.3 % faster to 1.8 % slower at B x H = 16 and 32.
+    Decided from shapes alone, as packed lengths would cost a device sync."""
+    setting = mode()
+    if setting != "auto":
+        return setting == "1"
+    if not prestage:
+        return False
+    B, _, HV, V = v.shape
+    sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
+    sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
+    return k.shape[-1] <= 128 and fills_half(sequences, HV, V, sms)
 
 
 @triton.autotune(configs=WALK_CONFIGS, key=["H", "HV", "K", "V", "BT", "USE_G", "NARROW"],

@@ -62,17 +62,55 @@ def test_walk_refuses_wide_keys_and_rows_with_packing():
         reverse_walk(x["q"].expand(2, -1, -1, -1), x["k"], w, st, do, cu_seqlens=torch.tensor([0, 32, 64]))
 
 
-@pytest.mark.parametrize("module", [triton_gdn_walk, triton_gdn_fwd_walk])
-def test_switches_are_off_by_default_and_refuse_other_values(module, monkeypatch):
-    """REWY_HF_GDN_WALK and REWY_HF_GDN_FWD_WALK (the rebuild walk, tests/test_triton_gdn_fwd_walk.py)."""
-    switch = module.WALK_ENV if module is triton_gdn_walk else module.FWD_WALK_ENV
+def test_rebuild_walk_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+    """REWY_HF_GDN_FWD_WALK (the rebuild walk, tests/test_triton_gdn_fwd_walk.py)."""
+    switch = triton_gdn_fwd_walk.FWD_WALK_ENV
     monkeypatch.delenv(switch, raising=False)
-    assert not module.enabled()
+    assert not triton_gdn_fwd_walk.enabled()
     monkeypatch.setenv(switch, "1")
-    assert module.enabled()
+    assert triton_gdn_fwd_walk.enabled()
     monkeypatch.setenv(switch, "yes")
     with pytest.raises(ValueError, match=f"{switch}='yes'.*use 0.*or 1"):
-        module.enabled()
+        triton_gdn_fwd_walk.enabled()
+
+
+def _shaped(B, T, HV, K=128, V=128):
+    """k and v of these shapes, as meta tensors: chosen() reads shapes only."""
+    return torch.empty(B, T, 1, K, device="meta"), torch.empty(B, T, HV, V, device="meta")
+
+
+@pytest.mark.parametrize("B, HV, K, sequences, want", [
+    (8, 16, 128, None, True),       # 256 programs at V / 64 = 2 per head: the GPU is full
+    (4, 16, 128, None, True),       # 128 on 132 SMs: half or more
+    (2, 16, 128, None, False),      # 64: the chain is the critical path
+    (1, 16, 128, None, False),
+    (1, 32, 128, None, False),
+    (8, 16, 256, None, False),      # wider keys than the walk's two halves: FLA's bwd_dhu
+    (1, 16, 128, 5, True),          # packed: the sequences count, not B
+    (1, 16, 128, 2, False),
+])
+def test_auto_picks_the_walk_where_the_gpu_is_full(B, HV, K, sequences, want, monkeypatch):
+    """REWY_HF_GDN_WALK unset or auto: the walk where N x HV x V / 64 programs fill half the
+    132 SMs (the CPU stands in for an H200), FLA's bwd_dhu elsewhere and with the prestage off."""
+    monkeypatch.delenv(triton_gdn_walk.WALK_ENV, raising=False)
+    k, v = _shaped(B, 64, HV, K)
+    cu = None if sequences is None else torch.arange(sequences + 1) * 64 // sequences
+    assert triton_gdn_walk.mode() == "auto"
+    assert triton_gdn_walk.chosen(k, v, cu) is want
+    assert not triton_gdn_walk.chosen(k, v, cu, prestage=False)
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, " AUTO ")
+    assert triton_gdn_walk.chosen(k, v, cu) is want
+
+
+def test_walk_switch_forces_either_way_and_refuses_other_values(monkeypatch):
+    full, starved = _shaped(8, 64, 16), _shaped(1, 64, 16)
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "1")
+    assert triton_gdn_walk.chosen(*starved, None) and triton_gdn_walk.chosen(*starved, None, prestage=False)
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "0")
+    assert not triton_gdn_walk.chosen(*full, None)
+    monkeypatch.setenv(triton_gdn_walk.WALK_ENV, "yes")
+    with pytest.raises(ValueError, match="REWY_HF_GDN_WALK='yes'.*use auto.*1.*or 0"):
+        triton_gdn_walk.chosen(*full, None)
 
 
 @pytest.mark.parametrize("packed", [False, True])
