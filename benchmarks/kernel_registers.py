@@ -43,15 +43,13 @@ _BF16 = {
     "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
     "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv", "st"},
     "gdn-walk": {"q", "k", "w", "st", "do", "dh", "dv2"},
-    "gdn-fwd-walk": {"k", "w", "v", "beta", "A", "h", "v_new"},
-    "fla-fwd-h": {"k", "w", "v", "v_new", "h"},
     "fla-dhu": {"q", "k", "w", "do", "dh", "dv", "dv2"},
     "state-scan": set(),
     "state-segment": {"k", "w", "u", "q", "do", "h_out", "vn_out"},
 }
 _SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
 KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "gdn-walk", "fla-dhu",
-           "gdn-fwd-walk", "fla-fwd-h", "state-scan", "state-segment")
+           "state-scan", "state-segment")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 
 
@@ -79,16 +77,15 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
                                                               DX_FROM_DY=G.dx_from_dy())
     if name == "gdn-prestage":
         # the fused w/u recompute + local dv (REWY_HF_FUSED_PRESTAGE); block_k: its tile over K and V
-        from rewy_hf.kernels import triton_gdn_fwd_walk, triton_gdn_walk
+        from rewy_hf.kernels import triton_gdn_walk
         from rewy_hf.kernels import triton_gdn_prestage as P
 
-        # REWY_HF_GDN_WALK=1 / REWY_HF_GDN_FWD_WALK=1 compile the form those walks use (no local dv / no u);
-        # under the walk's auto the local dv form, which the narrow launches keep
+        # REWY_HF_GDN_WALK=1 compiles the form the walk uses (S^T out, no local dv); auto and 0 the
+        # local dv form (auto uses both, by shape)
         bk = block_k or 64
         return P.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
                                                       IS_VARLEN=False, FULL_T=True,
-                                                      LOCAL_DV=triton_gdn_walk.mode() != "1",
-                                                      WRITE_U=not triton_gdn_fwd_walk.enabled())
+                                                      LOCAL_DV=triton_gdn_walk.mode() != "1")
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
         const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
@@ -100,18 +97,6 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
 
         return fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64, name, dict(
             const, USE_GK=False, USE_INITIAL_STATE=True, USE_FINAL_STATE_GRADIENT=True, STATE_V_FIRST=False)
-    if name in ("gdn-fwd-walk", "fla-fwd-h"):
-        # the rebuild of h in the backward, GDN gate, K-first state from an initial state; block_k: BV
-        const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
-        if name == "gdn-fwd-walk":
-            from rewy_hf.kernels import triton_gdn_fwd_walk as FW
-
-            return FW.rewy_gdn_fwd_walk_kernel, name, dict(const, USE_H0=True, NARROW=False)
-        from fla.ops.common import chunk_delta_h as fla
-
-        return fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, name, dict(
-            const, USE_GK=False, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, SAVE_NEW_VALUE=True,
-            STATE_V_FIRST=False)
     if name in ("state-scan", "state-segment"):
         # the sequence-parallel recurrences, backward direction, per-key gates (KDA's form)
         from rewy_hf.kernels import triton_state_scan as S

@@ -1,6 +1,5 @@
 """On/off switches read from the environment at each call (REWY_HF_DIRECT_LAUNCH, REWY_HF_FUSED_PRESTAGE,
-REWY_HF_GDN_DX_FROM_DY, REWY_HF_GDN_WALK,
-REWY_HF_GDN_FWD_WALK).
+REWY_HF_GDN_DX_FROM_DY).
 
 Each takes ``1`` or ``0`` (empty means the default); any other value is an
 error that names both settings, so a typo never silently picks one.

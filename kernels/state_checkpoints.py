@@ -171,28 +171,19 @@ def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.
     return states
 
 
-def rebuild(fla_fwd_h, states: torch.Tensor, segments: Segments, u: torch.Tensor | None = None, walk=None,
-            **inputs):
+def rebuild(fla_fwd_h, states: torch.Tensor, segments: Segments, u: torch.Tensor, **inputs):
     """h [B, NT, HV, ...] and v_new [B, T, HV, V], as the sequential rebuild returns them.
 
     ``fla_fwd_h``: FLA's ``chunk_gated_delta_rule_fwd_h``, launched through
     ``state_launch.fwd_h`` as the sequential rebuild is. ``inputs``: its other
     arguments (k, w, and g or gk; options such as ``state_v_first``); the per-token
-    ones [B, T, ...] are joined into one row, as the segments' ``cu_seqlens`` count them.
-    ``walk``: instead, rewy's rebuild that forms u itself
-    (``triton_gdn_fwd_walk.rebuild_states``); ``u`` is None then, and ``inputs`` hold
-    its v, beta and A."""
-    like = u if u is not None else inputs["v"]
-    B, T = like.shape[:2]
+    ones [B, T, ...] are joined into one row, as the segments' ``cu_seqlens`` count them."""
+    B, T = u.shape[:2]
 
     def joined(x):
         return x.reshape(1, B * T, *x.shape[2:]) if isinstance(x, torch.Tensor) else x
 
-    kw = {n: joined(x) for n, x in inputs.items()}
-    where = dict(initial_state=states, chunk_size=CHUNK, cu_seqlens=segments.cu_seqlens,
-                 chunk_indices=segments.chunk_indices)
-    if walk is None:
-        h, v_new, _ = state_launch.fwd_h(fla_fwd_h, u=joined(u), **kw, output_final_state=False, **where)
-    else:
-        h, v_new = walk(**kw, **where)
-    return h.view(B, -1, *h.shape[2:]), v_new.view(like.shape)
+    h, v_new, _ = state_launch.fwd_h(fla_fwd_h, u=joined(u), **{n: joined(x) for n, x in inputs.items()},
+                                     initial_state=states, output_final_state=False, chunk_size=CHUNK,
+                                     cu_seqlens=segments.cu_seqlens, chunk_indices=segments.chunk_indices)
+    return h.view(B, -1, *h.shape[2:]), v_new.view(u.shape)

@@ -1,9 +1,9 @@
-"""What rewy's two state walks share (triton_gdn_walk.py, the reverse pass; triton_gdn_fwd_walk.py, the rebuild).
+"""The layout of rewy's state walk (triton_gdn_walk.py): launch configs, the program's place and halves.
 
-Both run one program per (sequence, value head, block of BV value columns)
-and hold the state, or its gradient, as 64-row halves over K in fp32, as
-FLA's walks do: the launch configs, the program's place, its sequence's
-bounds, and loading and storing the two halves are the same in both.
+The walk runs one program per (sequence, value head, block of BV value
+columns) and holds the state gradient as 64-row halves over K in fp32, as
+FLA's walks do. Here: its launch configs, where a program sits and its
+sequence's bounds, and loading and storing the two halves.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def prune_widths(configs, named_args, **kwargs):
 
 
 # Offline (sm_90, benchmarks/kernel_registers.py) BV 64 at 2 warps spills 1.5-14 KB in the reverse walk,
-# so BV 64 runs at 4 and 8 warps; at the configs FLA's walks also list, both walks compile to about
+# so BV 64 runs at 4 and 8 warps; at the configs FLA's walk also lists, the walk compiles to about
 # FLA's registers and instructions per product.
 WALK_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
                 for bv, warps in ((32, (2, 4)), (64, (4, 8)), (16, (2, 4))) for nw in warps for ns in (1, 2, 3)]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fla_stages, state_checkpoints, state_launch, triton_gdn_fwd_walk, triton_gdn_prestage, triton_gdn_walk
+from . import fla_stages, state_checkpoints, state_launch, triton_gdn_prestage, triton_gdn_walk
 from .qk_l2norm import normalize, normalize_backward
 from .triton_gdn_bwd import rewy_gdn_bwd_local
 from .triton_state_scan import sequence_segments, state_backward, state_forward
@@ -55,14 +55,8 @@ def _states(f, ns, k, w, u, g2, h0, pk, final: bool):
                               chunk_size=64, **pk)
 
 
-def _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk, formed=None):
-    """h and v_new again under ``recompute``: from the forward's state checkpoints when it kept them.
-    ``formed`` (v, beta, A; REWY_HF_GDN_FWD_WALK=1): rewy's rebuild forms u from them, ``u`` is None."""
-    if formed is not None:
-        if ctx.segments is not None:
-            return state_checkpoints.rebuild(None, saved[0], ctx.segments, walk=triton_gdn_fwd_walk.rebuild_states,
-                                             k=k, w=w, g=g2, **formed)
-        return triton_gdn_fwd_walk.rebuild_states(k, w, g=g2, initial_state=h0, **formed, **pk)
+def _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk):
+    """h and v_new again under ``recompute``: from the forward's state checkpoints when it kept them."""
     if ctx.segments is not None:
         return state_checkpoints.rebuild(f["fwd_h"], saved[0], ctx.segments, u, k=k, w=w, g=g2)
     h, v_new, _ = _states(f, ns, k, w, u, g2, h0, pk, final=False)
@@ -113,25 +107,22 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         f = _fla()
         do = do.contiguous()
         # rewy's reverse walk forms the local dv itself from the prestage's S^T where the GPU is full
-        # (REWY_HF_GDN_WALK); REWY_HF_GDN_FWD_WALK=1: rewy's rebuild of h forms u itself (opt-in);
-        # neither with the sequence split.
+        # (REWY_HF_GDN_WALK); not with the sequence split.
         walk = policy != "full" and ns == 1 and triton_gdn_walk.chosen(k, v, pk.get("cu_seqlens"),
                                                                             triton_gdn_prestage.enabled())
-        fwd_walk = policy != "full" and ns == 1 and triton_gdn_fwd_walk.enabled()
         dv_local = u = st = None
         if policy == "full":
             w, h, v_new = saved
         elif walk:
             w, u, st = triton_gdn_prestage.recompute_wu_and_scores(q, k, v, beta, A, g=g2, scale=scale,
-                                                                   dtype=do.dtype, with_u=not fwd_walk, **pk)
-        elif triton_gdn_prestage.enabled() or fwd_walk:
-            w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2, scale=scale,
-                                                                           with_u=not fwd_walk, **pk)
+                                                                   dtype=do.dtype, **pk)
+        elif triton_gdn_prestage.enabled():
+            w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2,
+                                                                           scale=scale, **pk)
         else:
             w, u = fla_stages.recompute_w_u(k=k, v=v, beta=beta, A=A, g=g2, **pk)
         if policy != "full":
-            formed = dict(v=v, beta=beta, A=A) if fwd_walk else None
-            h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk, formed)
+            h, v_new = _rebuild(ctx, f, saved, ns, k, w, u, g2, h0, pk)
             u = None                                   # freed before the reverse recurrence allocates dh
         dht = None if dht is None else dht.contiguous()
         if walk:

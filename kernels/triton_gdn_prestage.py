@@ -20,9 +20,7 @@ budget allows:
 With LOCAL_DV off (``recompute_wu_and_scores``, for REWY_HF_GDN_WALK=1) the
 program stores the scaled, gated, causal S^T itself ([T, 64] per value head)
 instead of forming dV_loc: the reverse walk of triton_gdn_walk.py multiplies
-it by dO on its way, so dO is not read here at all. With WRITE_U off (for
-REWY_HF_GDN_FWD_WALK=1) u is not written and V not read: the rebuild of
-triton_gdn_fwd_walk.py forms u itself.
+it by dO on its way, so dO is not read here at all.
 
 Operand dtypes follow the stages it replaces: products take the inputs'
 16-bit dtype in training, accumulate in fp32, and store in the input dtype.
@@ -59,8 +57,7 @@ def enabled() -> bool:
                 off="FLA's w/u recompute and local dv")
 
 
-@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN", "LOCAL_DV",
-                                         "WRITE_U"])
+@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN", "LOCAL_DV"])
 @triton.jit(do_not_specialize=["T"])
 def rewy_gdn_prestage_kernel(
     q, k, v, g, beta, A, do, w, u, dv, st,
@@ -68,7 +65,7 @@ def rewy_gdn_prestage_kernel(
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FULL_T: tl.constexpr, LOCAL_DV: tl.constexpr, WRITE_U: tl.constexpr,
+    FULL_T: tl.constexpr, LOCAL_DV: tl.constexpr,
 ):
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -129,47 +126,43 @@ def rewy_gdn_prestage_kernel(
         # For the reverse walk that forms S^T dO itself (triton_gdn_walk.py).
         tl.store(st + (o_i * HV)[:, None] * BT + o_i[None, :], b_st, mask=valid[:, None])
 
-    # Value tiles: u = A (beta V) (WRITE_U), dV_loc = S^T dO (LOCAL_DV).
-    if WRITE_U or LOCAL_DV:
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = valid[:, None] & bounds_mask(o_v, V, V % BV == 0)[None, :]
-            off_tv = (o_i * HV)[:, None] * V + o_v[None, :]
-            if WRITE_U:
-                b_v = tl.load(v + off_tv, mask=m_tv, other=0.0)
-                b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(b_v.dtype)
-                b_u = tl.dot(b_A.to(b_v.dtype), b_vb)
-                tl.store(u + off_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
-            if LOCAL_DV:
-                b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
-                b_dv = tl.dot(b_st, b_do)
-                tl.store(dv + off_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+    # Value tiles: u = A (beta V), dV_loc = S^T dO (LOCAL_DV).
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = valid[:, None] & bounds_mask(o_v, V, V % BV == 0)[None, :]
+        off_tv = (o_i * HV)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + off_tv, mask=m_tv, other=0.0)
+        b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(b_v.dtype)
+        b_u = tl.dot(b_A.to(b_v.dtype), b_vb)
+        tl.store(u + off_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
+        if LOCAL_DV:
+            b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
+            b_dv = tl.dot(b_st, b_do)
+            tl.store(dv + off_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
 def recompute_wu_and_dv_local(q, k, v, beta, A, do, g=None, scale: float = 1.0, cu_seqlens=None,
-                              chunk_indices=None, block: int = 64, with_u: bool = True):
+                              chunk_indices=None, block: int = 64):
     """w, u (the WY pair) and dV_loc = Aqk^T dO of every chunk, in FLA's layout.
 
     q, k: [B, T, H, K]; v, do: [B, T, HV, V]; beta: [B, T, HV]; g: the log2-unit
     chunk cumsum [B, T, HV] (None for DeltaNet); A: [B, T, HV, 64]. Returns
     w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's and dV_loc in do's.
-    ``block``: the key and value tile width (64 or 128). ``with_u`` False: u is None (not written).
+    ``block``: the key and value tile width (64 or 128).
     """
-    return _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, local_dv=True, with_u=with_u)
+    return _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, local_dv=True)
 
 
 def recompute_wu_and_scores(q, k, v, beta, A, g=None, scale: float = 1.0, cu_seqlens=None, chunk_indices=None,
-                            block: int = 64, dtype=None, with_u: bool = True):
+                            block: int = 64, dtype=None):
     """w, u and S^T [B, T, HV, 64], S^T[j, i] = scale q_i . k_j 2^(G_i - G_j) for i >= j within each
     chunk (0 elsewhere), in ``dtype`` (default k's): what the reverse walk of triton_gdn_walk.py
-    multiplies dO by to form the local value gradient itself. ``with_u`` False: u is None and V
-    is not read (the rebuild of triton_gdn_fwd_walk.py forms u itself)."""
+    multiplies dO by to form the local value gradient itself."""
     return _launch(q, k, v, beta, A, None, g, scale, cu_seqlens, chunk_indices, block, local_dv=False,
-                   with_u=with_u, dtype=dtype or k.dtype)
+                   dtype=dtype or k.dtype)
 
 
-def _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, local_dv: bool, with_u: bool,
-            dtype=None):
+def _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, local_dv: bool, dtype=None):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = A.shape[-1]
@@ -180,19 +173,17 @@ def _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, lo
         raise ValueError("packed sequences (cu_seqlens) need B = 1, as in FLA")
     NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
     w = k.new_empty(B, T, HV, K)
-    u = torch.empty_like(v) if with_u else None
-    # An output the kernel does not write is a placeholder it never touches (as are an absent
+    u = torch.empty_like(v)
+    # The output the kernel does not write is a placeholder it never touches (as are an absent
     # gate or packing table, passed as beta); S^T's dtype is the products' (do's when it exists).
     dv = torch.empty_like(do) if local_dv else None
     st = None if local_dv else k.new_empty(B, T, HV, BT, dtype=dtype)
     direct_launch.launch(
         rewy_gdn_prestage_kernel, (NT, B * HV), q=q, k=k, v=v, g=g if g is not None else beta, beta=beta, A=A,
-        do=do if local_dv else st, w=w, u=u if with_u else w, dv=dv if local_dv else st,
-        st=st if st is not None else dv,
+        do=do if local_dv else st, w=w, u=u, dv=dv if local_dv else st, st=st if st is not None else dv,
         cu_seqlens=cu_seqlens if varlen else beta,
         chunk_indices=chunk_indices if varlen else beta, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT,
         BK=min(block, max(16, triton.next_power_of_2(K))), BV=min(block, max(16, triton.next_power_of_2(V))),
         USE_G=g is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0, LOCAL_DV=local_dv,
-        WRITE_U=with_u,
     )
     return (w, u, dv) if local_dv else (w, u, st)

@@ -38,7 +38,7 @@ import triton.language as tl
 from . import direct_launch
 from .state_checkpoints import fills_half
 from .state_launch import narrow_block_v
-from .state_walk import (WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_layout,
+from .state_walk import (MAX_K, WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_layout,
                          walk_program)
 
 WALK_ENV = "REWY_HF_GDN_WALK"
@@ -76,7 +76,7 @@ def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, pr
     B, _, HV, V = v.shape
     sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
     sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
-    return k.shape[-1] <= 128 and fills_half(sequences, HV, V, sms)
+    return k.shape[-1] <= MAX_K and fills_half(sequences, HV, V, sms)
 
 
 @triton.autotune(configs=WALK_CONFIGS, key=["H", "HV", "K", "V", "BT", "USE_G", "NARROW"],

@@ -267,35 +267,6 @@ def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, pack
         assert rel_err(a.float(), b.float()) < 1e-2, name
 
 
-@pytest.mark.parametrize("walks", [("REWY_HF_GDN_FWD_WALK",), ("REWY_HF_GDN_FWD_WALK", "REWY_HF_GDN_WALK")])
-@pytest.mark.parametrize("op,shape,packed", [
-    ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
-    ("gdn", (1, 1100, 2, 2, 64, 128), True),       # one 64-row half
-    ("delta_rule", (1, 597, 4, 4, 128, 64), True),
-])
-def test_fwd_walk_matches_fp32_reference_and_flas_forward_recurrence(op, shape, packed, walks, monkeypatch):
-    """REWY_HF_GDN_FWD_WALK=1 (kernels/triton_gdn_fwd_walk.py), alone and with the reverse walk: the op's
-    gradients against the fp32 reference (state checkpoints every 2 chunks, so the walk also runs on
-    segments), and the walk's h, v_new against FLA's fwd_h fed FLA's u on the same BF16 inputs."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
-    from rewy_hf.kernels.triton_gdn_fwd_walk import rebuild_states
-
-    for name in walks:
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", "2")
-    args, kw, N = _walk_inputs(op, shape, packed, seed=8)
-    B, T, H, HV, K, V = shape
-    _recompute_against_reference(op, args, kw, B, T, HV, K, V, N)
-
-    _, k, v, beta, pk, g2, w, u, A = _fla_forward_stages(op, args, kw)
-    h0 = kw["initial_state"].float()
-    mine = rebuild_states(k, w, v, beta, A, g=g2, initial_state=h0, **pk)
-    theirs = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False, **pk)
-    for name, a, b in zip(("h", "v_new"), mine, theirs):
-        assert rel_err(a.float(), b.float()) < 1e-2, name
-
-
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, packed, monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewy_hf.kernels import triton_gdn, triton_gdn_fwd_walk, triton_gdn_walk
+from rewy_hf.kernels import triton_gdn, triton_gdn_walk
 from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local, recompute_wu_and_scores
 from rewy_hf.kernels.triton_gdn_walk import reverse_walk
 from rewy_hf.rel_error import rel_err
@@ -60,18 +60,6 @@ def test_walk_refuses_wide_keys_and_rows_with_packing():
         reverse_walk(wide, wide, wide, st, do, g=x["g"])
     with pytest.raises(ValueError, match="need B = 1"):
         reverse_walk(x["q"].expand(2, -1, -1, -1), x["k"], w, st, do, cu_seqlens=torch.tensor([0, 32, 64]))
-
-
-def test_rebuild_walk_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
-    """REWY_HF_GDN_FWD_WALK (the rebuild walk, tests/test_triton_gdn_fwd_walk.py)."""
-    switch = triton_gdn_fwd_walk.FWD_WALK_ENV
-    monkeypatch.delenv(switch, raising=False)
-    assert not triton_gdn_fwd_walk.enabled()
-    monkeypatch.setenv(switch, "1")
-    assert triton_gdn_fwd_walk.enabled()
-    monkeypatch.setenv(switch, "yes")
-    with pytest.raises(ValueError, match=f"{switch}='yes'.*use 0.*or 1"):
-        triton_gdn_fwd_walk.enabled()
 
 
 def _shaped(B, T, HV, K=128, V=128):

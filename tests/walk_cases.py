@@ -1,5 +1,5 @@
-"""Inputs shared by the CPU tests of rewy's two state walks (test_triton_gdn_walk.py, test_triton_gdn_fwd_walk.py):
-random GDN / DeltaNet stage inputs in FLA's layout, the cases they run, and NaN-filled outputs."""
+"""Inputs for the CPU tests of rewy's state walk (test_triton_gdn_walk.py): random GDN / DeltaNet
+stage inputs in FLA's layout, the cases they run, and NaN-filled outputs."""
 
 from __future__ import annotations
 
