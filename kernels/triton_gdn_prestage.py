@@ -17,7 +17,7 @@ budget allows:
   made causal (i >= j) once;
 - over value tiles: u = A (beta V) and dV_loc = S^T dO.
 
-With LOCAL_DV off (``recompute_wu_and_scores``, for REWY_HF_GDN_WALK=1) the
+With LOCAL_DV off (``recompute_wu_and_scores``, for rewy's reverse walk) the
 program stores the scaled, gated, causal S^T itself ([T, 64] per value head)
 instead of forming dV_loc: the reverse walk of triton_gdn_walk.py multiplies
 it by dO on its way, so dO is not read here at all.

@@ -267,6 +267,27 @@ def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, pack
         assert rel_err(a.float(), b.float()) < 1e-2, name
 
 
+@pytest.mark.parametrize("op,B,HV,walks", [
+    ("gdn", 8, 16, True),           # N x HV x V / 64 = 256 programs: at least half the SMs, the walk
+    ("delta_rule", 1, 16, False),   # 32 programs, under half of them: FLA's bwd_dhu
+])
+def test_walk_auto_picks_by_shape_and_matches_fp32_reference(op, B, HV, walks, monkeypatch):
+    """REWY_HF_GDN_WALK unset (auto): the op runs rewy's walk exactly where the sequential launch
+    fills half the GPU's SMs, FLA's bwd_dhu elsewhere, with gradients against the fp32 reference."""
+    from rewy_hf.kernels import triton_gdn
+
+    monkeypatch.delenv("REWY_HF_GDN_WALK", raising=False)
+    ran = []
+    walk, scores = triton_gdn.triton_gdn_walk.reverse_walk, triton_gdn.triton_gdn_prestage.recompute_wu_and_scores
+    monkeypatch.setattr(triton_gdn.triton_gdn_walk, "reverse_walk", lambda *a, **k: ran.append(1) or walk(*a, **k))
+    monkeypatch.setattr(triton_gdn.triton_gdn_prestage, "recompute_wu_and_scores",
+                        lambda *a, **k: ran.append(2) or scores(*a, **k))
+    T, K, V = 192, 128, 128
+    args, kw = _inputs(op, B, T, HV, HV, K, V, h0=True, seed=9)
+    _recompute_against_reference(op, args, kw, B, T, HV, K, V, B)
+    assert ran == ([2, 1] if walks else []), ran
+
+
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, packed, monkeypatch):

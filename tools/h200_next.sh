@@ -27,30 +27,27 @@
 # env:NAME=VALUE in a queue exports a variable for the modes after it in that queue only (+ for a space in VALUE).
 # Next calls (nvidia-h200, one GPU, carry [".whl"]; the first op's first shape compiles FLA for about 3.5 minutes;
 # chain the calls within 30 s so the machine and its ~/.triton cache stay warm, or use SAVE_CACHE=1 below):
-# 0. GDN recompute is at about 1.37x of FLA (seventeenth session, fused prestage on: 1.49x as run and 1.42x on fastest
-#    rounds, but FLA's (8,2048,16) and (4,4096,16) rows ran 1.50-1.75 ms against 1.27 ms in the sixteenth session's
-#    quiet run). First the two opt-in walks written in the seventeenth session, CPU-tested only (REWY_HF_GDN_WALK=1:
-#    the reverse pass forms the local dv itself; REWY_HF_GDN_FWD_WALK=1: the rebuild of h forms u itself): their GPU
-#    tests, then the GPU's own time per backward at the six shapes without, with each and with both; make the
-#    winner the default and bench GDN and DeltaNet recompute on the warm machine:
-#   T_tests=240 TESTS_K="walk or prestage" bash tools/h200_next.sh tests
-#   T_gaps=130 bash tools/h200_next.sh \
-#       "env:GAP_ARGS=--op+gdn+--policy+recompute+--per-kernel+--sides+rewy+--shapes+8,2048,16+4,4096,16+2,8192,16+1,16384,16+4,4096,32+1,32768,32" \
-#       gaps env:REWY_HF_GDN_WALK=1 gaps env:REWY_HF_GDN_FWD_WALK=1 gaps env:REWY_HF_GDN_WALK=0 gaps
+# 0. GDN recompute sits at the 1.4x line (eighteenth session, reverse walk on auto: 1.40x as run, 1.41x on fastest
+#    rounds, 1.39x against FLA's fastest quiet rounds) and DeltaNet recompute at 1.25x as run, both with host stalls
+#    at H = 16 rows. First the GPU test of the walk's auto rule through the op (written after the device time was
+#    spent), then both benches again, the first on a warm machine, and the state checkpoints in the KDA backward:
+#   T_tests=200 TESTS_K="walk_auto or walk_matches or prestage" bash tools/h200_next.sh tests
 #   BENCH_POLICY=recompute T_bench_gdn=300 bash tools/h200_next.sh bench-gdn:gdn   (right after, machine warm)
-# 1. DeltaNet recompute with the prestage on (the seventeenth session's H = 16 rows ran cold with host stalls on both
-#    sides: 1.24x as run), then the state checkpoints in the KDA backward (off / auto):
 #   BENCH_POLICY=recompute T_bench_gdn=560 bash tools/h200_next.sh bench-gdn:delta_rule
 #   T_gaps=250 bash tools/h200_next.sh "env:REWY_HF_STATE_CHECKPOINTS=off" \
 #       "env:GAP_ARGS=--op+kda+--policy+recompute+--sides+rewy+--shapes+2,8192,16+1,16384,16+1,32768,32" gaps \
 #       "env:REWY_HF_STATE_CHECKPOINTS=auto" gaps
-# 2. The KDA / GDN2 bench at the six shapes with the direct launch, the BV 16 state launch, the checkpoints and the
+# 1. The KDA / GDN2 bench at the six shapes with the direct launch, the BV 16 state launch, the checkpoints and the
 #    early frees of u and the local dv (their rows are the tenth session's; one call per op at the H = 16 shapes, then
 #    both at H = 32, as the tenth session did):
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:kda
 #   T_bench_kda=540 SHAPES_KDA="8,2048,16 4,4096,16 2,8192,16 1,16384,16" bash tools/h200_next.sh bench-kda:gdn2
 #   T_bench_kda=540 SHAPES_KDA="4,4096,32 1,32768,32" bash tools/h200_next.sh bench-kda
-# 3. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# 2. The model-level steps with the current kernels: model-qwen, model-gdn2; then gdn2-1b (the recipe run).
+# Done in the eighteenth session (one H200): TESTS_K="walk or prestage" (11 passed), timing_gaps --per-kernel for GDN
+#   recompute with neither walk, the reverse walk, both, the rebuild walk alone (reverse walk -2.6 to -2.9 % at
+#   B x H = 64 / 128, slower below: auto since; rebuild walk no gain: removed), GDN recompute bench (two calls) and
+#   DeltaNet recompute bench (two calls) with the walk on auto.
 # Done in the seventeenth session (one H200): timing_gaps for GDN recompute at the six shapes with the reverse
 #   recurrence first and with the fused prestage (prestage -1.1 % geomean: now on; the order: no change, dropped),
 #   GPU tests "prestage or checkpoint or direct_launch or (test_gpu_triton_gdn and fp32_reference)" (27 passed), GDN
