@@ -58,8 +58,6 @@ def mode() -> str:
 
 def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, prestage: bool = True) -> bool:
     """Whether this backward's reverse pass is this walk (k [B, T, H, K], v [B, T, HV, V]).
-    ``prestage``: whether REWY_HF_FUSED_PRESTAGE is on; ``auto`` keeps FLA's two stages
-    and ``bwd_dhu`` together when it is off, ``1`` brings the prestage's S^T form with it.
 
     ``auto`` picks it where N x HV x V / 64 programs fill half the SMs or more, the
     same measure that keeps the state checkpoints off. There the walk's extra
@@ -67,7 +65,9 @@ def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, pr
     shows: on the H200 the backward was 2.6-2.9 % faster at B x H = 64 and 128
     (K = V = 128). Below it one program's chain is the critical path and the extra
     product lengthens it: from 0.3 % faster to 1.8 % slower at B x H = 16 and 32.
-    Decided from shapes alone, as packed lengths would cost a device sync."""
+    Decided from shapes alone, as packed lengths would cost a device sync.
+    ``prestage``: whether REWY_HF_FUSED_PRESTAGE is on; ``auto`` keeps FLA's two stages
+    and ``bwd_dhu`` together when it is off, ``1`` brings the prestage's S^T form with it."""
     setting = mode()
     if setting != "auto":
         return setting == "1"
