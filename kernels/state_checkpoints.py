@@ -97,6 +97,14 @@ def fills_half(sequences: int, value_heads: int, V: int, sm_count: int) -> bool:
     return 2 * sequences * value_heads * triton.cdiv(V, 64) >= sm_count
 
 
+def launch_fills_half(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
+    """``fills_half`` for v [B, T, HV, V] on its GPU, N counted from ``cu_seqlens`` when packed;
+    from shapes alone, as the packed lengths would cost a device sync."""
+    B, _, HV, V = v.shape
+    sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
+    return fills_half(sequences, HV, V, state_launch.sm_count(v))
+
+
 _last_bounds: tuple = (None, ())
 
 
@@ -125,14 +133,13 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     mode = _mode()
     if mode in ("off", "0"):
         return None
-    B, T, HV, V = v.shape
-    sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
-    sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
-    if mode == "auto" and fills_half(sequences, HV, V, sms):
+    if mode == "auto" and launch_fills_half(v, cu_seqlens):
         return None         # decided from shapes alone: packed lengths are not read (a device sync)
+    B, T, HV, V = v.shape
     bounds = tuple(range(0, B * T + 1, T)) if cu_seqlens is None else _host_bounds(cu_seqlens)
     if mode == "auto":
-        L = chunks_per_segment([triton.cdiv(e - b, CHUNK) for b, e in zip(bounds[:-1], bounds[1:])], HV, V, sms)
+        L = chunks_per_segment([triton.cdiv(e - b, CHUNK) for b, e in zip(bounds[:-1], bounds[1:])], HV, V,
+                               state_launch.sm_count(v))
         if L is None:
             return None
     else:

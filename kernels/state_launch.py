@@ -51,6 +51,12 @@ _fwd_h_kernel = None
 _bwd_dhu_kernel = None
 
 
+def sm_count(t: torch.Tensor) -> int:
+    """The SMs of ``t``'s GPU; 132 (an H200's) for a tensor off the GPU, so the interpreter
+    tests take the launch decisions the H200 takes."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 132
+
+
 def narrow_block_v(sequences: int, value_heads: int, V: int) -> int | None:
     """16 where FLA's narrowest width (32) leaves fewer than MIN_PROGRAMS programs for
     N = ``sequences`` x HV = ``value_heads`` and 16 gives more; None (FLA's launch) elsewhere."""

@@ -108,15 +108,15 @@ class ReWYTritonGDNFunction(torch.autograd.Function):
         do = do.contiguous()
         # rewy's reverse walk forms the local dv itself from the prestage's S^T where the GPU is full
         # (REWY_HF_GDN_WALK); not with the sequence split.
-        walk = policy != "full" and ns == 1 and triton_gdn_walk.chosen(k, v, pk.get("cu_seqlens"),
-                                                                            triton_gdn_prestage.enabled())
+        prestage = triton_gdn_prestage.enabled()
+        walk = policy != "full" and ns == 1 and triton_gdn_walk.chosen(k, v, pk.get("cu_seqlens"), prestage)
         dv_local = u = st = None
         if policy == "full":
             w, h, v_new = saved
         elif walk:
             w, u, st = triton_gdn_prestage.recompute_wu_and_scores(q, k, v, beta, A, g=g2, scale=scale,
                                                                    dtype=do.dtype, **pk)
-        elif triton_gdn_prestage.enabled():
+        elif prestage:
             w, u, dv_local = triton_gdn_prestage.recompute_wu_and_dv_local(q, k, v, beta, A, do, g=g2,
                                                                            scale=scale, **pk)
         else:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import direct_launch
-from .state_checkpoints import fills_half
+from .state_checkpoints import launch_fills_half
 from .state_launch import narrow_block_v
 from .state_walk import (MAX_K, WALK_CONFIGS, load_halves, prune_widths, state_tiles, store_halves, walk_layout,
                          walk_program)
@@ -59,24 +59,18 @@ def mode() -> str:
 def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, prestage: bool = True) -> bool:
     """Whether this backward's reverse pass is this walk (k [B, T, H, K], v [B, T, HV, V]).
 
-    ``auto`` picks it where N x HV x V / 64 programs fill half the SMs or more, the
-    same measure that keeps the state checkpoints off. There the walk's extra
-    product per chunk hides behind other programs' loads, and the traffic it saves
-    shows: on the H200 the backward was 2.6-2.9 % faster at B x H = 64 and 128
+    ``auto`` picks it where N x HV x V / 64 programs fill half the SMs or more
+    (``launch_fills_half``, the measure that keeps the state checkpoints off). There
+    the walk's extra product per chunk hides behind other programs' loads, and the
+    traffic it saves shows: on the H200 the backward was 2.6-2.9 % faster at B x H = 64 and 128
     (K = V = 128). Below it one program's chain is the critical path and the extra
     product lengthens it: from 0.3 % faster to 1.8 % slower at B x H = 16 and 32.
-    Decided from shapes alone, as packed lengths would cost a device sync.
     ``prestage``: whether REWY_HF_FUSED_PRESTAGE is on; ``auto`` keeps FLA's two stages
     and ``bwd_dhu`` together when it is off, ``1`` brings the prestage's S^T form with it."""
     setting = mode()
     if setting != "auto":
         return setting == "1"
-    if not prestage:
-        return False
-    B, _, HV, V = v.shape
-    sequences = B if cu_seqlens is None else len(cu_seqlens) - 1
-    sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 132
-    return k.shape[-1] <= MAX_K and fills_half(sequences, HV, V, sms)
+    return prestage and k.shape[-1] <= MAX_K and launch_fills_half(v, cu_seqlens)
 
 
 @triton.autotune(configs=WALK_CONFIGS, key=["H", "HV", "K", "V", "BT", "USE_G", "NARROW"],

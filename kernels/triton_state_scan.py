@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .state_launch import sm_count
 from .triton_blocks import key_block
 from .triton_masks import bounds_mask
 
@@ -306,8 +307,7 @@ def sequence_segments(k: torch.Tensor, v: torch.Tensor, cu_seqlens, state_v_firs
     if mode == "auto":
         if k.shape[-1] > MAX_K:
             return 1
-        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 132
-        return segments_for(B, HV, T, V, sms)
+        return segments_for(B, HV, T, V, sm_count(k))
     if mode.isdigit() and int(mode) >= 1:
         if int(mode) > 1 and k.shape[-1] > MAX_K:
             raise ValueError(f"{SEQUENCE_PARALLEL_ENV}={mode}: the sequence-parallel recurrences take key head dims "
