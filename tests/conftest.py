@@ -7,12 +7,17 @@ supported" import warning says nothing about our code and is silenced.
 """
 
 import os
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from rewy_hf.cpu_triton import enable_cpu_interpreter, first_config_only
+
+# Shared test helpers (tiny models, op cases, loop references) live in tests/support.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 HAS_CUDA = torch.cuda.is_available()
 enable_cpu_interpreter()

@@ -16,7 +16,7 @@ import rewy_hf
 from rewy_hf import cli
 from rewy_hf.run_command import EXIT_NO_BACKWARD, post_init_hook
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "scripts"
 TRAIN = str(SCRIPTS / "train_tiny_qwen35.py")
 FAIL = str(SCRIPTS / "fail.py")
 INSPECT = str(SCRIPTS / "inspect_run.py")

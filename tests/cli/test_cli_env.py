@@ -13,7 +13,7 @@ import pytest
 from rewy_hf import cli, env
 from rewy_hf.env import PACKAGES, _fla_pin
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 ENV_KEYS = (
     "rewy_hf",

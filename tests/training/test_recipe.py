@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "recipes" / "finetune_gdn2.py"
 COMMON = ["--seq-len", "80", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "2", "--no-progress"]
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_registers.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_registers.py"
 
 
 def _run(*args, interpret: bool = False, **extra_env):

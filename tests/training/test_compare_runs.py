@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_runs.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "compare_runs.py"
 
 
 def _write(d: Path, name: str, losses, step_s: float, ranks: list[int]):

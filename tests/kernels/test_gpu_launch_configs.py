@@ -20,7 +20,7 @@ from rewy_hf.rel_error import rel_err
 
 pytestmark = pytest.mark.gpu
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _script(name: str):

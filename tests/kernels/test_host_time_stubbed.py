@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_time_stubbed.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_time_stubbed.py"
 
 
 @pytest.mark.parametrize("side", ["rewy", "fla"])

@@ -18,7 +18,7 @@ from rewy_hf import cli
 from rewy_hf.bench_config import CustomShape, Shape, check_T, parse_shape, resolve_shapes, suite_file
 from rewy_hf.bench_merge import merge_runs
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--shapes", "1,64,1,16,16", "--reps", "1", "--warmup", "0"]
 
 

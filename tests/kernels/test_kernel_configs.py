@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_configs.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_configs.py"
 
 
 def _load():
