@@ -1,4 +1,5 @@
-"""The math: float64 reference recurrences and the torch backend (installed as rewy_hf.kernels)."""
+"""The math (installed as rewy_hf.kernels): constants.py, reference.py (float64 naive recurrences),
+torch_backend/ (the readable, float64-verified ReWY backward) and triton_backend/ (CUDA kernels)."""
 
 # This folder sits at the repository root but installs as ``rewy_hf.kernels``.
 # Run from the root with ``python -m ...``, Python would find it as a

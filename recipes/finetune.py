@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Fine-tune any delta-rule causal LM that rewy-hf patches (GDN2, Qwen3.5 / Qwen3-Next, Kimi-Linear,
-FLA DeltaNet / GatedDeltaNet / KDA, ...), or any causal LM at all with --backend original.
+FLA DeltaNet / GatedDeltaNet / KDA, ...), or any causal LM at all with --core original.
 
     python recipes/finetune.py --model Qwen/Qwen3.5-0.8B --data my.jsonl --seq-len 2048 ...
     accelerate launch --config_file recipes/configs/ddp.yaml recipes/finetune.py --model ...

@@ -5,10 +5,9 @@ op signatures. See README.md and docs/architecture.md.
 """
 
 from .errors import InputValidationError, UnsupportedConfigError
-from .dispatch import dispatch_report, reset_dispatch_report
 from .ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gdn2, chunk_kda
-from .patch_report import PatchReport
-from .patching import is_patched, patch_model, patched, unpatch_model
+from .patching import (PatchReport, dispatch_report, is_patched, patch_model, patched, reset_dispatch_report,
+                       unpatch_model)
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ which must be switched on before the kernels are defined (before ``import
 fla``), and whose autotuner cannot time configs, so each autotuned kernel is
 cut down to its first config. FLA's own chunk ops still do not run there; a
 patched layer's core is rewy's, and an unpatched one needs a reference core
-(see reference_cores.py).
+(see rewy_hf.patching.reference_cores).
 """
 
 from __future__ import annotations

@@ -99,24 +99,24 @@ def _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, 
 def triton_gdn_core(*args):
     # Imported on first use: importing rewy_hf must not define Triton kernels
     # (on CPU, Triton's interpreter has to be switched on first).
-    from .kernels.triton_gdn import triton_gdn_core as core
+    from .kernels.triton_backend import triton_gdn_core as core
 
     return core(*args)
 
 
 def triton_kda_core(*args, **kwargs):
-    from .kernels.triton_kda import triton_kda_core as core
+    from .kernels.triton_backend import triton_kda_core as core
 
     return core(*args, **kwargs)
 
 
 def triton_gdn2_core(*args, **kwargs):
-    from .kernels.triton_kda import triton_gdn2_core as core
+    from .kernels.triton_backend import triton_gdn2_core as core
 
     return core(*args, **kwargs)
 
 
-def _triton_unsupported(q: torch.Tensor) -> str | None:
+def triton_unsupported_reason(q: torch.Tensor) -> str | None:
     """Why the Triton backend cannot serve this call, or None if it can."""
     if q.dtype == torch.float64:
         return "float64 inputs (Triton has no float64 matrix product)"
@@ -130,7 +130,7 @@ def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backen
     check_chunk_size(extras.get("chunk_size", 64))
     N = check_cu_seqlens(cu_seqlens, B, T)
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
-    reason = _triton_unsupported(q)
+    reason = triton_unsupported_reason(q)
     chosen = resolve_backend(backend, q.device, reason)
     if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
         _WARNED_TORCH_ON_GPU.add(op)

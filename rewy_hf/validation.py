@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
+from .settings import CHECK_FINITE, check_finite_enabled
 
 SUPPORTED_CHUNK_SIZE = 64
 BACKENDS = ("auto", "torch", "triton")
@@ -92,14 +91,14 @@ def check_chunk_size(chunk_size) -> None:
 
 
 def check_finite(**tensors) -> None:
-    """Opt-in (REWY_CHECK_FINITE=1): a full pass over the inputs, so off by default."""
-    if os.environ.get("REWY_CHECK_FINITE", "0") in ("", "0"):
+    """Opt-in (REWY_HF_CHECK_FINITE=1): a full pass over the inputs, so off by default."""
+    if not check_finite_enabled():
         return
     for name, x in tensors.items():
         if isinstance(x, torch.Tensor) and x.is_floating_point() and not torch.isfinite(x).all():
             bad = (~torch.isfinite(x)).sum().item()
             raise InputValidationError(
-                f"`{name}` has {bad} non-finite values (NaN or Inf); REWY_CHECK_FINITE=1 checks inputs before the op."
+                f"`{name}` has {bad} non-finite values (NaN or Inf); {CHECK_FINITE.name}=1 checks inputs before the op."
             )
 
 

@@ -3,15 +3,13 @@
 ``main(argv)`` parses the command line, runs, and returns an exit code (2 with a
 one-line ``error: ...`` on bad input); ``train(args)`` returns a ``RunResult``.
 Order of operations: Accelerator -> data -> model (+ LoRA) -> ``patch_model``
-(``--backend optimized``) -> ``accelerator.prepare`` -> optional resume -> loop.
+(``--core rewy``) -> ``accelerator.prepare`` -> optional resume -> loop.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -22,22 +20,12 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .data import ByteTokenizer, DataError, WindowSampler, pack, read_documents
+from .data import DataError, WindowSampler, pack, read_documents
 from .metrics import MetricsWriter, plot_loss, read_metrics
+from .model_setup import load_model_and_tokenizer, lora_targets
+from .options import (BUNDLED_CORPUS, DEFAULT_MODEL, RecipeError, accelerate_mixed_precision, build_parser,
+                      check_args)
 from .schedule import build_scheduler
-
-BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "recipes" / "data" / "corpus.txt"
-DEFAULT_MODEL = "gdn2-tiny"
-
-#: Linear layer names that LoRA targets when present: the token mixers' q/k/v/o (and fused in/out)
-#: projections of GDN2 / FLA, Qwen3.5 / Qwen3-Next and Kimi-Linear layers, and the MLP projections.
-#: Gate/decay projections (GDN2 f/b/w/g_proj, Qwen in_proj_a/b, Kimi f_*/g_*) stay frozen.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_qkvz", "in_proj_z", "out_proj",
-                "gate_proj", "up_proj", "down_proj")
-
-
-class RecipeError(RuntimeError):
-    """Bad command-line input; the message names the fix."""
 
 
 @dataclass
@@ -52,167 +40,7 @@ class RunResult:
     total_params: int = 0
 
 
-def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Fine-tune a delta-rule causal LM (GDN2, Qwen3.5, "
-                                "Kimi-Linear, FLA models, ...) with rewy-hf's backward. Run with `python` or "
-                                "`accelerate launch`.")
-    a = p.add_argument
-    a("--model", default=default_model, help="preset (gdn2-tiny, gdn2-small, gdn2-350m, gdn2-1b, gdn2-1b-hybrid, or "
-      f"a rewy preset such as tiny-qwen3.5), a local directory, or a hub id (default: {default_model})")
-    a("--revision", default=None, help="hub revision")
-    a("--trust-remote-code", action="store_true")
-    a("--data", default=None, help="a .txt file, a .jsonl file of {\"text\": ...} records, or a `datasets` name "
-      "(needs `datasets`) (default: the bundled recipes/data/corpus.txt)")
-    a("--data-split", default="train", help="split for a `datasets` name (default: train)")
-    a("--seq-len", type=int, default=512, help="tokens per training sequence (default: 512)")
-    a("--batch-size", type=int, default=8, help="sequences per device per micro-step (default: 8)")
-    a("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: 1)")
-    a("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
-    a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --lr (default: 0.1)")
-    a("--warmup-steps", type=int, default=100, help="linear warmup steps (default: 100; capped at --max-steps)")
-    a("--max-steps", type=int, default=1000, help="optimizer steps (default: 1000)")
-    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay on matrices (default: 0.01)")
-    a("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm; 0 = no clipping "
-      "(the norm is still logged) (default: 1.0)")
-    a("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
-      help="auto: the accelerate config's setting if launched with one, else bf16 on a GPU and none on CPU")
-    a("--gradient-checkpointing", action="store_true")
-    a("--lora", action="store_true", help="train LoRA adapters only (PEFT)")
-    a("--lora-r", type=int, default=16)
-    a("--lora-alpha", type=int, default=32)
-    a("--lora-dropout", type=float, default=0.0)
-    a("--lora-targets", default=None, help=f"comma-separated Linear names (default: those of {','.join(LORA_TARGETS)} "
-      "present in the model)")
-    a("--backend", choices=("optimized", "original"), default="optimized",
-      help="optimized: patch_model(backend=--kernels) before accelerator.prepare; original: unpatched (needs a GPU)")
-    a("--policy", choices=("recompute", "full"), default="recompute", help="rewy backward policy")
-    a("--kernels", choices=("auto", "torch", "triton"), default="auto",
-      help="rewy backend for --backend optimized: auto (the Triton backward on CUDA, the torch backend on CPU and "
-           "for packed sequences), torch, or triton (CUDA only; also packed sequences)")
-    a("--fallback", choices=("error", "original"), default="error",
-      help="calls rewy cannot serve: raise (error) or run the original core (default: error)")
-    a("--output-dir", default="outputs/finetune", help="checkpoints, metrics.jsonl, loss_curve.png, "
-      "dispatch_report.json, final/ (default: outputs/finetune)")
-    a("--save-every", type=int, default=500, help="checkpoint every N optimizer steps (0: only at the end)")
-    a("--keep-checkpoints", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
-    a("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-      help="resume from the latest checkpoint in --output-dir, or from the given checkpoint directory")
-    a("--stop-after", type=int, default=None, metavar="STEP",
-      help="stop after this optimizer step as if interrupted (no final save; the schedule still "
-           "follows --max-steps); for testing resume")
-    a("--log-every", type=int, default=1, help="print a log line every N steps (metrics.jsonl gets every step)")
-    a("--seed", type=int, default=0)
-    a("--no-progress", action="store_true", help="no tqdm progress bar")
-    return p
-
-
-# --- model and tokenizer ----------------------------------------------------------------------------
-
-def _gdn2_preset_name(spec: str) -> str | None:
-    from rewy_hf.models.gdn2 import GDN2_PRESETS   # imports fla: the CPU interpreter is already on
-
-    name = spec[len("gdn2-"):] if spec.startswith("gdn2-") else spec
-    if name in GDN2_PRESETS:
-        return name
-    if spec.startswith("gdn2-"):
-        raise RecipeError(f"unknown GDN2 preset {spec!r}; use one of "
-                          f"{', '.join('gdn2-' + n for n in GDN2_PRESETS)}")
-    return None
-
-
-def _all_presets() -> str:
-    from rewy_hf.models.gdn2 import GDN2_PRESETS
-    from rewy_hf.presets import PRESETS
-
-    return ", ".join([f"gdn2-{n}" for n in GDN2_PRESETS] + list(PRESETS))
-
-
-def load_model_and_tokenizer(args):
-    """(model, tokenizer, source). Random-init presets get the byte tokenizer; a loaded model keeps its own
-    tokenizer (or a byte tokenizer saved by this recipe), else the byte tokenizer. The embedding table is
-    grown if the tokenizer has more ids than the model's vocabulary."""
-    from rewy_hf.model_loading import ModelLoadError, load_causal_lm
-    from rewy_hf.presets import PRESETS, build_preset
-
-    spec = args.model
-    gdn2_name = _gdn2_preset_name(spec)
-    if gdn2_name is not None:
-        from rewy_hf.models.gdn2 import GDN2ForCausalLM, gdn2_config
-
-        tok = ByteTokenizer()
-        cfg = gdn2_config(gdn2_name)
-        cfg = gdn2_config(gdn2_name, vocab_size=max(cfg.vocab_size, tok.vocab_size), bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)
-            model = GDN2ForCausalLM(cfg)
-        return model, tok, "preset"
-    if spec in PRESETS:
-        return _fit_vocab(build_preset(spec, seed=args.seed), ByteTokenizer()), ByteTokenizer(), "preset"
-    is_dir = os.path.isdir(spec)
-    if not is_dir and (os.path.exists(spec) or spec.startswith((".", "/", "~"))):
-        raise RecipeError(f"--model {spec!r} is not a model directory (no such directory); pass a directory with "
-                          "config.json, a hub id (org/name) or a preset")
-    if not is_dir and "/" not in spec:
-        raise RecipeError(f"unknown preset {spec!r}; presets: {_all_presets()} (or pass a local model directory "
-                          "or a hub id like org/name)")
-    try:
-        loaded = load_causal_lm(spec, revision=args.revision, trust_remote_code=args.trust_remote_code)
-    except ModelLoadError as exc:
-        raise RecipeError(f"{exc}. Check the path / hub id (offline? set HF_HUB_OFFLINE=1 and pre-download), or "
-                          f"use a preset: {_all_presets()}") from None
-    tok = loaded.tokenizer
-    if is_dir and ByteTokenizer.saved_in(spec):
-        tok = ByteTokenizer()
-    elif tok is None:
-        tok = ByteTokenizer()
-    return _fit_vocab(loaded.model, tok), tok, loaded.source
-
-
-def _fit_vocab(model, tok):
-    needed = len(tok)
-    if model.get_input_embeddings().num_embeddings < needed:
-        model.resize_token_embeddings(needed)
-    if isinstance(tok, ByteTokenizer):
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(model.config, k, getattr(tok, k))
-    return model
-
-
-def lora_targets(model, requested: str | None) -> list[str]:
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    if requested:
-        wanted = [t.strip() for t in requested.split(",") if t.strip()]
-        missing = [t for t in wanted if t not in names]
-        if missing:
-            raise RecipeError(f"--lora-targets {missing} are not Linear layers of this model; it has "
-                              f"{', '.join(sorted(names))}")
-        return wanted
-    found = [t for t in LORA_TARGETS if t in names]
-    if not found:
-        raise RecipeError(f"no default LoRA target in this model; pass --lora-targets from: {', '.join(sorted(names))}")
-    return found
-
-
 # --- the run ----------------------------------------------------------------------------------------
-
-def _check_args(args) -> None:
-    for name in ("seq_len", "batch_size", "grad_accum", "max_steps"):
-        if getattr(args, name) < 1:
-            raise RecipeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0 or args.save_every < 0:
-        raise RecipeError("--warmup-steps and --save-every must be >= 0")
-    if args.lr <= 0:
-        raise RecipeError(f"--lr must be positive, got {args.lr}")
-
-
-def _mixed_precision(choice: str) -> str | None:
-    if choice != "auto":
-        return choice
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return None   # launched with an accelerate config: it decides
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-
 
 #: settings a resumed run must share with the checkpoint, or the data order / schedule would differ
 _RESUME_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "max_steps", "warmup_steps", "lr",
@@ -220,7 +48,7 @@ _RESUME_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "max_ste
 
 
 def train(args) -> RunResult:
-    _check_args(args)
+    check_args(args)
     from rewy_hf.cpu_triton import enable_cpu_interpreter
 
     enable_cpu_interpreter()   # no-op with CUDA; must precede the first `import fla`
@@ -231,13 +59,13 @@ def train(args) -> RunResult:
 
     import rewy_hf
 
-    if args.backend == "original" and not torch.cuda.is_available():
-        raise RecipeError("--backend original runs FLA's own Triton kernels, which need a CUDA GPU; on CPU use "
-                          "--backend optimized (the default), which runs rewy's kernels")
-    if args.kernels == "triton" and not torch.cuda.is_available():
-        raise RecipeError("--kernels triton needs a CUDA GPU; on CPU use --kernels auto (the default) or torch")
+    if args.core == "original" and not torch.cuda.is_available():
+        raise RecipeError("--core original runs FLA's own Triton kernels, which need a CUDA GPU; on CPU use "
+                          "--core rewy (the default), which runs rewy's kernels")
+    if args.backend == "triton" and not torch.cuda.is_available():
+        raise RecipeError("--backend triton needs a CUDA GPU; on CPU use --backend auto (the default) or torch")
 
-    accelerator = Accelerator(mixed_precision=_mixed_precision(args.mixed_precision),
+    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(args.mixed_precision),
                               step_scheduler_with_optimizer=False)
     main_proc = accelerator.is_main_process
     say = accelerator.print
@@ -279,8 +107,8 @@ def train(args) -> RunResult:
 
     patch_report = None
     rewy_hf.reset_dispatch_report()
-    if args.backend == "optimized":
-        patch_report = rewy_hf.patch_model(model, backend=args.kernels, policy=args.policy, fallback=args.fallback)
+    if args.core == "rewy":
+        patch_report = rewy_hf.patch_model(model, backend=args.backend, policy=args.policy, fallback=args.fallback)
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -323,7 +151,8 @@ def train(args) -> RunResult:
     result = RunResult(out_dir, start_step, trainable_params=trainable, total_params=total)
     say(f"training {type(accelerator.unwrap_model(model)).__name__} ({trainable:,} trainable / {total:,} params) on "
         f"{windows.shape[0]} windows of {args.seq_len + 1} tokens, {world} process(es), device {accelerator.device}, "
-        f"mixed precision {accelerator.mixed_precision}, backend {args.backend}")
+        f"mixed precision {accelerator.mixed_precision}, core {args.core}"
+        + (f", backend {args.backend}" if args.core == "rewy" else ""))
 
     def save(step: int) -> None:
         partial, final = ckpt.partial_path(out_dir, step), ckpt.final_path(out_dir, step)

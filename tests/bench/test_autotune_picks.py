@@ -1,10 +1,10 @@
-"""The op bench forgets Triton's autotune picks before each shape (rewy_hf/autotune_picks.py)."""
+"""The op bench forgets Triton's autotune picks before each shape (rewy_hf/bench/autotune_picks.py)."""
 
 from __future__ import annotations
 
 import triton
 
-from rewy_hf.autotune_picks import autotuner_of, autotuners, forget_picks
+from rewy_hf.bench.autotune_picks import autotuner_of, autotuners, forget_picks
 from rewy_hf.cli import build_parser
 
 
@@ -63,10 +63,10 @@ def test_bench_loads_every_kernel_module_before_the_first_shape():
     their on-disk result cache; the bench imports FLA's op modules and rewy's kernels up front."""
     import sys
 
-    from rewy_hf.bench_ops import _fla_function, load_kernel_modules
+    from rewy_hf.bench.op_bench import fla_function, load_kernel_modules
 
     load_kernel_modules(["gdn2", "delta_rule"])
-    assert _fla_function("gdn2").__module__ in sys.modules
+    assert fla_function("gdn2").__module__ in sys.modules
     assert "rewy_hf.kernels.triton_state_scan" in sys.modules
     names = {getattr(t.fn, "__name__", "") for t in autotuners()}
     assert "rewy_gdn_bwd_local_kernel" in names and "chunk_gdn2_bwd_kernel_intra" in names

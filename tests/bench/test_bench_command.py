@@ -5,20 +5,18 @@ and the model-level training step; GPU tests run FLA as the baseline."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rewy_hf import cli
-from rewy_hf.bench_config import CustomShape, Shape, check_T, parse_shape, resolve_shapes, suite_file
-from rewy_hf.bench_merge import merge_runs
+from rewy_hf.bench.config import CustomShape, check_T, parse_shape, resolve_shapes, suite_file
+from rewy_hf.bench.merge import merge_runs
+from rewy_hf.op_inputs import Shape
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--shapes", "1,64,1,16,16", "--reps", "1", "--warmup", "0"]
 
 
@@ -61,9 +59,12 @@ def test_bad_shapes_name_the_problem_and_the_fix(text, problem, capsys):
     assert code == 2 and problem in err
 
 
-def test_suite_is_shipped_and_matches_the_benchmarks_copy():
+def test_suite_is_shipped_with_the_package():
+    from importlib import resources
+
     shipped = suite_file()
-    assert shipped == json.loads((REPO_ROOT / "benchmarks" / "bench_shapes.json").read_text())
+    assert shipped == json.loads(resources.files("rewy_hf.bench").joinpath("bench_shapes.json").read_text())
+    assert len(shipped["shapes"]) == 6 and shipped["K"] == shipped["V"] == 128
     shapes, origin = resolve_shapes(None, "cuda")
     assert len(shapes) == 6 and all(s.K == s.V == 128 for s in shapes) and "six-shape suite" in origin
     cpu_shapes, cpu_origin = resolve_shapes(["suite"], "cpu")
@@ -129,7 +130,7 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
 
 
 def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
-    """One device call per op: --from-json takes every file and reports them as one
+    """One run per op: --from-json takes every file and reports them as one
     run; files from another setup are refused by name."""
     files = []
     for op in ("delta_rule", "kda"):
@@ -152,7 +153,7 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
     """The lower-bound check concerns KDA / GDN2 rows only: a DeltaNet run written before it
     existed (its check text has no such clause) combines with a KDA run that has it, while
     KDA rows with and without the second check, or runs checked differently, are refused."""
-    from rewy_hf.bench_config import BOUND_CHECK
+    from rewy_hf.bench.config import BOUND_CHECK
 
     paths = {op: tmp_path / f"{op}.json" for op in ("delta_rule", "kda", "gdn2")}
     for op, path in paths.items():
@@ -187,7 +188,7 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
 def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
     """FLA runs GDN through FlashQLA when flash-qla is installed: a GPU run's tables must
     not call that baseline plain FLA (the run's versions say which it was)."""
-    from rewy_hf.bench_ops import baseline_description, baseline_label
+    from rewy_hf.bench.op_bench import baseline_description, baseline_label
 
     assert baseline_label("cuda", {"flash-qla": None}) == "FLA" and baseline_label("cpu", {"flash-qla": "0.1.3"}) == "ref"
     assert baseline_label("cuda", {"flash-qla": "0.1.3"}) == "FLA+QLA"
@@ -197,7 +198,7 @@ def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
     code, _, _ = _bench([*TINY, "--op", "gdn", "--policy", "full", "--json", str(path)], capsys)
     assert code == 0
     data = json.loads(path.read_text())
-    data["device"], data["versions"]["flash-qla"] = "cuda", "0.1.3"      # as the H200 run recorded it
+    data["device"], data["versions"]["flash-qla"] = "cuda", "0.1.3"      # as a GPU run with flash-qla records it
     path.write_text(json.dumps(data))
     code, out, _ = _bench(["--from-json", str(path)], capsys)
     assert code == 0 and "B: FLA+QLA ms" in out and "B: ref ms" not in out
@@ -232,10 +233,10 @@ def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, cap
 
 def test_runs_of_one_policy_each_combine_and_keep_their_settings(tmp_path, capsys, monkeypatch):
     """A recompute-only run (--policy recompute) and a full-only run of the same op combine
-    into one report with both tables; each file's REWY_* settings stay attached to it."""
+    into one report with both tables; each file's rewy-hf settings stay attached to it."""
     files = {}
     for policy, flag in (("recompute", "0"), ("full", "1")):
-        monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", flag)
+        monkeypatch.setenv("REWY_HF_CHECK_FINITE", flag)
         files[policy] = tmp_path / f"{policy}.json"
         assert _bench([*TINY, "--op", "gdn", "--policy", policy, "--json", str(files[policy])], capsys)[0] == 0
     paths = [str(files["recompute"]), str(files["full"])]
@@ -244,7 +245,22 @@ def test_runs_of_one_policy_each_combine_and_keep_their_settings(tmp_path, capsy
     assert "did not finish" not in out
     data = merge_runs(paths)
     assert data["settings"]["policies"] == ["recompute", "full"] and data["complete"]
-    assert {p: e.get("REWY_HF_FUSED_PRESTAGE") for p, e in data["rewy_env"].items()} == dict(zip(paths, "01"))
+    assert {p: e.get("REWY_HF_CHECK_FINITE") for p, e in data["rewy_env"].items()} == dict(zip(paths, "01"))
+
+
+def test_json_to_stdout_is_only_json_and_records_rewys_two_settings(capsys, monkeypatch):
+    """--json -: stdout holds the report alone (tables and progress go to stderr), and the report
+    records the library's two settings, not every variable that happens to start with REWY_HF_."""
+    monkeypatch.setenv("REWY_HF_CHECK_FINITE", "0")
+    monkeypatch.delenv("REWY_HF_TEST_FAULT", raising=False)
+    monkeypatch.setenv("REWY_HF_NOT_A_SETTING", "1")
+    code, out, err = _bench([*TINY, "--op", "delta_rule", "--policy", "full", "--boundary", "B", "--json", "-"],
+                            capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["complete"] is True and [r["op"] for r in data["rows"]] == ["delta_rule"]
+    assert data["rewy_env"] == {"REWY_HF_CHECK_FINITE": "0", "REWY_HF_TEST_FAULT": None}
+    assert "geometric mean" in err and "configurations passed" in err
 
 
 def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
@@ -262,8 +278,7 @@ def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
 
 
 def test_bound_gates_sit_near_the_safe_lower_bound():
-    from rewy_hf.bench_config import LOWER_BOUND
-    from rewy_hf.bench_ops import make_inputs
+    from rewy_hf.op_inputs import LOWER_BOUND, make_inputs
 
     for op in ("kda", "gdn2"):
         inputs, _ = make_inputs(op, Shape(1, 256, 2, 16, 16), "cpu", torch.float32, seed=0, gates="bound")
@@ -279,9 +294,9 @@ def test_bound_gates_sit_near_the_safe_lower_bound():
 def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypatch):
     """A core wrong only under safe_gate (the lower-bound path) passes the log-sigmoid
     check and must still fail the row."""
-    from rewy_hf import bench_ops
+    from rewy_hf.op_inputs import REWY_OPS
 
-    kda = bench_ops.REWY_OPS["kda"]
+    kda = REWY_OPS["kda"]
 
     def wrong_with_safe_gate(*args, safe_gate=False, **kwargs):
         o, ht = kda(*args, safe_gate=safe_gate, **kwargs)
@@ -289,7 +304,7 @@ def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypa
             o.register_hook(lambda grad: grad * 1.07)
         return o, ht
 
-    monkeypatch.setitem(bench_ops.REWY_OPS, "kda", wrong_with_safe_gate)
+    monkeypatch.setitem(REWY_OPS, "kda", wrong_with_safe_gate)
     report = tmp_path / "bench.json"
     code, out, _ = _bench([*TINY, "--op", "kda", "--policy", "full", "--boundary", "B", "--json", str(report)],
                           capsys)
@@ -354,7 +369,7 @@ def test_plot_without_matplotlib_fails_before_timing(tmp_path, capsys, monkeypat
 
 
 def test_progress_without_tqdm_prints_flushed_lines(capsys, monkeypatch):
-    from rewy_hf.bench_output import progress
+    from rewy_hf.bench.output import progress
 
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with progress(2, "bench") as bar:
@@ -373,7 +388,7 @@ def test_model_level_on_a_tiny_preset(tmp_path, capsys):
     assert code == 0, out
     assert "patched layers: 1" in out and "speedup" in out and "reference cores" in out
     data = json.loads(report.read_text())
-    assert data["kind"] == "model" and data["ok"] is True and data["settings"]["dtype"] == "fp32"
+    assert data["kind"] == "model" and data["ok"] is True and data["settings"]["dtype"] == "float32"
     assert data["patched_layers"] == 1
     assert data["optimized_backward_calls"] == 2, "one patched layer, two timed patched steps"
     assert data["dispatch"]["ops"]["gated_delta_rule"]["optimized_backward_calls"] == 2
@@ -407,8 +422,8 @@ def test_model_level_unknown_model_lists_presets(capsys):
 
 
 def test_bench_presets():
-    from rewy_hf.model_loading import ModelLoadError, load_causal_lm
-    from rewy_hf.presets import PRESETS
+    from rewy_hf.models.loading import ModelLoadError, load_causal_lm
+    from rewy_hf.models.presets import PRESETS
 
     with torch.device("meta"):
         model = PRESETS["qwen3.5-1b"]()
@@ -417,17 +432,6 @@ def test_bench_presets():
     assert load_causal_lm("gdn2-tiny").model.config.model_type == "gdn2"
     with pytest.raises(ModelLoadError, match="gdn2-1b"):
         load_causal_lm("gdn2-huge")
-
-
-def test_ops_gpu_script_forwards_to_the_command():
-    spec = importlib.util.spec_from_file_location("ops_gpu", REPO_ROOT / "benchmarks" / "ops_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = module.translate(["--ops", "gdn", "--shapes", "0", "2", "--lift-gdn-guard", "--json", "o.json",
-                             "--plot", "o.png"])
-    assert argv == ["bench", "--device", "cuda", "--op", "gdn", "--policy", "recompute", "--backend", "auto",
-                    "--shapes", "8,2048,16", "2,8192,16", "--lift-gdn-guard", "--json", "o.json", "--plot", "o.png"]
-    cli.build_parser().parse_args(argv)   # and the command accepts it
 
 
 # --- GPU ----------------------------------------------------------------------------------------

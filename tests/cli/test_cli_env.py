@@ -1,5 +1,6 @@
-"""The `rewy-hf` CLI, the env report, and the packaging rule that `kernels/`
-never installs as a top-level package (it would shadow Hugging Face's)."""
+"""The `rewy-hf` CLI, the env report (with rewy-hf's settings), options shared by the
+commands, and the packaging rule that `kernels/` never installs as a top-level
+package (it would shadow Hugging Face's)."""
 
 import importlib.metadata
 import json
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rewy_hf import cli, env
-from rewy_hf.env import PACKAGES, _fla_pin
+from rewy_hf import cli, environment, settings
+from rewy_hf.environment import PACKAGES, fla_pin
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +24,7 @@ ENV_KEYS = (
     "fla_import",
     "cuda",
     "triton_interpret",
+    "settings",
     "backends",
 )
 
@@ -41,7 +43,7 @@ def test_env_json(capsys):
     assert report["backends"]["torch"]["reason"]
     triton = report["backends"]["triton"]
     if report["cuda"]["available"]:
-        assert triton["usable"] is True and "GDN and DeltaNet" in triton["reason"]
+        assert triton["usable"] is True and "all four ops" in triton["reason"]
     else:
         assert triton["usable"] is False and "needs a CUDA device" in triton["reason"]
     assert report["fla_pin"]["required"] == "0.6.0"
@@ -53,6 +55,41 @@ def test_env_text(capsys):
     out = capsys.readouterr().out
     assert "backends:" in out
     assert "torch   usable" in out
+
+
+def test_env_lists_both_settings_with_their_values(capsys, monkeypatch, tmp_path):
+    """The library reads exactly two environment variables; `rewy-hf env` shows each with its
+    current value, in the text and in the JSON (on stdout with --json or --json -, or in a file)."""
+    assert [s.name for s in settings.SETTINGS] == ["REWY_HF_CHECK_FINITE", "REWY_HF_TEST_FAULT"]
+    monkeypatch.setenv("REWY_HF_CHECK_FINITE", "1")
+    monkeypatch.delenv("REWY_HF_TEST_FAULT", raising=False)
+    assert cli.main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (finite,) = [line for line in lines if "REWY_HF_CHECK_FINITE" in line]
+    (fault,) = [line for line in lines if "REWY_HF_TEST_FAULT" in line]
+    assert "'1'" in finite and "NaN/Inf" in finite
+    assert "unset" in fault and "grad_scale" in fault
+    for argv in (["env", "--json"], ["env", "--json", "-"]):
+        assert cli.main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["settings"]["REWY_HF_CHECK_FINITE"]["value"] == "1"
+        assert report["settings"]["REWY_HF_CHECK_FINITE"]["default"] == "0"
+        assert report["settings"]["REWY_HF_TEST_FAULT"]["value"] is None
+    path = tmp_path / "env.json"
+    assert cli.main(["env", "--json", str(path)]) == 0
+    assert capsys.readouterr().out == ""
+    assert json.loads(path.read_text())["settings"]["REWY_HF_CHECK_FINITE"]["value"] == "1"
+
+
+def test_a_misspelt_setting_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("REWY_HF_CHECK_FINITE", "yes")
+    with pytest.raises(ValueError, match="REWY_HF_CHECK_FINITE='yes' is not understood; set it to 1"):
+        settings.check_finite_enabled()
+    from rewy_hf.patching.fault import grad_fault
+
+    monkeypatch.setenv("REWY_HF_TEST_FAULT", "grad_scale=lots")
+    with pytest.raises(ValueError, match="REWY_HF_TEST_FAULT='grad_scale=lots' is not understood"):
+        grad_fault("kda")
 
 
 def test_unknown_subcommand_returns_2(capsys):
@@ -67,11 +104,11 @@ def test_no_subcommand_returns_2(capsys):
 
 
 def test_fla_pin_mismatch_is_reported():
-    assert _fla_pin("0.6.0", "0.6.0")["ok"] is True
-    bad = _fla_pin("0.7.0", "0.6.0")
+    assert fla_pin("0.6.0", "0.6.0")["ok"] is True
+    bad = fla_pin("0.7.0", "0.6.0")
     assert bad["ok"] is False and "does NOT match" in bad["message"]
     assert "flash-linear-attention 0.7.0" in bad["message"]
-    missing = _fla_pin(None, None)
+    missing = fla_pin(None, None)
     assert missing["ok"] is False and "not installed" in missing["message"]
 
 
@@ -81,10 +118,10 @@ def test_collect_env_silences_fla_platform_warning(monkeypatch):
     def fake_import(name):
         warnings.warn("Triton is not supported on current platform, roll back to CPU.", UserWarning)
 
-    monkeypatch.setattr(env.importlib, "import_module", fake_import)
+    monkeypatch.setattr(environment.importlib, "import_module", fake_import)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = env.collect_env()
+        report = environment.collect_env()
     assert report["fla_import"]["ok"] is True
     assert not [w for w in caught if "Triton is not supported" in str(w.message)]
 

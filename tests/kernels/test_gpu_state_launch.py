@@ -1,9 +1,9 @@
 """rewy's launch of FLA's sequential state recurrences at each value-block width (GPU only).
 
-kernels/state_launch.py runs FLA's own fwd_h and bwd_dhu kernels with a BV that FLA's
-autotuner may not pick (16 is not among FLA's widths). Each width computes the same
-products per value column, so every output must match FLA's own launch to float
-rounding (the bf16 outputs to a few units in their last place where the accumulation
+triton_backend/state_launch.py runs FLA's own fwd_h and bwd_dhu kernels itself, with a BV
+that FLA's autotuner may not pick (16 is not among FLA's widths) or at FLA's own widths. Each
+width computes the same products per value column, so every output must match FLA's stage
+functions to float rounding (the bf16 outputs to a few units in their last place where the accumulation
 order differs), and the ops' gradients with the width rule (on by default) must stay as
 close to the fp32 reference as with FLA's launch."""
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import rewy_hf
-from rewy_hf.kernels import state_launch
+from rewy_hf.kernels.triton_backend import state_launch
 from rewy_hf.rel_error import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -41,25 +41,27 @@ def _recurrence_inputs(gate, v_first, packed, seed=0):
                 g=g if gate == "g" else None, gk=g if gate == "gk" else None, cu=cu, v_first=v_first)
 
 
-def _both(x):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+def _both(x, fla: bool = False):
+    """The two recurrences launched by rewy, or by FLA's own stage functions."""
+    from fla.ops.common import chunk_delta_h
 
-    fwd = state_launch.fwd_h(chunk_gated_delta_rule_fwd_h, k=x["k"], w=x["w"], u=x["u"], g=x["g"], gk=x["gk"],
+    fwd_h = chunk_delta_h.chunk_gated_delta_rule_fwd_h if fla else state_launch.fwd_h
+    bwd_dhu = chunk_delta_h.chunk_gated_delta_rule_bwd_dhu if fla else state_launch.bwd_dhu
+    fwd = fwd_h(k=x["k"], w=x["w"], u=x["u"], g=x["g"], gk=x["gk"],
                              initial_state=x["h0"], output_final_state=True, state_v_first=x["v_first"],
                              cu_seqlens=x["cu"])
-    bwd = state_launch.bwd_dhu(chunk_gated_delta_rule_bwd_dhu, q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"],
-                               g=x["g"], gk=x["gk"], h0=x["h0"], dht=x["dht"], scale=128 ** -0.5,
-                               state_v_first=x["v_first"], cu_seqlens=x["cu"])
+    bwd = bwd_dhu(q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"], g=x["g"], gk=x["gk"], h0=x["h0"],
+                  dht=x["dht"], scale=128 ** -0.5, state_v_first=x["v_first"], cu_seqlens=x["cu"])
     return dict(zip(("h", "v_new", "ht", "dh", "dh0", "dv2"), (*fwd, *bwd)))
 
 
-@pytest.mark.parametrize("width", state_launch.WIDTHS)
+@pytest.mark.parametrize("width", [None, 64, 32, 16])
 @pytest.mark.parametrize("gate, v_first, packed", CASES)
 def test_each_width_matches_flas_launch(monkeypatch, gate, v_first, packed, width):
+    """None: FLA's kernel at the width its own autotuner picks, launched by rewy."""
     x = _recurrence_inputs(gate, v_first, packed)
-    monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "fla")
-    ref = _both(x)
-    monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, str(width))
+    ref = _both(x, fla=True)
+    monkeypatch.setattr(state_launch, "narrow_block_v", lambda *_: width)
     ours = _both(x)
     assert {n: (t.shape, t.dtype) for n, t in ours.items()} == {n: (t.shape, t.dtype) for n, t in ref.items()}
     errs = {n: rel_err(ours[n], ref[n]) for n in ref}
@@ -90,9 +92,9 @@ def test_the_width_rule_keeps_the_ops_gradients(monkeypatch, op):
         return torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves)
 
     ref = grads([a.float() for a in args], backend="torch")
-    monkeypatch.setenv(state_launch.STATE_BLOCK_V_ENV, "fla")
-    with_fla = grads(args, backend="triton", policy="recompute")
-    monkeypatch.delenv(state_launch.STATE_BLOCK_V_ENV)     # the default: the rule
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_launch, "narrow_block_v", lambda *_: None)      # FLA's widths
+        with_fla = grads(args, backend="triton", policy="recompute")
     with_rule = grads(args, backend="triton", policy="recompute")
     errs = [rel_err(x, y) for x, y in zip(with_rule, ref)]
     fla_errs = [rel_err(x, y) for x, y in zip(with_fla, ref)]

@@ -42,17 +42,13 @@ def _grads(fn, args, kw, do, dht):
     return [o, ht] + list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + extra))
 
 
-@pytest.mark.parametrize("dx_from_dy", ["0", "1"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("op,shape", [
     ("gdn", (2, 300, 2, 4, 128, 128)),       # GVA, ragged T
     ("gdn", (1, 1024, 4, 4, 64, 128)),
     ("delta_rule", (2, 300, 4, 4, 128, 64)),
 ])
-def test_triton_matches_fp32_reference(op, shape, policy, dx_from_dy, monkeypatch):
-    """Both forms of the local kernel's dX: -dY h^T in the loop (the default) and A^T dW after it
-    (REWY_HF_GDN_DX_FROM_DY=0)."""
-    monkeypatch.setenv("REWY_HF_GDN_DX_FROM_DY", dx_from_dy)
+def test_triton_matches_fp32_reference(op, shape, policy):
     B, T, H, HV, K, V = shape
     args, kw = _inputs(op, B, T, H, HV, K, V, h0=True)
     fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
@@ -104,71 +100,35 @@ def test_triton_packed_sequences(op, policy):
     assert max(errs) <= BF16_TOL, errs
 
 
+def _launch_through_autotuners(monkeypatch):
+    """Every kernel launch of the triton backend goes through the kernel's autotuner and wrappers."""
+    from rewy_hf.kernels.triton_backend import fla_stages, state_launch
+    from rewy_hf.kernels.triton_backend.scalar_gate import local_backward, prestage, reverse_walk
+
+    for module in (fla_stages, state_launch, local_backward, prestage, reverse_walk):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, **kw: kernel[grid](**kw))
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 def test_direct_launch_changes_nothing_computed(monkeypatch, policy, packed):
-    """REWY_HF_DIRECT_LAUNCH=1 launches the same kernels with the same picks as the autotuners
-    would (kernels/direct_launch.py): every output and gradient equal bit for bit to a run
-    without it, at FLA's own state widths (B x H large enough) and, packed, at rewy's."""
+    """rewy launches tuned kernels without their autotuner wrappers (kernels/triton_backend/launch.py):
+    every output and gradient must equal bit for bit a run through the autotuners, at FLA's own state
+    widths (B x H large enough; the reverse walk runs there under recompute) and, packed, at rewy's."""
     B, T, H, K, V = (1, 597, 2, 128, 64) if packed else (2, 300, 64, 128, 128)
     args, kw = _inputs("gdn", B, T, H, H, K, V, h0=not packed, seed=4)
     if packed:
         kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
     do = torch.randn(B, T, H, V, device="cuda")
     dht = torch.randn(3 if packed else B, H, K, V, device="cuda")
-    runs = {}
-    # (The GPU tests cut every autotuner to one config, so the direct path runs from the first launch;
-    # the check of its key rule against Triton 3.6's is the timing runs' part, which tune every config.)
-    for direct in ("0", "1", "1"):
-        monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", direct)
-        runs.setdefault(direct, []).append(_grads(
-            lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="triton", policy=policy, **k),
-            args, kw, do, dht))
-    for run in runs["1"]:
-        assert all(torch.equal(x, y) for x, y in zip(run, runs["0"][0]))
-
-
-def test_sequence_parallel_recurrences_match_fla():
-    """The split state recurrences against FLA's sequential kernels on the same inputs."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dv_local
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-
-    from rewy_hf.kernels.triton_state_scan import state_backward, state_forward
-
-    B, T, H, K, V = 1, 4096, 2, 128, 128
-    args, kw = _inputs("gdn", B, T, H, H, K, V, h0=True, seed=5)
-    q, k, v, g, beta = args
-    g2 = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634)
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g2, beta=beta.bfloat16(), chunk_size=64)
-    h0 = kw["initial_state"].float()
-    h_ref, vn_ref, ht_ref = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0,
-                                                         output_final_state=True, chunk_size=64)
-    h, vn, ht = state_forward(k, w, u, g2, h0, NS=8)
-    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-    dht = torch.randn(B, H, K, V, device="cuda")
-    dv = chunk_bwd_dv_local(q=q, k=k, do=do, g=g2, scale=K ** -0.5, chunk_size=64)
-    dh_ref, dh0_ref, dv2_ref = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv, g=g2, h0=h0, dht=dht,
-                                                              scale=K ** -0.5, chunk_size=64)
-    dh, dh0, dv2 = state_backward(q, k, w, do, dv, g2, dht, K ** -0.5, NS=8)
-    errs = {n: rel_err(a, b) for n, a, b in [("h", h, h_ref), ("v_new", vn, vn_ref), ("ht", ht, ht_ref),
-                                          ("dh", dh, dh_ref), ("dh0", dh0, dh0_ref), ("dv2", dv2, dv2_ref)]}
-    assert max(errs.values()) <= 1e-2, errs
-
-
-@pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_sequence_parallel_op_matches_fp32_reference(monkeypatch, policy):
-    monkeypatch.setenv("REWY_HF_SEQUENCE_PARALLEL", "5")
-    B, T, H, K, V = 1, 2000, 2, 128, 128
-    args, kw = _inputs("gdn", B, T, H, H, K, V, h0=True, seed=6)
-    do = torch.randn(B, T, H, V, device="cuda")
-    dht = torch.randn(B, H, K, V, device="cuda")
-    f = rewy_hf.chunk_gated_delta_rule
-    ref = _grads(lambda *a, **k: f(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: f(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
-    errs = [rel_err(x, r) for x, r in zip(ours, ref)]
-    assert max(errs) <= BF16_TOL, errs
+    run = lambda: _grads(lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="triton", policy=policy, **k),
+                         args, kw, do, dht)
+    direct = [run(), run()]
+    with pytest.MonkeyPatch.context() as mp:
+        _launch_through_autotuners(mp)
+        tuned = run()
+    for grads in direct:
+        assert all(torch.equal(x, y) for x, y in zip(grads, tuned))
 
 
 def _recompute_against_reference(op, args, kw, B, T, HV, K, V, N):
@@ -211,16 +171,15 @@ def _fla_forward_stages(op, args, kw):
     ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
     ("delta_rule", (1, 597, 4, 4, 128, 64), True),
 ])
-def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed, monkeypatch):
-    """REWY_HF_FUSED_PRESTAGE=1 (kernels/triton_gdn_prestage.py): the op's gradients against the fp32
+def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed):
+    """The fused prestage (scalar_gate/prestage.py): the op's gradients against the fp32
     reference, and w, u, dV_loc against FLA's recompute_w_u_fwd and chunk_bwd_dv_local on the
     same BF16 inputs (the two round at different points, so to BF16 accuracy, not bit for bit)."""
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
-    from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_dv_local
+    from rewy_hf.kernels.triton_backend.scalar_gate.prestage import recompute_wu_and_dv_local
 
-    monkeypatch.setenv("REWY_HF_FUSED_PRESTAGE", "1")
     B, T, H, HV, K, V = shape
     args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=6)
     if packed:
@@ -242,16 +201,18 @@ def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed
     ("delta_rule", (1, 597, 4, 4, 128, 64), True),
 ])
 def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, packed, monkeypatch):
-    """REWY_HF_GDN_WALK=1 (kernels/triton_gdn_walk.py): the op's gradients against the fp32 reference,
+    """rewy's reverse walk (scalar_gate/reverse_walk.py), taken at every shape here: the op's
+    gradients against the fp32 reference,
     and the walk's dh, dh0, dv2 against FLA's bwd_dhu fed FLA's local dv on the same BF16 inputs
     (the local dv rounds to BF16 before FLA's walk adds it, and not in rewy's, so to BF16 accuracy)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
-    from rewy_hf.kernels.triton_gdn_prestage import recompute_wu_and_scores
-    from rewy_hf.kernels.triton_gdn_walk import reverse_walk
+    from rewy_hf.kernels.triton_backend.scalar_gate import reverse_walk as walk_module
+    from rewy_hf.kernels.triton_backend.scalar_gate.prestage import recompute_wu_and_scores
+    from rewy_hf.kernels.triton_backend.scalar_gate.reverse_walk import reverse_walk
 
-    monkeypatch.setenv("REWY_HF_GDN_WALK", "1")
+    monkeypatch.setattr(walk_module, "chosen", lambda *_: True)
     args, kw, N = _walk_inputs(op, shape, packed, seed=7)
     B, T, H, HV, K, V = shape
     do, dht = _recompute_against_reference(op, args, kw, B, T, HV, K, V, N)
@@ -272,15 +233,14 @@ def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, pack
     ("delta_rule", 1, 16, False),   # 32 programs, under half of them: FLA's bwd_dhu
 ])
 def test_walk_auto_picks_by_shape_and_matches_fp32_reference(op, B, HV, walks, monkeypatch):
-    """REWY_HF_GDN_WALK unset (auto): the op runs rewy's walk exactly where the sequential launch
-    fills half the GPU's SMs, FLA's bwd_dhu elsewhere, with gradients against the fp32 reference."""
-    from rewy_hf.kernels import triton_gdn
+    """The op runs rewy's walk exactly where the sequential launch fills half the GPU's SMs, FLA's
+    bwd_dhu elsewhere, with gradients against the fp32 reference."""
+    from rewy_hf.kernels.triton_backend.scalar_gate import prestage, reverse_walk
 
-    monkeypatch.delenv("REWY_HF_GDN_WALK", raising=False)
     ran = []
-    walk, scores = triton_gdn.triton_gdn_walk.reverse_walk, triton_gdn.triton_gdn_prestage.recompute_wu_and_scores
-    monkeypatch.setattr(triton_gdn.triton_gdn_walk, "reverse_walk", lambda *a, **k: ran.append(1) or walk(*a, **k))
-    monkeypatch.setattr(triton_gdn.triton_gdn_prestage, "recompute_wu_and_scores",
+    walk, scores = reverse_walk.reverse_walk, prestage.recompute_wu_and_scores
+    monkeypatch.setattr(reverse_walk, "reverse_walk", lambda *a, **k: ran.append(1) or walk(*a, **k))
+    monkeypatch.setattr(prestage, "recompute_wu_and_scores",
                         lambda *a, **k: ran.append(2) or scores(*a, **k))
     T, K, V = 192, 128, 128
     args, kw = _inputs(op, B, T, HV, HV, K, V, h0=True, seed=9)
@@ -291,10 +251,11 @@ def test_walk_auto_picks_by_shape_and_matches_fp32_reference(op, B, HV, walks, m
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, packed, monkeypatch):
-    """Policy recompute with the states rebuilt from checkpoints (kernels/state_checkpoints.py):
-    2-chunk segments against the fp32 torch backend, and they and auto (which leaves sequences
-    this short whole) no less accurate (within 10 %) than the sequential rebuild
-    (REWY_HF_STATE_CHECKPOINTS=off); the forward is the same run."""
+    """Policy recompute with the states rebuilt from checkpoints (triton_backend/state_checkpoints.py):
+    2-chunk segments against the fp32 torch backend, and they and the default rule (which leaves
+    sequences this short whole) no less accurate (within 10 %) than the sequential rebuild."""
+    from rewy_hf.kernels.triton_backend import state_checkpoints
+
     B, T, H, K, V = (1, 1100, 2, 128, 128) if packed else (2, 1000, 2, 128, 128)
     args, kw = _inputs(op, B, T, H, H, K, V, h0=not packed, seed=6)
     N = 3 if packed else B
@@ -307,8 +268,12 @@ def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, p
     ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     errs = {}
     for mode in ("off", "2", "auto"):
-        monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", mode)
-        ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+        with pytest.MonkeyPatch.context() as mp:
+            if mode == "off":
+                mp.setattr(state_checkpoints, "plan", lambda *_: None)
+            elif mode == "2":
+                mp.setattr(state_checkpoints, "chunks_per_segment", lambda *_: 2)
+            ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
         errs[mode] = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs["2"]) <= BF16_TOL, errs
     for mode in ("2", "auto"):

@@ -148,9 +148,10 @@ def test_triton_packed_sequences(op, policy):
 
 @pytest.mark.parametrize("op,state_v_first,packed", [("kda", False, False), ("kda", True, False), ("gdn2", False, True)])
 def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, state_v_first, packed, monkeypatch):
-    """Policy recompute with the states rebuilt from checkpoints (kernels/state_checkpoints.py,
+    """Policy recompute with the states rebuilt from checkpoints (triton_backend/state_checkpoints.py,
     2-chunk segments), against the fp32 torch backend and no less accurate (within 10 %)
-    than the sequential rebuild (REWY_HF_STATE_CHECKPOINTS=off)."""
+    than the sequential rebuild."""
+    from rewy_hf.kernels.triton_backend import state_checkpoints
     B, T, H, K, V = (1, 1100, 2, 128, 128) if packed else (2, 700, 2, 128, 128)
     args, kw = _inputs(op, B, T, H, K, V, seed=12)
     N = 3 if packed else B
@@ -163,8 +164,12 @@ def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, s
     ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     errs = {}
     for mode in ("off", "2"):
-        monkeypatch.setenv("REWY_HF_STATE_CHECKPOINTS", mode)
-        ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+        with pytest.MonkeyPatch.context() as mp:
+            if mode == "off":
+                mp.setattr(state_checkpoints, "plan", lambda *_: None)
+            else:
+                mp.setattr(state_checkpoints, "chunks_per_segment", lambda *_: 2)
+            ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
         errs[mode] = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs["2"]) < 2e-2, errs
     assert all(e <= 1.1 * s + 1e-3 for e, s in zip(errs["2"], errs["off"])), errs

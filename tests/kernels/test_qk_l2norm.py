@@ -1,5 +1,5 @@
-"""The triton backends' q/k l2norm (kernels/qk_l2norm.py: FLA's fused kernels, run
-inside rewy's autograd functions; here under the interpreter on CPU).
+"""The triton backend's q/k l2norm (kernels/triton_backend/qk_l2norm.py: FLA's fused kernels, run
+inside rewy's autograd function; here under the interpreter on CPU).
 
 It must compute the l2norm (float64 ground truth for values and gradients), be
 bit-identical to FLA's own ``l2norm`` autograd function (the path it replaced,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rewy_hf.kernels.qk_l2norm import normalize, normalize_backward
+from rewy_hf.kernels.triton_backend.qk_l2norm import normalize, normalize_backward
 from rewy_hf.kernels.reference import L2NORM_EPS, l2norm
 from rewy_hf.rel_error import rel_err
 

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rewy_hf.kernels.chunk_forward import ChunkInputs, gate_terms, wy_factors, wy_inverse
-from rewy_hf.kernels.gated_gram import gram
-from rewy_hf.kernels.residual_wy import residual_wy_backward, wy_backward
-from rewy_hf.kernels.torch_function import CHUNK_SIZE, ReWYChunkFunction
+from rewy_hf.kernels.constants import CHUNK
+from rewy_hf.kernels.torch_backend.chunk_forward import ChunkInputs, gate_terms, wy_factors, wy_inverse
+from rewy_hf.kernels.torch_backend.function import ReWYChunkFunction
+from rewy_hf.kernels.torch_backend.gated_gram import gram
+from rewy_hf.kernels.torch_backend.residual_wy import residual_wy_backward, wy_backward
 
 MATMUL_OPS = {
     torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
@@ -42,7 +43,7 @@ class ProductRecorder(TorchDispatchMode):
 def _chunk_inputs(kind: str, N=2, H=2, NT=3, K=16, V=8, seed=0):
     """Random inputs in the core's chunk-major layout [NT, N, H, C, D]."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (NT, N, H, CHUNK_SIZE)
+    shape = (NT, N, H, CHUNK)
     r = lambda d: torch.randn(*shape, d, generator=gen, dtype=torch.float64)
     q, k, v = r(K), F.normalize(r(K), dim=-1), r(V)
     g = None if kind == "delta_rule" else F.logsigmoid(r(K if kind in ("kda", "gdn2") else 1))

@@ -1,8 +1,9 @@
-"""State checkpoints (kernels/state_checkpoints.py): the recompute policy's states rebuilt
-segment by segment from the forward's h. The segment tables are checked against FLA's own
-table builders, the rebuild against the whole-sequence recurrence (FLA's fwd_h as a torch
-loop, tests/state_loops.py), and the triton-backend Function with checkpoints against the
-torch backend under TRITON_INTERPRET=1."""
+"""State checkpoints (kernels/triton_backend/state_checkpoints.py): the recompute policy's states
+rebuilt segment by segment from the forward's h. The segment tables are checked against FLA's own
+table builders, the rebuild against the whole-sequence recurrence (FLA's fwd_h as a torch loop,
+tests/support/state_loops.py), and the triton-backend Function with checkpoints against the torch
+backend under TRITON_INTERPRET=1. Segment lengths other than the rule's come from replacing
+``chunks_per_segment``, the rule's one answer."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import rewy_hf
-from rewy_hf.kernels import state_checkpoints as C
-from rewy_hf.kernels import triton_gdn
+from rewy_hf.kernels.triton_backend import state_checkpoints as C
+from rewy_hf.kernels.triton_backend import state_launch
+from rewy_hf.kernels.triton_backend.scalar_gate import stages
 from rewy_hf.rel_error import rel_err
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
 
@@ -21,12 +23,17 @@ def _bounds(B, T, cu):
     return list(range(0, B * T + 1, T)) if cu is None else cu.tolist()
 
 
+def _segment_length(monkeypatch, L):
+    """Every call's sequences cut into segments of L chunks."""
+    monkeypatch.setattr(C, "chunks_per_segment", lambda *_: L)
+
+
 @pytest.mark.parametrize("B,T,cu,L", [(1, 300, None, 2), (3, 200, None, 1), (1, 230, [0, 70, 200, 230], 2),
                                       (1, 700, [0, 5, 640, 700], 3), (1, 200, [0, 0, 70, 70, 200, 200], 1)])
 def test_segments_cut_every_sequence_on_its_chunk_bounds(B, T, cu, L, monkeypatch):
     from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
 
-    monkeypatch.setenv(C.CHECKPOINTS_ENV, str(L))
+    _segment_length(monkeypatch, L)
     cu = None if cu is None else torch.tensor(cu)
     seg = C.plan(torch.empty(B, T, 2, 16), cu)
     bounds = _bounds(B, T, cu)
@@ -49,10 +56,14 @@ def test_segments_cut_every_sequence_on_its_chunk_bounds(B, T, cu, L, monkeypatc
 def test_rebuild_from_checkpoints_gives_the_whole_sequence_states(monkeypatch):
     """h and v_new of the segmented rebuild equal the whole-sequence recurrence's (float32,
     so each checkpoint is the exact state); rows, packed sequences and an initial state.
-    The rebuild goes through rewy's launch of FLA's fwd_h, set here to call the function
-    it is given (the torch loop)."""
-    monkeypatch.setenv("REWY_HF_STATE_BLOCK_V", "fla")
-    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")
+    The rebuild goes through rewy's launch of FLA's fwd_h, replaced here by the torch loop."""
+    calls = []
+
+    def fwd_h(**kw):
+        calls.append(kw)
+        return loop_fwd_h(**kw)
+
+    monkeypatch.setattr(state_launch, "fwd_h", fwd_h)
     gen = torch.Generator().manual_seed(3)
     for B, T, cu in [(2, 300, None), (1, 460, torch.tensor([0, 130, 400, 460])),
                      (1, 460, torch.tensor([0, 0, 130, 130, 460, 460]))]:
@@ -68,7 +79,8 @@ def test_rebuild_from_checkpoints_gives_the_whole_sequence_states(monkeypatch):
             states = C.save(h, h0, seg)
             assert states.shape == (seg.count, 2, 16, 8)
             assert torch.equal(states[seg.sequence_starts], h0[seg.sequences])
-            h2, v_new2 = C.rebuild(loop_fwd_h, states, seg, u, k=k, w=w, g=g)
+            h2, v_new2 = C.rebuild(states, seg, u, k=k, w=w, g=g)
+            assert calls[-1]["cu_seqlens"] is seg.cu_seqlens and calls[-1]["initial_state"] is states
             assert h2.shape == h.shape and v_new2.shape == v_new.shape
             assert rel_err(h2, h) < 1e-6 and rel_err(v_new2, v_new) < 1e-6, (B, L)
 
@@ -80,7 +92,7 @@ def test_checkpoints_keep_h_dtype_without_initial_state():
     assert states.dtype == torch.bfloat16 and torch.equal(states, h.flatten(0, 1)[[0, 2, 4, 5, 7, 9]])
 
 
-def test_auto_cuts_only_where_the_sequential_launch_fills_under_half_the_sms():
+def test_the_rule_cuts_only_where_the_sequential_launch_fills_under_half_the_sms():
     sms = 132
     for B, T, HV in [(2, 8192, 16), (1, 16384, 16), (1, 32768, 32), (1, 65536, 8)]:
         NT = T // 64
@@ -96,9 +108,8 @@ def test_auto_cuts_only_where_the_sequential_launch_fills_under_half_the_sms():
 
 
 def test_packed_lengths_are_read_only_when_the_shapes_leave_room_and_once_per_tensor(monkeypatch):
-    """auto decides from the shapes when the sequences alone fill half the SMs, without
+    """The plan decides from the shapes when the sequences alone fill half the SMs, without
     reading cu_seqlens (a device sync on the GPU); otherwise it reads it once per tensor."""
-    monkeypatch.setenv(C.CHECKPOINTS_ENV, "auto")
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
@@ -110,14 +121,6 @@ def test_packed_lengths_are_read_only_when_the_shapes_leave_room_and_once_per_te
     assert C.plan(torch.empty(1, 12288, 16, 128), few) is seg        # same tensor: cached bounds and segments
     assert len(reads) == 1
     assert C.plan(torch.empty(1, 12288, 16, 128), few.clone()) is seg and len(reads) == 2
-
-
-def test_unknown_setting_names_the_choices(monkeypatch):
-    monkeypatch.setenv(C.CHECKPOINTS_ENV, "yes")
-    with pytest.raises(ValueError, match="auto .* off .* chunks per segment"):
-        C.plan(torch.empty(1, 300, 2, 16), None)
-    monkeypatch.setenv(C.CHECKPOINTS_ENV, "off")
-    assert C.plan(torch.empty(1, 30000, 2, 16), None) is None
 
 
 def _inputs(op, B, T, H, HV, K, V, N, seed):
@@ -144,14 +147,14 @@ def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
         return loop_fwd_h(**kw)
 
     replace_recurrences(monkeypatch, fwd_h, loop_bwd_dhu)
-    monkeypatch.setenv(C.CHECKPOINTS_ENV, "2")
+    _segment_length(monkeypatch, 2)
     cu = None if cu is None else torch.tensor(cu)
     T = 330 if cu is not None else 300
     N = B if cu is None else len(cu) - 1
     inputs, do, dht = _inputs(op, B, T, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=N, seed=21)
     leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     q, k, v, g, beta, h0 = leaves
-    o, ht = triton_gdn.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, h0, True, False, "recompute", cu)
+    o, ht = stages.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, h0, True, False, "recompute", cu)
     live = [i for i, t in enumerate(leaves) if t is not None]
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[i] for i in live])
     # Forward: whole sequences; backward: segments of two chunks (3 per 300-token row; 1 + 2 + 2 packed).

@@ -1,18 +1,19 @@
-"""rewy's launch of FLA's sequential state recurrences (kernels/state_launch.py), on CPU:
-the value-block width rule, the opt-in switch, and the kernels it builds from FLA's.
+"""rewy's launch of FLA's sequential state recurrences (kernels/triton_backend/state_launch.py), on
+CPU: the value-block width rule, which kernel each width launches, and the kernels it builds from FLA's.
 FLA's kernels do not run under Triton's interpreter; their outputs at each width are
 checked against FLA's own launch on the GPU (test_gpu_state_launch.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from rewy_hf.kernels import state_launch
-from rewy_hf.kernels.state_launch import STATE_BLOCK_V_ENV, narrow_block_v, state_block_v
+from rewy_hf.kernels.triton_backend import state_launch
+from rewy_hf.kernels.triton_backend.state_launch import narrow_block_v
 
 # (sequences, value heads) of the six bench shapes, V = 128, and the width that was fastest
-# there on the H200 for both fwd_h and bwd_dhu, KDA and GDN gates (eleventh session,
-# timing_gaps.py --state-widths; None: FLA's own launch was the fastest or tied with it).
+# there on the H200 for both fwd_h and bwd_dhu, KDA and GDN gates (None: FLA's own launch was
+# the fastest or tied with it).
 MEASURED = [((8, 16), None), ((4, 16), None), ((2, 16), None), ((1, 16), 16), ((4, 32), None), ((1, 32), None)]
 
 
@@ -33,46 +34,42 @@ def test_the_width_rule_narrows_only_where_flas_widths_leave_sms_idle():
                 assert bv in (None, 16)
 
 
-def test_the_rule_is_on_by_default_and_the_switch_names_its_values(monkeypatch):
-    monkeypatch.delenv(STATE_BLOCK_V_ENV, raising=False)
-    assert state_block_v(1, 16, 128) == 16 and state_block_v(8, 16, 128) is None
-    monkeypatch.setenv(STATE_BLOCK_V_ENV, "auto")
-    assert state_block_v(1, 16, 128) == 16 and state_block_v(1, 32, 128) is None
-    monkeypatch.setenv(STATE_BLOCK_V_ENV, "fla")
-    assert state_block_v(1, 16, 128) is None
-    monkeypatch.setenv(STATE_BLOCK_V_ENV, " 32 ")
-    assert state_block_v(8, 16, 128) == 32
-    for bad in ("48", "programs", "-16"):
-        monkeypatch.setenv(STATE_BLOCK_V_ENV, bad)
-        with pytest.raises(ValueError, match=f"{STATE_BLOCK_V_ENV}=.*auto.*fla"):
-            state_block_v(1, 16, 128)
+class _Recorder:
+    """Stands in for a recurrence kernel: records the grid and the width it is launched with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda **kw: self.calls.append((grid, kw.get("BV")))
 
 
-@pytest.mark.parametrize("mode", [None, "fla"])
-def test_where_the_rule_does_not_narrow_flas_launch_runs_unchanged(monkeypatch, mode):
-    """Where BV 32 gives enough programs (by default) or with REWY_HF_STATE_BLOCK_V=fla, rewy calls
-    FLA's own launch functions with every argument as given (unless REWY_HF_DIRECT_LAUNCH=1)."""
-    monkeypatch.setenv("REWY_HF_DIRECT_LAUNCH", "0")
-    if mode is None:
-        monkeypatch.delenv(STATE_BLOCK_V_ENV, raising=False)
-    else:
-        monkeypatch.setenv(STATE_BLOCK_V_ENV, mode)
-    import torch
+@pytest.mark.parametrize("N, HV, V, narrow", [(1, 16, 128, True), (2, 4, 24, True), (8, 16, 128, False),
+                                              (1, 2, 16, False)])
+def test_each_width_launches_its_kernel_on_its_grid(N, HV, V, narrow, monkeypatch):
+    """Where the rule narrows, rewy's relaunch of FLA's kernel runs at BV 16 on N x HV x V / 16
+    programs; elsewhere FLA's own kernel runs, its autotuner picking BV, on N x HV x V / BV. Both
+    recurrences, rows and packed sequences counted alike (N sequences)."""
+    from fla.ops.common import chunk_delta_h as fla
 
-    calls = []
-
-    def fla_launch(**kw):
-        calls.append(kw)
-        return "fla's result"
-
-    k = torch.zeros(1, 64, 2, 16)
-    u = torch.zeros(1, 64, 2, 8)
-    assert state_launch.fwd_h(fla_launch, k=k, w=k, u=u, gk=k, output_final_state=True,
-                              state_v_first=True) == "fla's result"
-    assert calls[-1]["k"] is k and calls[-1]["u"] is u and calls[-1]["state_v_first"] is True
-    assert calls[-1]["output_final_state"] is True and calls[-1]["g"] is None and calls[-1]["chunk_size"] == 64
-    assert state_launch.bwd_dhu(fla_launch, q=k, k=k, w=k, do=u, dv=u, g=None, gk=k, scale=0.25) == "fla's result"
-    assert calls[-1]["dv"] is u and calls[-1]["scale"] == 0.25 and calls[-1]["gk"] is k
+    assert (narrow_block_v(N, HV, V) == 16) is narrow
+    ours, theirs = (_Recorder(), _Recorder()), (_Recorder(), _Recorder())
+    monkeypatch.setattr(state_launch, "_fwd_h_kernel", ours[0])
+    monkeypatch.setattr(state_launch, "_bwd_dhu_kernel", ours[1])
+    monkeypatch.setattr(fla, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", theirs[0])
+    monkeypatch.setattr(fla, "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", theirs[1])
+    T, K = 64 * N, 16
+    pk = {} if N == 1 else dict(cu_seqlens=torch.arange(N + 1) * 64)
+    k, w, u = torch.zeros(1, T, HV, K), torch.zeros(1, T, HV, K), torch.zeros(1, T, HV, V)
+    state_launch.fwd_h(k=k, w=w, u=u, output_final_state=True, **pk)
+    state_launch.bwd_dhu(q=k, k=k, w=w, do=u, dv=u, scale=0.25, **pk)
+    ran, idle = (ours, theirs) if narrow else (theirs, ours)
+    assert all(len(r.calls) == 1 for r in ran) and not any(r.calls for r in idle)
+    for grid, bv in (r.calls[0] for r in ran):
+        if narrow:
+            assert bv == 16 and grid == (N * HV * -(-V // 16),)
+        else:
+            assert bv is None and all(grid({"BV": b}) == (N * HV * -(-V // b),) for b in (32, 64))
 
 
 def test_the_kernels_are_flas_under_an_autotuner_of_rewys(monkeypatch):
@@ -81,7 +78,7 @@ def test_the_kernels_are_flas_under_an_autotuner_of_rewys(monkeypatch):
     finds their autotuners, so it forgets their picks between shapes like FLA's."""
     from fla.ops.common import chunk_delta_h as fla
 
-    from rewy_hf.autotune_picks import autotuner_of, autotuners
+    from rewy_hf.bench.autotune_picks import autotuner_of, autotuners
 
     fwd, bwd = state_launch.relaunched_kernels()
     for ours, theirs in ((fwd, fla.chunk_gated_delta_rule_fwd_kernel_h_blockdim64),

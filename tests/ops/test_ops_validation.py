@@ -404,14 +404,14 @@ FINITE_CASES = [(op, name) for op in ALL for name in make_inputs(op)]
 
 @pytest.mark.parametrize("op,name", FINITE_CASES, ids=[f"{o}-{n}" for o, n in FINITE_CASES])
 def test_nan_rejected_with_check_finite(op, name, monkeypatch):
-    monkeypatch.setenv("REWY_CHECK_FINITE", "1")
+    monkeypatch.setenv("REWY_HF_CHECK_FINITE", "1")
     with pytest.raises(InputValidationError, match=lit(f"`{name}` has 1 non-finite values (NaN or Inf)")):
         call(op, _with_nan(op, name))
 
 
 @pytest.mark.parametrize("op", ALL)
 def test_inf_in_initial_state_rejected_with_check_finite(op, monkeypatch):
-    monkeypatch.setenv("REWY_CHECK_FINITE", "1")
+    monkeypatch.setenv("REWY_HF_CHECK_FINITE", "1")
     h0 = state(1, 2)
     h0[0, 0, 0, 0] = float("inf")
     with pytest.raises(InputValidationError, match=lit("`initial_state` has 1 non-finite values")):
@@ -423,9 +423,9 @@ def test_inf_in_initial_state_rejected_with_check_finite(op, monkeypatch):
 def test_nan_passes_without_check_finite(op, value, monkeypatch):
     """The finite check is opt-in: without it the op runs and the NaN reaches the output."""
     if value is None:
-        monkeypatch.delenv("REWY_CHECK_FINITE", raising=False)
+        monkeypatch.delenv("REWY_HF_CHECK_FINITE", raising=False)
     else:
-        monkeypatch.setenv("REWY_CHECK_FINITE", value)
+        monkeypatch.setenv("REWY_HF_CHECK_FINITE", value)
     o, _ = call(op, _with_nan(op, "q"))
     assert torch.isnan(o).any()
 
@@ -735,8 +735,8 @@ def test_gate_params_checked_by_element_count(op):
 @pytest.mark.parametrize("op", list(GATE_PARAM_SIZES))
 @pytest.mark.parametrize("name", ["A_log", "dt_bias"])
 def test_nan_in_gate_params_rejected_with_check_finite(op, name, monkeypatch):
-    """A_log / dt_bias are learnable inputs of the op; REWY_CHECK_FINITE=1 must cover them too."""
-    monkeypatch.setenv("REWY_CHECK_FINITE", "1")
+    """A_log / dt_bias are learnable inputs of the op; REWY_HF_CHECK_FINITE=1 must cover them too."""
+    monkeypatch.setenv("REWY_HF_CHECK_FINITE", "1")
     a_numel, bias_numel = GATE_PARAM_SIZES[op]
     params = {"A_log": torch.zeros(a_numel), "dt_bias": torch.zeros(bias_numel)}
     params[name][0] = float("nan")
@@ -746,17 +746,17 @@ def test_nan_in_gate_params_rejected_with_check_finite(op, name, monkeypatch):
 
 def test_auto_takes_triton_on_cuda_for_every_supported_call():
     """On CUDA, auto picks the Triton backward for every op, packed sequences
-    included: all four ran and passed the bench's gradient check and their
-    cu_seqlens GPU tests on an H200. Only what Triton cannot do goes to torch."""
-    from rewy_hf.ops import _triton_unsupported
+    included. Only what Triton cannot do (float64, key head dims over 256)
+    goes to torch."""
+    from rewy_hf.ops import triton_unsupported_reason
     from rewy_hf.validation import resolve_backend
 
     cuda = torch.device("cuda")
     q = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16, device="meta")
-    assert _triton_unsupported(q) is None
-    assert resolve_backend("auto", cuda, _triton_unsupported(q)) == "triton"
+    assert triton_unsupported_reason(q) is None
+    assert resolve_backend("auto", cuda, triton_unsupported_reason(q)) == "triton"
     for bad, why in ((q.double(), "float64"), (torch.empty(1, 64, 2, 512, device="meta"), "512 > 256")):
-        reason = _triton_unsupported(bad)
+        reason = triton_unsupported_reason(bad)
         assert why in reason
         assert resolve_backend("auto", cuda, reason) == "torch"
     assert resolve_backend("auto", torch.device("cpu"), None) == "torch"

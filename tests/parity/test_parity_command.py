@@ -7,13 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
-import torch
 
 from rewy_hf.cli import main
-from rewy_hf.presets import build_preset
+from rewy_hf.models.presets import build_preset
 
 QUICK = ["--steps", "1", "--batch-size", "1", "--seq-len", "80"]
 
@@ -123,7 +121,7 @@ def test_text_file_through_the_models_tokenizer(saved_qwen, tmp_path, capsys):
 def test_crash_on_the_unpatched_side_exits_2_with_the_reason(capsys, monkeypatch):
     """An original core that refuses to run (as FLA's GDN backward does on some
     GPUs) is reported as "could not run", with a hint, not a traceback."""
-    import rewy_hf.reference_cores as rc
+    import rewy_hf.patching.reference_cores as rc
 
     def refusing(adapter, original):
         def core(*args, **kwargs):
@@ -154,3 +152,30 @@ def test_transformers_presets(preset, capsys):
 def test_fla_presets(preset, capsys):
     code, out, _ = _run(["--model", preset, *QUICK], capsys)
     assert code == 0, out
+
+
+def test_list_presets_names_presets_and_architectures(capsys):
+    from rewy_hf.adapters import all_adapters
+    from rewy_hf.models.loading import preset_names
+
+    code, out, _ = _run(["--list-presets"], capsys)
+    assert code == 0
+    presets, _, architectures = out.partition("supported architectures")
+    assert set(preset_names()) <= set(presets.split()) and "tiny-qwen3.5" in presets and "gdn2-1b" in presets
+    for adapter in all_adapters():
+        for cls in adapter.layer_classes:
+            (line,) = [ln for ln in architectures.splitlines() if ln.endswith(" " + cls)]
+            assert line.split()[:2] == [adapter.family, adapter.op]
+
+
+def test_without_a_model_exits_2_and_says_how(capsys):
+    code, _, err = _run([], capsys)
+    assert code == 2 and "--model is required" in err and "--list-presets" in err
+
+
+def test_json_to_stdout_is_only_json(capsys):
+    code, out, err = _run(["--model", "tiny-fla-gdn2", "--json", "-", *QUICK], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ok"] is True and data["model"] == "tiny-fla-gdn2" and data["dtype"] == "float32"
+    assert "PARITY HOLDS" in err

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rewy_hf
-import rewy_hf.patching
+import rewy_hf.patching.patch
 from fla_tiny_models import (LAYER_CLASS, SITES, batch, build, loss_and_grads, reference_cores, reference_site,
                              rel, torch_short_conv, twin)
 from rewy_hf.kernels import reference
@@ -178,13 +178,13 @@ def test_padding_mask_routes_through_cu_seqlens(kind, monkeypatch):
     expected_cu = [0, 80, 149, 199]
 
     seen = []
-    route = rewy_hf.patching.route
+    route = rewy_hf.patching.patch.route
 
     def spy(state, original, args, kwargs):
         seen.append(kwargs.get("cu_seqlens"))
         return route(state, original, args, kwargs)
 
-    monkeypatch.setattr(rewy_hf.patching, "route", spy)
+    monkeypatch.setattr(rewy_hf.patching.patch, "route", spy)
     with torch_short_conv():
         loss, grads = _patched_step(model, kind, ids, labels, mask)
         ref_loss, ref_grads, calls = _reference_step(ref_model, kind, ids, labels, mask)
@@ -229,8 +229,8 @@ def test_deltanet_short_sequences_never_reach_the_chunk_core():
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "kda"])
 def test_patching_gdn_where_flash_qla_serves_it_warns(kind, monkeypatch):
-    """Where FLA would run GDN through FlashQLA (faster than rewy's GDN backward on
-    the H200), patch_model warns and notes it in the report, naming the way back;
+    """Where FLA would run GDN through FlashQLA (faster than rewy's GDN backward
+    there), patch_model warns and notes it in the report, naming the way back;
     other ops, and GDN without FlashQLA, patch silently."""
     import warnings
 
@@ -240,7 +240,7 @@ def test_patching_gdn_where_flash_qla_serves_it_warns(kind, monkeypatch):
         report = rewy_hf.patch_model(model)
     assert report.notes == []
     rewy_hf.unpatch_model(model)
-    monkeypatch.setattr(rewy_hf.patching, "flash_qla_serves_gdn", lambda: True)
+    monkeypatch.setattr(rewy_hf.patching.patch, "flash_qla_serves_gdn", lambda: True)
     if kind == "gated_deltanet":
         with pytest.warns(RuntimeWarning, match=r"FlashQLA.*2 patched GDN layer\(s\).*unpatch_model.*FLA_FLASH_QLA=0"):
             report = rewy_hf.patch_model(model)
@@ -263,7 +263,7 @@ def test_flash_qla_detection_follows_fla_dispatch_conditions(monkeypatch):
     import fla.utils
     from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
 
-    from rewy_hf.flash_qla import flash_qla_serves_gdn
+    from rewy_hf.patching.flash_qla import flash_qla_serves_gdn
 
     real = importlib.util.find_spec
     installed = {"flash_qla": None}

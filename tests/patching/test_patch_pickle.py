@@ -7,7 +7,7 @@ import io
 import torch
 
 import rewy_hf
-from rewy_hf.presets import build_preset
+from rewy_hf.models.presets import build_preset
 
 
 def _loss(model, ids):

@@ -23,7 +23,7 @@ import torch.nn as nn
 from rewy_hf import UnsupportedConfigError, dispatch_report, is_patched, patch_model, patched, reset_dispatch_report
 from rewy_hf import unpatch_model
 from rewy_hf.adapters.transformers_common import torch_reference
-from rewy_hf.dispatch import CoreDispatcher
+from rewy_hf.patching.dispatch import CoreDispatcher
 
 import hf_tiny_models as H
 

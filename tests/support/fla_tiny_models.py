@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewy_hf.reference_cores import replaced_core
+from rewy_hf.patching.reference_cores import replaced_core
 from rewy_hf.kernels import reference
 
 VOCAB = 128

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rewy_hf.adapters.transformers_common import torch_reference
-from rewy_hf.reference_cores import replaced_core
+from rewy_hf.patching.reference_cores import replaced_core
 
 SEED = 0
 VOCAB = 128

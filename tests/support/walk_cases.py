@@ -1,14 +1,13 @@
-"""Inputs for the CPU tests of rewy's state walk (test_triton_gdn_walk.py): random GDN / DeltaNet
-stage inputs in FLA's layout, the cases they run, and NaN-filled outputs."""
+"""Inputs for the CPU tests of rewy's reverse walk (test_scalar_gate_reverse_walk.py): random GDN /
+DeltaNet stage inputs in FLA's layout, the cases they run, and NaN-filled outputs."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from test_triton_gdn_prestage import _nan_filled as nan_filled  # noqa: F401  (the walk's outputs too)
-
-C = 64
+from nan_fill import nan_filled  # noqa: F401  (the walk's outputs too)
+from rewy_hf.kernels.constants import CHUNK as C, RCP_LN2
 
 
 def log2_cumsum(g, cu_seqlens):
@@ -17,7 +16,7 @@ def log2_cumsum(g, cu_seqlens):
     bounds = [0, g.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
     for b, e in zip(bounds[:-1], bounds[1:]):
         for s in range(b, e, C):
-            out[:, s:min(s + C, e)] = g[:, s:min(s + C, e)].cumsum(1) / 0.6931471805599453
+            out[:, s:min(s + C, e)] = g[:, s:min(s + C, e)].cumsum(1) * RCP_LN2
     return out
 
 

@@ -1,15 +1,15 @@
-"""tools/compare_runs.py: the table behind the GPU training evidence in docs/training.md."""
+"""python -m rewy_hf.training.compare_runs: the table behind the GPU training evidence in docs/training.md."""
 
 from __future__ import annotations
 
 import json
-import runpy
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "compare_runs.py"
+from rewy_hf.training.compare_runs import main
 
 
 def _write(d: Path, name: str, losses, step_s: float, ranks: list[int]):
@@ -20,14 +20,33 @@ def _write(d: Path, name: str, losses, step_s: float, ranks: list[int]):
     (d / f"{name}.dispatch.json").write_text(json.dumps({"dispatch_per_rank": disp}))
 
 
-def test_table_reports_loss_gap_speed_and_ranks(tmp_path, capsys, monkeypatch):
+def _rows(out: str) -> dict[str, list[str]]:
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line}
+
+
+def test_table_reports_loss_gap_speed_and_ranks(tmp_path, capsys):
     _write(tmp_path, "single", [4.0, 3.0, 2.5, 2.0, 1.8], 0.2, [10])
     _write(tmp_path, "ddp", [4.0, 3.1, 2.5, 2.0, 1.9], 0.1, [10, 10])
-    monkeypatch.setattr(sys, "argv", ["compare_runs.py", str(tmp_path), "single", "ddp"])
-    runpy.run_path(str(TOOL), run_name="__main__")
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
+    assert main([str(tmp_path), "single", "ddp"]) == 0
+    rows = _rows(capsys.readouterr().out)
     steps, final, diff, rel, step_s, tok_s, peak, ranks = rows["ddp"]
     assert (steps, final, step_s, tok_s, peak, ranks) == ("5", "1.9000", "0.100", "10000", "6.0", "[10, 10]")
     assert float(diff) == pytest.approx(0.1) and rel == "5.56%"      # worst step: |1.9 - 1.8| / 1.8
     assert rows["single"][7] == "[10]"
+
+
+def test_a_missing_run_names_the_file(tmp_path, capsys):
+    _write(tmp_path, "single", [4.0, 3.0], 0.2, [10])
+    assert main([str(tmp_path), "single", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope.metrics.jsonl not found" in err and "metrics.jsonl" in err
+
+
+def test_runs_as_a_module(tmp_path):
+    _write(tmp_path, "a", [2.0, 1.0], 0.2, [4])
+    _write(tmp_path, "b", [2.0, 1.5], 0.4, [4])
+    proc = subprocess.run([sys.executable, "-m", "rewy_hf.training.compare_runs", str(tmp_path), "a", "b"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _rows(proc.stdout)["b"][1] == "1.5000"

@@ -148,7 +148,8 @@ def test_lora_script_entry(tmp_path):
     import rewy_hf.models.gdn2  # noqa: F401
     from transformers import AutoModelForCausalLM
 
-    from rewy_hf.training.recipe import build_parser, load_model_and_tokenizer
+    from rewy_hf.training.model_setup import load_model_and_tokenizer
+    from rewy_hf.training.options import build_parser
 
     merged = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
     base, _, _ = load_model_and_tokenizer(build_parser().parse_args([]))   # same seed -> the initial weights
@@ -202,15 +203,34 @@ def test_unknown_preset(tmp_path, capsys, model, hint):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")
-def test_original_backend_needs_gpu(tmp_path, capsys):
-    err = _bad(tmp_path, capsys, "--backend", "original")
-    assert "GPU" in err and "--backend optimized" in err
+def test_original_core_needs_gpu(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--core", "original")
+    assert "GPU" in err and "--core rewy" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")
-def test_triton_kernels_need_gpu(tmp_path, capsys):
-    err = _bad(tmp_path, capsys, "--kernels", "triton")
-    assert "--kernels triton needs a CUDA GPU" in err and "--kernels auto" in err
+def test_triton_backend_needs_gpu(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--backend", "triton")
+    assert "--backend triton needs a CUDA GPU" in err and "--backend auto" in err
+
+
+def test_options_speak_the_commands_words(capsys):
+    """--backend is rewy's backend (auto|torch|triton) as in every rewy-hf command, --core picks
+    rewy's core or the model's own, dtypes are spelt as torch spells them, and --help shows defaults."""
+    from rewy_hf.training.options import accelerate_mixed_precision, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args([])
+    assert (args.core, args.backend, args.mixed_precision) == ("rewy", "auto", "auto")
+    assert parser.parse_args(["--backend", "torch", "--core", "original"]).backend == "torch"
+    for old in (["--backend", "optimized"], ["--kernels", "auto"], ["--mixed-precision", "bf16"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(old)
+    assert capsys.readouterr().err
+    assert accelerate_mixed_precision("bfloat16") == "bf16" and accelerate_mixed_precision("float16") == "fp16"
+    assert accelerate_mixed_precision("no") == "no"
+    text = parser.format_help()
+    assert "(default: rewy)" in text and "(default: auto)" in text and "(default: 512)" in text
 
 
 def test_resume_without_checkpoint(tmp_path, capsys):
@@ -232,8 +252,14 @@ def test_data_pieces(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
     with pytest.raises(DataError, match="line 1"):
         read_documents(str(tmp_path / "bad.jsonl"))
-    corpus = (ROOT / "recipes" / "data" / "corpus.txt").read_text()
+    from importlib import resources
+
+    from rewy_hf.training.options import BUNDLED_CORPUS
+
+    # shipped inside the package, so the default --data works from any install
+    corpus = resources.files("rewy_hf.training").joinpath("corpus.txt").read_text(encoding="utf-8")
     assert 30_000 < len(corpus.encode()) < 60_000
+    assert BUNDLED_CORPUS.read_text(encoding="utf-8") == corpus
 
     a = [WindowSampler(10, 3, world_size=2, rank=r, seed=1) for r in (0, 1)]
     first_epoch = a[0].indices(0) + a[1].indices(0) + a[0].indices(1)[:1]

@@ -1,0 +1,1 @@
+"""DeltaNet and GDN: one gate value per token and head (or none)."""

@@ -1,0 +1,108 @@
+"""The stages of the Triton backend for GDN and DeltaNet (scalar gate per token and head; CUDA).
+
+Forward: FLA 0.6.0's stage functions, in FLA's order (chunk-local gate
+cumsum in log2 units, the intra-chunk WY pair w, u and A, the state
+recurrence h / v_new, the output). Backward, after the shared skeleton's
+rebuild of h (function.py):
+
+- ``recompute`` rebuilds w and u in rewy's fused prestage (prestage.py),
+  which also forms the local value gradient's inputs: either dV_loc = Aqk^T dO
+  itself, for FLA's reverse recurrence ``bwd_dhu``, or the score tile S^T,
+  for rewy's reverse walk (reverse_walk.py), which forms dV_loc on its way.
+  The walk runs where the sequential launch fills half the GPU
+  (``reverse_walk.chosen``).
+- ``full`` saves w, h and v_new (u is not needed: the local kernel reads
+  neither w nor u, and the reverse recurrence needs only w) and runs FLA's
+  local dv and ``bwd_dhu``.
+- rewy's local kernel (local_backward.py) then computes every input gradient
+  of the chunk: all that ReWY rewrites, in place of FLA's ``chunk_bwd_dqkwg``
+  (which FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1) and
+  ``prepare_wy_repr_bwd``.
+
+The gate and beta arrive activated. Layout [B, T, H, D]; the state is
+[N, HV, K, V] (the entry point transposes a V-first state).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ...constants import CHUNK, RCP_LN2
+from .. import fla_stages, state_launch
+from ..function import ReWYTritonFunction, Tensors
+from . import prestage, reverse_walk
+from .local_backward import rewy_gdn_bwd_local
+
+
+def _fla():
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    return SimpleNamespace(fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum)
+
+
+class ScalarGate:
+    """GDN (g: [B, T, HV] log-decay) and DeltaNet (g None)."""
+
+    saved = ("q", "k", "v", "g2", "beta", "A", "h0", "q_rstd", "k_rstd")
+    full_saved = ("w", "h", "v_new")
+
+    @staticmethod
+    def gate_cumsum(g, pk):
+        return None if g is None else _fla().cumsum(g.float(), chunk_size=CHUNK, scale=RCP_LN2, **pk)
+
+    @staticmethod
+    def intra(t: Tensors, call, pk):
+        t.w, t.u, t.A = _fla().intra(k=t.k, v=t.v, g=t.g2, beta=t.beta, chunk_size=CHUNK, **pk)
+
+    @staticmethod
+    def state_inputs(t: Tensors) -> dict:
+        return dict(k=t.k, w=t.w, g=t.g2)
+
+    @staticmethod
+    def output(t: Tensors, call, pk):
+        return _fla().fwd_o(q=t.q, k=t.k, v=t.v_new, h=t.h, g=t.g2, scale=call.scale, chunk_size=CHUNK, **pk)
+
+    @staticmethod
+    def recompute(t: Tensors, do, call, pk):
+        if reverse_walk.chosen(t.k, t.v, pk.get("cu_seqlens")):
+            t.w, t.u, t.st = prestage.recompute_wu_and_scores(t.q, t.k, t.v, t.beta, t.A, g=t.g2, scale=call.scale,
+                                                              dtype=do.dtype, **pk)
+        else:
+            t.w, t.u, t.dv_local = prestage.recompute_wu_and_dv_local(t.q, t.k, t.v, t.beta, t.A, do, g=t.g2,
+                                                                      scale=call.scale, **pk)
+
+    @staticmethod
+    def reverse(t: Tensors, do, dht, call, pk):
+        if t.st is not None:
+            st, t.st = t.st, None
+            return reverse_walk.reverse_walk(t.q, t.k, t.w, st, do, g=t.g2, h0=t.h0, dht=dht, scale=call.scale, **pk)
+        dv_local, t.dv_local = t.dv_local, None     # dv2 holds it after the recurrence; freed before the local kernel
+        if dv_local is None:
+            dv_local = fla_stages.dv_local(q=t.q, k=t.k, do=do, g=t.g2, scale=call.scale, chunk_size=CHUNK, **pk)
+        return state_launch.bwd_dhu(q=t.q, k=t.k, w=t.w, do=do, dv=dv_local, g=t.g2, h0=t.h0, dht=dht,
+                                    scale=call.scale, chunk_size=CHUNK, **pk)
+
+    @staticmethod
+    def local_backward(t: Tensors, do, dh, dv2, call, pk):
+        dq, dk, dv, dg, db = rewy_gdn_bwd_local(t.q, t.k, t.v, t.v_new, t.g2, t.beta, t.A, t.h, dh, do, dv2,
+                                                scale=call.scale, **pk)
+        return dq, dk, dv, dg, db, None
+
+
+def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
+                    cu_seqlens=None, qk_l2norm: bool = False):
+    """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward.
+    ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA. ``qk_l2norm``:
+    q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
+    h0 = None
+    if initial_state is not None:
+        h0 = (initial_state.transpose(-1, -2) if state_v_first else initial_state).float().contiguous()
+    call = SimpleNamespace(scale=scale, policy=policy, state_v_first=False)
+    o, ht = ReWYTritonFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                     None if g is None else g.contiguous(), beta.contiguous(), None, h0, ScalarGate,
+                                     call, cu_seqlens, qk_l2norm)
+    if not output_final_state:
+        return o, None
+    return o, (ht.transpose(-1, -2) if state_v_first else ht)

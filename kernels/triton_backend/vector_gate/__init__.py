@@ -1,0 +1,1 @@
+"""KDA and GDN2: one gate value per token, head and key channel."""

@@ -1,0 +1,137 @@
+"""The stages of the Triton backend for KDA and GDN2 (vector gates per key channel; CUDA).
+
+Forward: FLA 0.6.0's stage functions in FLA's order: the chunk-local gate
+cumsum in log2 units (``chunk_local_cumsum``), the intra-chunk stage
+(``chunk_kda_fwd_intra`` / ``chunk_gdn2_fwd_intra``: Aqk, A = Akk, w, u,
+and kg, qg), the state recurrence (the states h entering each chunk, v_new)
+and the output (``chunk_gla_fwd_o_gk``).
+
+Backward, around the shared skeleton (function.py): FLA's stages that ReWY
+leaves alone -- the w/u/qg/kg recompute (``recompute`` only), the local dv
+with dAqk (``chunk_kda_bwd_dAv``, shared by KDA and GDN2 in FLA) and the
+reverse state recurrence -- then rewy's two kernels (backward.py) for what
+ReWY rewrites: Residual WY plus the inter-chunk dq/dk/dg terms, and the
+intra-chunk Gram backward by Matrix Intra with the gate's reverse cumulative
+sum.
+
+Policies: ``recompute`` saves what FLA's default saves (inputs, the log2 gate
+cumsum, Aqk, Akk) and rebuilds w, qg, kg, h and v_new; ``full`` (FLA's
+``disable_recompute=True``) also saves w, qg, kg, v_new and h, but not u,
+which the backward never reads (Residual WY needs only Vn).
+
+The gate activation and beta sigmoid are plain torch ops in the caller.
+Layout: FLA's [B, T, heads, D]; gates are natural-log per-token gates,
+[B, T, HV, K]. The state layout (``state_v_first``) and ``cu_seqlens`` are
+handled natively by FLA's stages and by rewy's kernels.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ...constants import CHUNK, RCP_LN2
+from .. import state_launch
+from ..function import ReWYTritonFunction, Tensors
+from .backward import rewy_kda_bwd
+
+
+def _fla(gdn2: bool):
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+    from fla.ops.utils import chunk_local_cumsum
+
+    if gdn2:
+        from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra as intra
+        from fla.ops.gdn2.wy_fast import recompute_w_u_fwd_gdn2 as recompute
+    else:
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra as intra
+        from fla.ops.kda.wy_fast import recompute_w_u_fwd as recompute
+    return SimpleNamespace(fwd_o=chunk_gla_fwd_o_gk, dAv=chunk_kda_bwd_dAv, cumsum=chunk_local_cumsum, intra=intra,
+                           recompute=recompute)
+
+
+class VectorGate:
+    """KDA (beta [B, T, HV], no write gate) and GDN2 (beta: the erase gate b [B, T, H, K];
+    w_gate: the write gate [B, T, H, V])."""
+
+    saved = ("q", "k", "v", "g2", "beta", "w_gate", "Aqk", "Akk", "h0", "q_rstd", "k_rstd")
+    full_saved = ("w", "qg", "kg", "v_new", "h")
+
+    @staticmethod
+    def gate_cumsum(g, pk):
+        return _fla(False).cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **pk)
+
+    @staticmethod
+    def intra(t: Tensors, call, pk):
+        f = _fla(t.w_gate is not None)
+        gates = dict(beta=t.beta) if t.w_gate is None else dict(b=t.beta, w_gate=t.w_gate)
+        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = f.intra(
+            q=t.q, k=t.k, v=t.v, gk=t.g2, **gates, scale=call.scale, chunk_size=CHUNK, safe_gate=call.safe_gate,
+            disable_recompute=call.policy == "full", cu_seqlens=pk.get("cu_seqlens"),
+            chunk_indices=pk.get("chunk_indices"))
+
+    @staticmethod
+    def state_inputs(t: Tensors) -> dict:
+        return dict(k=t.kg, w=t.w, gk=t.g2)
+
+    @staticmethod
+    def output(t: Tensors, call, pk):
+        return _fla(False).fwd_o(q=t.q, v=t.v_new, g=t.g2, A=t.Aqk, h=t.h, scale=call.scale,
+                                 state_v_first=call.state_v_first, chunk_size=CHUNK, **pk)
+
+    @staticmethod
+    def recompute(t: Tensors, do, call, pk):
+        f = _fla(t.w_gate is not None)
+        gates = dict(beta=t.beta) if t.w_gate is None else dict(b=t.beta, w_gate=t.w_gate)
+        t.w, t.u, t.qg, t.kg = f.recompute(k=t.k, v=t.v, **gates, A=t.Akk, gk=t.g2, q=t.q,
+                                           cu_seqlens=pk.get("cu_seqlens"), chunk_indices=pk.get("chunk_indices"))
+
+    @staticmethod
+    def reverse(t: Tensors, do, dht, call, pk):
+        t.dAqk, dv_local = _fla(False).dAv(q=t.q, k=t.k, v=t.v_new, do=do, A=t.Aqk, scale=call.scale,
+                                           chunk_size=CHUNK, **pk)
+        # dv_local is dropped on return: dv2 holds it then, before the local kernels allocate
+        return state_launch.bwd_dhu(q=t.qg, k=t.kg, w=t.w, do=do, dv=dv_local, gk=t.g2, h0=t.h0, dht=dht,
+                                    scale=call.scale, state_v_first=call.state_v_first, chunk_size=CHUNK, **pk)
+
+    @staticmethod
+    def local_backward(t: Tensors, do, dh, dv2, call, pk):
+        # Without GVA the kernels write dq, dk (and GDN2's db) in the input dtypes: no conversion pass after them.
+        return rewy_kda_bwd(t.q, t.k, t.v, t.v_new, t.g2, t.beta, t.Akk, t.h, dh, do, dv2, t.dAqk, call.scale,
+                            w_gate=t.w_gate, state_v_first=call.state_v_first, cu_seqlens=pk.get("cu_seqlens"),
+                            chunk_indices=pk.get("chunk_indices"), final_dtypes=t.q.shape[2] == t.v.shape[2])
+
+
+def _state(initial_state):
+    return None if initial_state is None else initial_state.float().contiguous()
+
+
+def _apply(q, k, v, g, beta, w_gate, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
+           cu_seqlens, qk_l2norm):
+    call = SimpleNamespace(scale=scale, policy=policy, state_v_first=state_v_first, safe_gate=safe_gate)
+    o, ht = ReWYTritonFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                     beta.contiguous(), None if w_gate is None else w_gate.contiguous(),
+                                     _state(initial_state), VectorGate, call, cu_seqlens, qk_l2norm)
+    return o, (ht if output_final_state else None)
+
+
+def triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy, *,
+                    safe_gate: bool = False, cu_seqlens=None, qk_l2norm: bool = False):
+    """KDA on CUDA with the ReWY backward. Activated inputs in FLA's layout:
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] natural-log per-token
+    gates (<= 0); beta [B, T, HV]; initial_state [N, HV, K, V] ([N, HV, V, K]
+    with ``state_v_first``). q, k and v must share one dtype (FLA's kernels).
+    ``qk_l2norm``: q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
+    return _apply(q, k, v, g, beta, None, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
+                  cu_seqlens, qk_l2norm)
+
+
+def triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy, *,
+                     safe_gate: bool = False, cu_seqlens=None, qk_l2norm: bool = False):
+    """GDN2 on CUDA with the ReWY backward: b [B, T, H, K] erase gate, w
+    [B, T, H, V] write gate, no GVA (as in FLA 0.6.0); otherwise as
+    ``triton_kda_core``."""
+    if v.shape[2] != q.shape[2]:
+        raise ValueError("GDN2 has no GVA in FLA 0.6.0: v must have as many heads as q")
+    return _apply(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
+                  cu_seqlens, qk_l2norm)

@@ -1,0 +1,207 @@
+"""Registers, spill stack, shared memory and instruction counts of rewy's backward kernels, compiled without a GPU.
+
+Triton compiles for an NVIDIA target on any machine: its wheel carries ptxas,
+so ``triton.compile`` with a ``GPUTarget`` produces the cubin that a GPU of
+that architecture would run, and cuobjdump reads its resource usage and its
+machine code (SASS). That answers "does this change spill?" and "how many
+instructions does it remove?" in seconds on a machine without a GPU.
+The instruction count is static (each instruction once, loops not
+unrolled); ``--opcodes N`` prints the N most frequent opcodes.
+What it cannot say is how fast the kernel runs: fewer spills do not always
+mean a faster kernel. The local triton may differ from the one the GPU runs,
+so the counts are indicative; a profiler on the GPU has the final word.
+
+    python -m rewy_hf.bench.kernel_registers --kernel kda-intra gdn-local
+    python -m rewy_hf.bench.kernel_registers --kernel kda-intra --warps 2 --stages 2 --block-k 32
+    python -m rewy_hf.bench.kernel_registers --kernel gdn-local --warps 8 --stages 2 --bv 32
+    python -m rewy_hf.bench.kernel_registers --kernel gdn-prestage --prestage-form scores
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+# triton 3.9 warns unless this is set; 1 keeps its default (and triton 3.6's behaviour) of fusing mul + add
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+# Pointer arguments that hold 16-bit data at the bench's settings (BF16 inputs); every other pointer is fp32.
+_BF16 = {
+    "intra": {"q", "k", "beta"},
+    "wy": {"q", "k", "v", "v_new", "beta", "wg", "A", "h", "dh", "do", "dv2", "dv", "dw"},
+    "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
+    "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv", "st"},
+    "gdn-walk": {"q", "k", "w", "st", "do", "dh", "dv2"},
+    "fla-dhu": {"q", "k", "w", "do", "dh", "dv", "dv2"},
+}
+_SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
+KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "gdn-walk", "fla-dhu")
+PRESTAGE_FORMS = ("local-dv", "scores")
+_INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
+
+
+def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None,
+                prestage_form: str = "local-dv"):
+    """(autotuned kernel, dtype group, constexpr values) of one rewy kernel at K, V and H heads.
+    ``prestage_form``: which output the prestage compiles for, the local dv (before FLA's
+    reverse recurrence) or the score tile S^T (before rewy's reverse walk)."""
+    from rewy_hf.kernels.triton_backend.scalar_gate import local_backward, prestage, reverse_walk
+    from rewy_hf.kernels.triton_backend.vector_gate import common, intra_backward, wy_backward
+
+    heads = dict(H=H, HV=H, K=K, BT=64)
+    if name in ("kda-intra", "gdn2-intra"):
+        bk = block_k or common.INTRA_BLOCK_K
+        const = dict(heads, BC=common.SUB_BLOCK, BK=bk, NC=64 // common.SUB_BLOCK, NDB=triton.cdiv(K, 64) + 1,
+                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=False, FULL=K % bk == 0,
+                     PREC=common.INTRA_PRECISION, DPREC=common.DIAG_PRECISION)
+        return intra_backward.rewy_kda_bwd_intra_kernel, "intra", const
+    if name in ("kda-wy", "gdn2-wy"):
+        bk = block_k or 64
+        const = dict(heads, V=V, BK=bk, NK=triton.cdiv(K, bk), VEC=name == "gdn2-wy", STATE_V_FIRST=False,
+                     IS_VARLEN=False, WPREC=common.WY_PRECISION, FULL_T=True)
+        return wy_backward.rewy_kda_bwd_wy_kernel, "wy", const
+    if name == "gdn-local":
+        return local_backward.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
+                                                                           IS_VARLEN=False, FULL_T=True)
+    if name == "gdn-prestage":
+        if prestage_form not in PRESTAGE_FORMS:
+            raise ValueError(f"unknown prestage form {prestage_form!r}: {' or '.join(PRESTAGE_FORMS)}")
+        bk = block_k or 64          # the tile over K and V
+        return prestage.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
+                                                             IS_VARLEN=False, FULL_T=True,
+                                                             LOCAL_DV=prestage_form == "local-dv")
+    if name in ("gdn-walk", "fla-dhu"):
+        # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
+        const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
+        if name == "gdn-walk":
+            return reverse_walk.rewy_gdn_walk_kernel, name, dict(const, USE_DHT=True, USE_DH0=True, NARROW=False)
+        from fla.ops.common import chunk_delta_h as fla
+
+        return fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64, name, dict(
+            const, USE_GK=False, USE_INITIAL_STATE=True, USE_FINAL_STATE_GRADIENT=True, STATE_V_FIRST=False)
+    raise ValueError(f"unknown kernel {name!r}: {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
+
+
+def _jit_function(kernel):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn                                   # autotuner / heuristics wrappers
+    return kernel
+
+
+def compile_for(kernel, group: str, const: dict, num_warps: int, num_stages: int, arch: int = 90,
+                maxnreg: int | None = None):
+    """The kernel compiled for sm_<arch> as the launcher would specialize it (16-byte aligned pointers);
+    ``maxnreg`` caps the registers per thread as a ``triton.Config`` with that field does."""
+    fn = _jit_function(kernel)
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in _SCALARS:
+            sig[n] = _SCALARS[n]
+        elif n in _INDEX_POINTERS:
+            sig[n] = "*i32"
+        else:
+            sig[n] = "*bf16" if n in _BF16[group] else "*fp32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+# one SASS instruction line: /*0a30*/  @!P0 FFMA.FTZ R4, ...  -> FFMA
+_SASS_OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def opcode_counts(compiled) -> collections.Counter:
+    """Static SASS instructions of a compiled kernel, per opcode (modifiers dropped: FFMA.FTZ is FFMA)."""
+    return collections.Counter(m.group(1) for line in _cuobjdump(compiled, "-sass").splitlines()
+                               if (m := _SASS_OP.match(line)))
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread, spill stack bytes per thread and shared memory bytes of a compiled kernel."""
+    out = _cuobjdump(compiled, "--dump-resource-usage")
+    fields = dict(tok.split(":", 1) for line in out.splitlines() if "REG:" in line
+                  for tok in line.split() if ":" in tok)
+    if "REG" not in fields:
+        raise RuntimeError(f"cuobjdump printed no resource line:\n{out}")
+    return dict(registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]),
+                shared_bytes=int(compiled.metadata.shared))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", nargs="+", default=list(KERNELS[:5]),
+                   help=f"any of {', '.join(KERNELS)} (default: the five backward kernels of KDA, GDN2 and GDN)")
+    p.add_argument("--warps", type=int, default=None, help="with --stages: this config instead of the autotune list")
+    p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--maxnreg", type=int, default=None, help="with --warps / --stages: a register cap per thread")
+    p.add_argument("--bv", type=int, default=None,
+                   help="with --warps / --stages: value columns per step (BV) of the kernels that tune it")
+    p.add_argument("--block-k", type=int, default=None, help="key channels per program (default: the wrapper's)")
+    p.add_argument("--prestage-form", choices=PRESTAGE_FORMS, default="local-dv",
+                   help="gdn-prestage: the output it compiles for (default: local-dv)")
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
+    p.add_argument("--opcodes", type=int, default=0, help="also print the N most frequent SASS opcodes")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        p.error("TRITON_INTERPRET=1 makes Triton's kernels Python functions, which cannot be compiled: unset it")
+    if (a.warps is None) != (a.stages is None):
+        p.error("--warps and --stages go together")
+    if a.maxnreg and a.warps is None:
+        p.error("--maxnreg needs --warps and --stages (it caps one config)")
+    rows = []
+    for name in a.kernel:
+        try:
+            kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k, prestage_form=a.prestage_form)
+        except ValueError as e:
+            p.error(str(e))
+        # a kernel without an autotune list is compiled as launched: 4 warps, Triton's default 3 stages
+        tuned = {"BV": a.bv} if a.bv else {}
+        configs = ([triton.Config(tuned, num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg)] if a.warps
+                   else getattr(kernel, "configs", [triton.Config({}, num_warps=4, num_stages=3)]))
+        for c in configs:
+            compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch,
+                                   c.maxnreg)
+            use = resource_usage(compiled)
+            ops = opcode_counts(compiled)
+            use["instructions"] = sum(ops.values())
+            knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
+                     **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
+            rows.append(dict(kernel=name, **knobs, **use))
+            cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
+            print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
+                  f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}", flush=True)
+            if a.opcodes:
+                print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes)), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Reading `rewy-hf bench --json` files back, one or several.
+
+Op-level runs split over several invocations (one per op, or one per GPU of
+a host) are combined into one report: the rows of every file in order, the
+union of their ops. The result is "complete" if every file is, or if the
+rows together cover every (op, policy, shape) any of the runs asked for: a run
+cut short by a time limit is completed by a later run of its missing
+configurations.
+Files from different devices, library versions or timing settings are
+refused, since their rows could not share a table, and so is a configuration
+timed twice, since the report could only silently pick one.
+
+The lower-bound gate check (BOUND_CHECK) only concerns KDA and GDN2 rows. A
+DeltaNet or GDN run from before that check existed held its rows to the same
+check as a run after it, so the two combine; KDA or GDN2 rows with and without
+the second check do not.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..op_inputs import BOUND_OPS
+from .config import BOUND_CHECK
+
+# Settings that must agree for rows of different files to be compared.
+# "check" is compared by _merged_check. The policies a run asked for are not among them:
+# each row names its own policy, so a recompute-only run (--policy recompute) and a run
+# of both combine, as long as no configuration is in both.
+_SAME = ("boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "timing", "autotune")
+_BOUND_CLAUSE = "; " + BOUND_CHECK
+
+
+class MergeError(ValueError):
+    pass
+
+
+def load_run(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise MergeError(f"--from-json {path}: {exc}; pass the file an earlier run wrote with --json") from None
+    if data.get("kind") not in ("ops", "model") or "settings" not in data:
+        raise MergeError(f"--from-json {path} is not a `rewy-hf bench --json` file")
+    return data
+
+
+def merge_runs(paths: list[str]) -> dict:
+    runs = [load_run(p) for p in paths]
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        if run["kind"] != "ops" or first["kind"] != "ops":
+            raise MergeError(f"--from-json: only op-level runs can be combined ({path} is a {run['kind']} run)")
+        if run.get("error") or first.get("error"):
+            raise MergeError(f"--from-json: a run that could not run has no rows to combine ({path})")
+        for key in ("device_name", "versions"):
+            if run.get(key) != first.get(key):
+                raise MergeError(f"--from-json: {path} has a different {key} than {paths[0]}: "
+                                 f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
+        for key in _SAME:
+            if run["settings"].get(key) != first["settings"].get(key):
+                raise MergeError(f"--from-json: {path} was timed with a different {key} than {paths[0]}: "
+                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}")
+    merged = {**first, "settings": {**first["settings"], "check": _merged_check(paths, runs)}, "rows": [],
+              "sources": list(paths)}
+    ops: list[str] = []
+    for path, run in zip(paths, runs):
+        merged["rows"] += [{**r, "source": path} for r in run["rows"]]
+        ops += [op for op in run["settings"]["ops"] if op not in ops and any(r["op"] == op for r in run["rows"])]
+    merged["settings"]["ops"] = ops
+    merged["settings"]["policies"] = [p for p in ("recompute", "full")
+                                      if any(p in run["settings"]["policies"] for run in runs)]
+    # each file's rewy-hf settings (rewy_hf.settings), since runs of one table may have been timed under different ones
+    merged["rewy_env"] = {path: run.get("rewy_env", {}) for path, run in zip(paths, runs)}
+    _refuse_repeats(merged["rows"])
+    merged["ok"] = all(r.get("ok") for r in merged["rows"])
+    if all(r.get("complete", False) for r in runs):
+        merged["complete"] = True
+        merged["exit_code"] = max(int(r.get("exit_code", 1)) for r in runs)
+    else:
+        merged["complete"] = _covers_requests(runs, merged["rows"])
+        merged["exit_code"] = 0 if merged["complete"] and merged["ok"] else 1
+    return merged
+
+
+def _merged_check(paths: list[str], runs: list[dict]) -> str:
+    """The check every row of the combined report was held to, or MergeError."""
+    texts = [run["settings"].get("check", "") for run in runs]
+    mains = [t.removesuffix(_BOUND_CLAUSE) for t in texts]
+    for path, main in zip(paths[1:], mains[1:]):
+        if main != mains[0]:
+            raise MergeError(f"--from-json: {path} was checked differently than {paths[0]}: {main!r} vs {mains[0]!r}")
+    bound = [(path, text.endswith(_BOUND_CLAUSE)) for path, text, run in zip(paths, texts, runs)
+             if any(r["op"] in BOUND_OPS for r in run["rows"])]
+    if any(has != bound[0][1] for _, has in bound):
+        without = next(path for path, has in bound if not has)
+        with_ = next(path for path, has in bound if has)
+        raise MergeError(f"--from-json: the KDA / GDN2 rows of {without} were not checked on gates near the safe "
+                         f"lower bound, those of {with_} were; combine runs of one rewy-hf version, or rerun "
+                         f"{without}'s configurations")
+    if bound:
+        return mains[0] + (_BOUND_CLAUSE if bound[0][1] else "")
+    return texts[0]
+
+
+def _key(row: dict) -> tuple:
+    return row["op"], row["policy"], row["B"], row["T"], row["H"], row["K"], row["V"]
+
+
+def _refuse_repeats(rows: list[dict]) -> None:
+    seen: dict[tuple, str] = {}
+    for row in rows:
+        if _key(row) in seen:
+            op, policy, *shape = _key(row)
+            raise MergeError(f"--from-json: {op} (policy {policy}) at B,T,H,K,V = {','.join(map(str, shape))} is in "
+                             f"both {seen[_key(row)]} and {row['source']}; pass only one run of each configuration")
+        seen[_key(row)] = row["source"]
+
+
+def _covers_requests(runs: list[dict], rows: list[dict]) -> bool:
+    have = {_key(r) for r in rows}
+    return all((op, policy, s["B"], s["T"], s["H"], s["K"], s["V"]) in have
+               for run in runs for op in run["settings"]["ops"] for policy in run["settings"]["policies"]
+               for s in run["settings"]["shapes"])

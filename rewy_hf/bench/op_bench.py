@@ -1,0 +1,311 @@
+"""Op-level `rewy-hf bench`: one (op, policy, shape) configuration at a time.
+
+CUDA: FLA 0.6.0's op (the baseline) against rewy's op, BF16 q/k/v and write
+strengths (beta, b, w), log-sigmoid gates in float32 (as FLA's layers hand
+them over), l2-normalised keys. CPU: rewy's torch backend against autograd through rewy's
+token-by-token reference recurrence (FLA's kernels need a GPU), float32.
+
+Every configuration is checked before it is timed: the input gradients of the
+baseline and of rewy against a higher-precision reference (CUDA: rewy's torch
+backend, policy full, on the same BF16 values in float32; CPU: the float64
+recurrence), as relative Frobenius errors, worst over the gradients. KDA and
+GDN2 are checked twice: on the log-sigmoid gates they are timed with, and on
+gates near FLA's safe lower bound with ``safe_gate=True`` on both sides, the
+regime where their intra-chunk decay factors span the widest range.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .. import ops
+from ..op_inputs import BOUND_OPS, DISPATCH_NAME, GRAD_NAMES, REWY_OPS, Shape, make_inputs
+from ..patching.fault import apply_grad_fault
+from ..patching.reference_cores import fla_reference
+from ..rel_error import rel_err
+from .config import check_T
+from .timing import describe, free_memory, leaves, measure, peak_mb, runner
+
+# Pass rule. rewy may be at most 10 % less accurate than the baseline, plus a
+# floor far below the rounding error of the dtype under test (BF16 gradients
+# sit near 1e-3..1e-2 relative, float32 near 1e-6), so that two near-exact
+# sides are not judged on noise. Where the baseline's gradients cannot be
+# trusted or computed, rewy alone must stay within BF16-level error.
+REL_MARGIN = 1.1
+FLOOR = {"cuda": 1e-5, "cpu": 1e-4}
+UNTRUSTED_TOL = 1e-2
+
+
+@dataclass
+class Settings:
+    device: str
+    backend: str
+    reps: int
+    warmup: int
+    rep_ms: float
+    check_max_tokens: int
+    seed: int
+    gdn_guard: dict          # {"requested": bool, "was_active": bool | None}
+
+    @property
+    def qkv_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+
+@dataclass
+class Impl:
+    """One side under test: ``fn(*inputs) -> o``."""
+    fn: Callable
+    policy: str               # what it saves for backward, as far as it has a say
+    trusted: bool = True      # may its gradients be compared
+    note: str = ""
+
+
+def baseline_label(device: str, versions: dict | None = None) -> str:
+    """The baseline's name in tables; ``versions`` is the run's (FlashQLA installed changes what FLA runs)."""
+    if device != "cuda":
+        return "ref"
+    return "FLA+QLA" if (versions or {}).get("flash-qla") else "FLA"
+
+
+def baseline_description(device: str, versions: dict | None = None) -> str:
+    if device == "cuda":
+        if qla := (versions or {}).get("flash-qla"):
+            return (f"FLA 0.6.0 (fla.ops chunk_* ops) with flash-qla {qla} installed: FLA runs GDN "
+                    "(chunk_gated_delta_rule) through FlashQLA's TileLang kernels, the other ops through its Triton "
+                    "kernels")
+        return "FLA 0.6.0 (fla.ops chunk_* ops, Triton kernels)"
+    return ("autograd through rewy's token-by-token reference recurrence (rewy_hf.kernels.reference, computes in "
+            "float64): a CPU comparison against the reference path, NOT against FLA")
+
+
+# --- the sides ----------------------------------------------------------------------------------
+
+def rewy_impl(op: str, backend: str, policy: str, safe_gate: bool = False) -> Impl:
+    f, name = REWY_OPS[op], DISPATCH_NAME[op]
+    kw = {"safe_gate": True} if safe_gate else {}
+
+    def fn(*x):
+        o, _ = f(*x, backend=backend, policy=policy, **kw)
+        apply_grad_fault(o, name)   # REWY_HF_TEST_FAULT: lets the tests prove that the check can fail
+        return o
+
+    return Impl(fn, policy)
+
+
+def fla_function(op: str) -> Callable:
+    if op == "delta_rule":
+        from fla.ops.delta_rule import chunk_delta_rule as f
+    elif op == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
+    elif op == "kda":
+        from fla.ops.kda import chunk_kda as f
+    else:
+        from fla.ops.gdn2 import chunk_gdn2 as f
+    return f
+
+
+def load_kernel_modules(ops) -> None:
+    """Import FLA's op modules and rewy's Triton kernels for ``ops`` now rather than at their
+    first call. An autotuner not yet imported when the bench forgets the picks would keep its
+    on-disk result cache on, which can hold a pick made at another shape."""
+    import importlib
+
+    for op in ops:
+        try:
+            fla_function(op)
+        except ImportError:     # no FLA: the rows say so when they run
+            pass
+    for name in ("scalar_gate.stages", "vector_gate.stages"):
+        importlib.import_module(f"rewy_hf.kernels.triton_backend.{name}")
+    from ..kernels.triton_backend import state_launch
+
+    try:
+        state_launch.relaunched_kernels()   # built lazily, as they wrap FLA's; they run where B x H is small
+    except ImportError:
+        pass
+
+
+def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> Impl:
+    f = fla_function(op)
+    # FLA 0.6.0 has `disable_recompute` on chunk_kda and chunk_gdn2 only; its GDN
+    # and DeltaNet ops always recompute, so that is what "full" times against there.
+    if "disable_recompute" in inspect.signature(f).parameters:
+        kw, fla_policy = {"disable_recompute": policy == "full"}, f"disable_recompute={policy == 'full'}"
+    else:
+        kw, fla_policy = {}, "recomputes (FLA's only mode for this op)"
+    if safe_gate:
+        kw["safe_gate"] = True
+    impl = Impl(lambda *x: f(*x, **kw)[0], fla_policy)
+    if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active"):
+        impl.trusted = False
+        impl.note = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue "
+                     "#640), so its gradients are not compared")
+    return impl
+
+
+def cpu_baseline_impl(op: str) -> Impl:
+    ref = fla_reference(DISPATCH_NAME[op])
+    return Impl(lambda *x: ref(*x)[0], "autograd keeps every intermediate")
+
+
+def reference_grads(op: str, inputs, do, device: str) -> list[torch.Tensor]:
+    if device == "cuda":
+        f = REWY_OPS[op]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # "torch backend on GPU is slower": known here
+            return grads(lambda *x: f(*x, backend="torch", policy="full")[0],
+                         [x.float() for x in inputs], do.float())
+    ref = fla_reference(DISPATCH_NAME[op])
+    return grads(lambda *x: ref(*x)[0], [x.double() for x in inputs], do.double())
+
+
+def lift_gdn_guard() -> dict:
+    """Let FLA's GDN backward run where FLA 0.6.0 refuses it (Hopper, triton < 3.7.1)."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    was_active = bool(chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1)
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return {"requested": True, "was_active": was_active}
+
+
+# --- correctness --------------------------------------------------------------------------------
+
+def grads(fn: Callable, inputs, do) -> list[torch.Tensor]:
+    xs = leaves(inputs)
+    return list(torch.autograd.grad(fn(*xs), xs, do))
+
+
+def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) -> dict:
+    """Errors of both sides against ``ref`` and the verdict, as row fields."""
+    names = GRAD_NAMES[op]
+    out: dict = {"err_baseline": None, "err_baseline_per_grad": None}
+    try:
+        per = {n: rel_err(g, r) for n, g, r in zip(names, grads(rewy.fn, inputs, do), ref)}
+        out["err_rewy"], out["err_rewy_per_grad"] = max(per.values()), per
+        out["rewy_backend"] = ops.last_backend.get()
+    except Exception as exc:   # a crash is a failed check, with its reason
+        out.update(err_rewy=None, err_rewy_per_grad=None, ok=False, rewy_error=describe(exc),
+                   check_rule="rewy must run")
+        return out
+    if base is not None and base.trusted:
+        try:
+            per = {n: rel_err(g, r) for n, g, r in zip(names, grads(base.fn, inputs, do), ref)}
+            out["err_baseline"], out["err_baseline_per_grad"] = max(per.values()), per
+        except Exception as exc:
+            out["baseline_check_error"] = describe(exc)
+    err_r, err_b = out["err_rewy"], out["err_baseline"]
+    if err_b is not None and math.isfinite(err_b):
+        floor = FLOOR[device]
+        out["check_rule"] = f"err_rewy <= {REL_MARGIN} * err_baseline + {floor:g}"
+        out["ok"] = bool(err_r <= REL_MARGIN * err_b + floor)
+    else:
+        out["check_rule"] = f"err_rewy < {UNTRUSTED_TOL:g} (baseline gradients not compared)"
+        out["ok"] = bool(err_r < UNTRUSTED_TOL)
+    return out
+
+
+def bound_check(ctx: "ShapeContext", policy: str, with_baseline: bool) -> dict:
+    """The lower-bound gate check of one KDA / GDN2 configuration, as ``bound_*`` row fields
+    (the caller makes the row's ``ok`` the conjunction of both checks)."""
+    s = ctx.s
+    rewy = rewy_impl(ctx.op, s.backend, policy, safe_gate=True)
+    base = None
+    if with_baseline:
+        base = fla_impl(ctx.op, policy, s.gdn_guard, safe_gate=True) if s.device == "cuda" else \
+            cpu_baseline_impl(ctx.op)
+    inputs, do, ref = ctx.bound
+    out = check(ctx.op, base, rewy, inputs, do, ref, s.device)
+    return {"bound_" + k: v for k, v in out.items()}
+
+
+# --- one configuration --------------------------------------------------------------------------
+
+class ShapeContext:
+    """Inputs and reference gradients of one (op, shape), shared by its policies; for
+    KDA / GDN2 also those of the lower-bound gate check (``bound``: inputs, do, reference)."""
+
+    def __init__(self, op: str, shape: Shape, s: Settings):
+        self.op, self.shape, self.s = op, shape, s
+        self.check_T = check_T(shape, s.check_max_tokens)
+        check_shape = shape.with_T(self.check_T)
+        self.check_inputs, self.check_do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed)
+        self.ref = reference_grads(op, self.check_inputs, self.check_do, s.device)
+        self.bound = None
+        if op in BOUND_OPS:
+            inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 2, gates="bound")
+            self.bound = (inputs, do, reference_grads(op, inputs, do, s.device))
+
+    def timed_inputs(self):
+        if self.check_T == self.shape.T:
+            return self.check_inputs, self.check_do
+        return make_inputs(self.op, self.shape, self.s.device, self.s.qkv_dtype, self.s.seed + 1)
+
+
+def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
+    op, shape, s = ctx.op, ctx.shape, ctx.s
+    t_start = time.perf_counter()
+    row: dict = {"op": op, "policy": policy, **asdict(shape), "check_T": ctx.check_T,
+                 "check_reduced": ctx.check_T != shape.T}
+    rewy = rewy_impl(op, s.backend, policy)
+    base: Impl | None
+    try:
+        base = fla_impl(op, policy, s.gdn_guard) if s.device == "cuda" else cpu_baseline_impl(op)
+    except Exception as exc:   # e.g. FLA missing an op: rewy is still checked against the reference
+        base, row["baseline_error"] = None, describe(exc)
+    row["baseline_policy"] = base.policy if base else None
+    row["baseline_timing_only"] = bool(base is not None and not base.trusted)
+    row["baseline_note"] = base.note if base else ""
+    row.update(check(op, base, rewy, ctx.check_inputs, ctx.check_do, ctx.ref, s.device))
+    if ctx.bound is not None and not row.get("rewy_error"):
+        row.update(bound_check(ctx, policy, base is not None))
+        row["ok"] = bool(row["ok"] and row["bound_ok"])
+    if row.get("rewy_error"):
+        row["seconds"] = round(time.perf_counter() - t_start, 2)
+        return row
+    inputs, do = ctx.timed_inputs()
+    sides = {"baseline": base, "rewy": rewy} if base is not None else {"rewy": rewy}
+    for boundary in boundaries:
+        runners, errors = {}, {}
+        for name, impl in sides.items():
+            try:
+                runners[name] = runner(boundary, impl.fn, inputs, do)
+            except Exception as exc:
+                errors[name] = describe(exc)
+        samples, timing_errors = measure(runners, s.device, s.warmup, s.reps, s.rep_ms)
+        errors.update(timing_errors)
+        for name in ("baseline", "rewy"):
+            ms = samples.get(name)
+            row[f"{name}_{boundary}_ms"] = statistics.median(ms) if ms else None
+            row[f"{name}_{boundary}_rounds"] = ms or []
+            if name in errors:
+                row.setdefault(f"{name}_error", errors[name])
+        b, r = row["baseline_" + boundary + "_ms"], row["rewy_" + boundary + "_ms"]
+        row[f"speedup_{boundary}"] = b / r if b and r else None
+        del runners
+        free_memory(s.device)
+    if s.device == "cuda":
+        # After the timing: first calls at a new shape autotune, and Triton's
+        # autotuner allocates an L2-flush buffer that would count as peak memory.
+        for name, impl in sides.items():
+            try:
+                row[f"{name}_peak_mb"] = peak_mb(impl.fn, inputs, do)
+            except Exception as exc:
+                row[f"{name}_peak_mb"] = None
+                row.setdefault(f"{name}_error", describe(exc))
+            free_memory(s.device)
+    if row.get("rewy_error"):
+        row["ok"] = False
+    if op == "gdn" and "#640" in (row.get("baseline_error") or row.get("baseline_check_error") or ""):
+        row["baseline_hint"] = ("FLA refuses its GDN backward here (Hopper, triton < 3.7.1); rerun with "
+                                "--lift-gdn-guard to time it (timing only)")
+    row["seconds"] = round(time.perf_counter() - t_start, 2)
+    return row

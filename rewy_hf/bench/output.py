@@ -1,0 +1,348 @@
+"""How `rewy-hf bench` shows its results: progress, the run's environment record, tables,
+Markdown and a PNG bar chart."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import sys
+
+from .. import settings
+
+PLOT_INSTALL_HINT = "pip install matplotlib (or pip install 'rewy-hf[train]')"
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+class Progress:
+    """``step(label)`` after each unit of work, ``write(line)`` for a result line.
+
+    tqdm when installed (the bar on stderr, result lines kept above it), else a
+    flushed ``[i/n] label`` line per unit so a long run in a pipe shows it is alive.
+    """
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            self._bar, self._tqdm = None, None
+        else:
+            self._tqdm = tqdm
+            self._bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {self.desc}: {label}", file=sys.stderr, flush=True)
+
+    def write(self, line: str) -> None:
+        if self._tqdm is not None:
+            self._tqdm.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+@contextlib.contextmanager
+def progress(total: int, desc: str):
+    bar = Progress(total, desc)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# --- environment --------------------------------------------------------------------------------
+
+def environment(device: str) -> dict:
+    import torch
+
+    from ..environment import package_version, rewy_hf_version
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
+    return {"device": device, "device_name": name,
+            "versions": {"torch": torch.__version__, "triton": package_version("triton"),
+                         "flash-linear-attention": package_version("flash-linear-attention"),
+                         "fla-core": package_version("fla-core"), "rewy-hf": rewy_hf_version(),
+                         "transformers": package_version("transformers"),
+                         # FLA dispatches GDN to FlashQLA when it is installed: the baseline then is FlashQLA.
+                         "flash-qla": package_version("flash-qla"), "python": platform.python_version()},
+            # a fault or the finite check changes what is timed
+            "rewy_env": settings.current()}
+
+
+# --- op-level tables ----------------------------------------------------------------------------
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _err(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def fastest_round_speedup(row: dict, boundary: str) -> float | None:
+    """Baseline time / rewy time, each the fastest of its rounds: the ratio without host stalls,
+    which the median of a host-bound side (short kernels, many launches) carries from run to run."""
+    b, r = row.get(f"baseline_{boundary}_rounds"), row.get(f"rewy_{boundary}_rounds")
+    return min(b) / min(r) if b and r and min(r) > 0 else None
+
+
+def geomeans(rows: list[dict], boundaries: list[str]) -> list[dict]:
+    """Geometric-mean speedup per (op, policy, boundary) over the shapes that have one."""
+    out = []
+    keys = list(dict.fromkeys((r["op"], r["policy"]) for r in rows))
+    for op, policy in keys:
+        group = [r for r in rows if r["op"] == op and r["policy"] == policy]
+        for b in boundaries:
+            speeds = [r.get(f"speedup_{b}") for r in group]
+            speeds = [s for s in speeds if s]
+            out.append({"op": op, "policy": policy, "boundary": b, "speedup": geomean(speeds), "shapes": len(speeds)})
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]], markdown: bool = False) -> list[str]:
+    if markdown:
+        md = lambda r: "| " + " | ".join(c or " " for c in r) + " |"  # noqa: E731
+        return [md(header), "|" + "---|" * len(header)] + [md(r) for r in rows]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def _shape(r: dict) -> tuple:
+    return r["B"], r["T"], r["H"], r["K"], r["V"]
+
+
+def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: str, markdown: bool = False,
+                    report_shapes: list[tuple] | None = None) -> str:
+    """One table for one (op, policy): rows are shapes, then the geometric mean.
+    ``report_shapes``: every shape of the report; a table missing some says so,
+    since its geometric mean is then over fewer shapes than its neighbours'."""
+    r0 = rows[0]
+    have = {_shape(r) for r in rows}
+    missing = [s for s in (report_shapes or []) if s not in have]
+    timing_only = any(r.get("baseline_timing_only") for r in rows)
+    b = base + ("*" if timing_only else "")
+    header = ["B,T,H" + ("" if all(r["K"] == r["V"] == 128 for r in rows) else ",K,V")]
+    for bd in boundaries:
+        header += [f"{bd}: {b} ms", f"{bd}: rewy ms", f"{bd} speedup"]
+    if device == "cuda":
+        header += [f"peak MB {b}", "peak MB rewy"]
+    header += [f"err {b}", "err rewy"]
+    bound = any("bound_ok" in r for r in rows)
+    if bound:
+        header += [f"bound err {b}", "bound err rewy"]
+    header += ["check T", "pass"]
+    body = []
+    for r in rows:
+        label = f"{r['B']},{r['T']},{r['H']}" + ("" if header[0] == "B,T,H" else f",{r['K']},{r['V']}")
+        cells = [label]
+        for bd in boundaries:
+            cells += [_ms(r.get(f"baseline_{bd}_ms")), _ms(r.get(f"rewy_{bd}_ms")), _x(r.get(f"speedup_{bd}"))]
+        if device == "cuda":
+            cells += [_mb(r.get("baseline_peak_mb")), _mb(r.get("rewy_peak_mb"))]
+        err_b = "timing only" if r.get("baseline_timing_only") else _err(r.get("err_baseline"))
+        cells += [err_b, _err(r.get("err_rewy"))]
+        if bound:
+            cells += [_err(r.get("bound_err_baseline")), _err(r.get("bound_err_rewy"))]
+        cells += [str(r["check_T"]) + ("*" if r["check_reduced"] else ""), "PASS" if r.get("ok") else "FAIL"]
+        body.append(cells)
+    gm = ["geometric mean" + (f" ({len(rows)} of {len(rows) + len(missing)} shapes)" if missing else "")]
+    for bd in boundaries:
+        gm += ["", "", _x(geomean([r.get(f"speedup_{bd}") for r in rows]))]
+    gm += [""] * (len(header) - len(gm))
+    body.append(gm)
+    several = any(len(r.get(f"rewy_{bd}_rounds") or []) > 1 for r in rows for bd in boundaries)
+    if several:
+        fast = ["geometric mean, fastest rounds"]
+        for bd in boundaries:
+            fast += ["", "", _x(geomean([fastest_round_speedup(r, bd) for r in rows]))]
+        body.append(fast + [""] * (len(header) - len(fast)))
+    backends = sorted({str(r.get("rewy_backend")) for r in rows if r.get("rewy_backend")})
+    title = (f"{r0['op']}, rewy policy {r0['policy']} | {base}: {r0.get('baseline_policy') or '-'} | "
+             f"rewy backend: {', '.join(backends) or '-'}")
+    lines = [f"#### {title}\n" if markdown else title, *_table(header, body, markdown)]
+    notes = []
+    if missing:
+        notes.append("not timed for this op and policy: "
+                     + "; ".join(",".join(map(str, s[:3])) for s in missing))
+    if timing_only:
+        notes.append(f"* {base}: {next(r['baseline_note'] for r in rows if r.get('baseline_timing_only'))}")
+    if bound:
+        notes.append("bound err: the same check on gates near FLA's safe lower bound (safe_gate=True on both "
+                     "sides); pass needs both")
+    if any(r["check_reduced"] for r in rows):
+        notes.append("check T*: the gradient check ran at this reduced T (same B, H) to save time and memory")
+    if several:
+        notes.append("fastest rounds: each side's fastest of its alternating rounds, per shape; the median above "
+                     "keeps rounds in which the host stalled either side, this line leaves them out")
+    for r in rows:
+        for key in ("rewy_error", "baseline_error", "baseline_check_error", "baseline_hint", "bound_rewy_error",
+                    "bound_baseline_check_error"):
+            if r.get(key):
+                notes.append(f"{r['B']},{r['T']},{r['H']}: {key.replace('_', ' ')}: {r[key]}")
+    if markdown:
+        return "\n".join(lines + ([""] if notes else []) + [f"- {n}" for n in notes])
+    return "\n".join(lines + [f"  {n}" for n in notes])
+
+
+def format_op_tables(rows: list[dict], boundaries: list[str], base: str, device: str,
+                     markdown: bool = False) -> list[str]:
+    """One table per (op, policy), in the order the rows first name them."""
+    shapes = list(dict.fromkeys(_shape(r) for r in rows))
+    return [format_op_table([r for r in rows if (r["op"], r["policy"]) == key], boundaries, base, device,
+                            markdown=markdown, report_shapes=shapes)
+            for key in dict.fromkeys((r["op"], r["policy"]) for r in rows)]
+
+
+def markdown_report(data: dict, base: str) -> str:
+    """A whole run (a live run's data or a --json file) as Markdown, for docs/performance.md."""
+    v = data.get("versions", {})
+    st = data.get("settings", {})
+    head = [f"Device: {data.get('device_name')}; " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + ".", ""]
+    if data.get("error"):
+        return "\n".join(head + [f"This run could not run: {data['error']}"]) + "\n"
+    if data.get("kind") == "model":
+        body = format_model_result(data, st.get("model", "?"), st, markdown=True)
+    else:
+        head += [f"Timing: {st.get('timing')}.", ""]
+        if st.get("autotune"):
+            head += [f"Autotune: {st['autotune']}.", ""]
+        head += [f"Check: {st.get('check')}.", ""]
+        rows = data.get("rows", [])
+        body = "\n\n".join(format_op_tables(rows, st.get("boundaries", []), base, data.get("device", "cuda"),
+                                             markdown=True))
+    tail = [] if data.get("complete", False) else ["", "(This run did not finish: these are the rows it wrote.)"]
+    return "\n".join(head + [body] + tail) + "\n"
+
+
+def format_row_line(r: dict, boundaries: list[str], base: str) -> str:
+    """The one line printed as each configuration finishes."""
+    parts = [f"[{r['op']} {r['policy']}] {r['B']},{r['T']},{r['H']},{r['K']},{r['V']}"]
+    for bd in boundaries:
+        parts.append(f"{bd} {base} {_ms(r.get(f'baseline_{bd}_ms'))} / rewy {_ms(r.get(f'rewy_{bd}_ms'))} ms "
+                     f"({_x(r.get(f'speedup_{bd}'))})")
+    err_b = "timing only" if r.get("baseline_timing_only") else _err(r.get("err_baseline"))
+    errs = f"err {base} {err_b} rewy {_err(r.get('err_rewy'))}"
+    if "bound_ok" in r:
+        errs += f"; bound err {base} {_err(r.get('bound_err_baseline'))} rewy {_err(r.get('bound_err_rewy'))}"
+    parts.append(f"{errs} -> {'PASS' if r.get('ok') else 'FAIL'}")
+    return "; ".join(parts)
+
+
+# --- model-level --------------------------------------------------------------------------------
+
+def format_model_result(res: dict, spec: str, settings: dict, markdown: bool = False) -> str:
+    u, p = res["unpatched"], res["patched"]
+    lines = [f"rewy-hf bench --model {spec}: one training step (forward + loss backward + AdamW step + zero_grad), "
+             f"batch {settings['batch_size']} x {settings['seq_len']} tokens, {settings['dtype']}, "
+             f"{settings['device']}, median of {settings['steps']} step(s) after {settings['warmup']} warm-up",
+             ""]
+    header = ["side", "median step ms", "tokens/s", "peak MB", "loss (1st step)"]
+    rows = [[name, _ms(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", _mb(d["peak_mb"]), f"{d['loss'][0]:.5f}"]
+            for name, d in (("unpatched", u), ("patched (rewy)", p))]
+    lines += _table(header, rows, markdown)
+    lines.append(f"\nspeedup (unpatched / patched step time): {res['speedup']:.3f}x")
+    lines.append(f"patched layers: {res['patched_layers']}; optimized backward calls in the timed steps: "
+                 f"{res['optimized_backward_calls']}; fallbacks: {res['fallback_calls']}")
+    if (settings.get("gdn_guard") or {}).get("was_active"):
+        lines.append("note: the unpatched side ran FLA's GDN backward with its guard lifted (Hopper, triton < 3.7.1, "
+                     "FLA #640): its step time is valid, its gradients (and so its later losses) are not trusted")
+    if res.get("reference_cores_unpatched"):
+        lines.append("note: on CPU the unpatched side runs the reference cores (transformers' torch function, or "
+                     "rewy's float64 recurrence for FLA layers), not FLA; CPU step times say nothing about a GPU")
+    return "\n".join(lines)
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+def plot_unavailable() -> str | None:
+    """Why --plot cannot be honoured (checked before any timing), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"--plot needs matplotlib, which is not installed; {PLOT_INSTALL_HINT}, or drop --plot"
+    return None
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")   # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_op_speedups(rows: list[dict], boundaries: list[str], path: str, title: str) -> None:
+    """Grouped bars of speedup (baseline / rewy) per shape, one bar per op, one panel per (boundary, policy)."""
+    plt = _pyplot()
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    shapes = list(dict.fromkeys((r["B"], r["T"], r["H"], r["K"], r["V"]) for r in rows))
+    panels = [(b, p) for b in boundaries for p in policies]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.3 * len(shapes) * max(1, len(ops)) / 2 + 3),
+                                                      3.2 * len(panels)), squeeze=False)
+    width = 0.8 / max(1, len(ops))
+    for ax, (b, p) in zip(axes[:, 0], panels):
+        for j, op in enumerate(ops):
+            by_shape = {(r["B"], r["T"], r["H"], r["K"], r["V"]): r.get(f"speedup_{b}")
+                        for r in rows if r["op"] == op and r["policy"] == p}
+            xs = [i + (j - (len(ops) - 1) / 2) * width for i in range(len(shapes))]
+            heights = [by_shape.get(s) or 0.0 for s in shapes]
+            ax.bar(xs, heights, width=width, label=op)
+            for x, h in zip(xs, heights):
+                if not h:   # no speedup for this shape (a side did not run): say so rather than draw nothing
+                    ax.text(x, 0.02, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.set_ylim(0, max([1.0] + [r.get(f"speedup_{b}") or 0.0 for r in rows if r["policy"] == p]) * 1.3)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"{s[0]},{s[1]},{s[2]}" + ("" if s[3] == s[4] == 128 else f",{s[3]},{s[4]}")
+                            for s in shapes], fontsize=8)
+        ax.set_ylabel("speedup (x)")
+        ax.set_title(f"boundary {b} ({'backward only' if b == 'B' else 'forward + backward'}), policy {p}",
+                     fontsize=10)
+        ax.legend(fontsize=8, ncol=len(ops), loc="upper left")   # the 1.3x headroom keeps it off the bars
+    axes[-1, 0].set_xlabel("shape B,T,H (,K,V where not 128)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_model_steps(res: dict, path: str, title: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    values = [res["unpatched"]["median_step_ms"], res["patched"]["median_step_ms"]]
+    ax.bar(["unpatched", "patched (rewy)"], values, color=["#888888", "#3a7dc9"])
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"{title}\nspeedup {res['speedup']:.3f}x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

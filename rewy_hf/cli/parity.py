@@ -1,0 +1,127 @@
+"""`rewy-hf parity`: prove on your own model that rewy changes nothing it computes.
+
+Exit codes: 0 parity holds, 1 a tolerance was violated, 2 could not run
+(load failure, no supported layer, unsupported configuration, or no optimized
+backward ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..validation import POLICIES
+from .options import DTYPES, JsonReport, add_backend, add_dtype, add_json, at_least
+
+HELP = "compare loss and gradients of your model patched vs unpatched (exit 0 = parity holds)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="hub id, local directory, or preset (see --list-presets); required unless --list-presets")
+    parser.add_argument("--list-presets", action="store_true",
+                        help="print the presets and the supported architectures, then exit")
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="where to run (default: cuda if available, else cpu)")
+    add_dtype(parser, DTYPES, "float32", "the model's dtype (both sides)")
+    parser.add_argument("--batch-size", type=at_least(1), default=2, help="sequences per batch")
+    parser.add_argument("--seq-len", type=at_least(1), default=128,
+                        help="tokens per sequence (> 64: FLA's DeltaNet layer runs its chunk core only above 64)")
+    parser.add_argument("--steps", type=at_least(1), default=2, help="forward+backward repetitions, fresh batch each")
+    parser.add_argument("--text-file", default=None,
+                        help="draw batches from this text through the model's tokenizer (default: random tokens)")
+    parser.add_argument("--lora", action="store_true", help="compare under a PEFT LoRA wrap (all linear layers)")
+    parser.add_argument("--policy", choices=POLICIES, default="recompute",
+                        help="what rewy's forward saves for backward")
+    add_backend(parser)
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="relative gradient tolerance (default per dtype: float32 1e-3, bfloat16 1e-1)")
+    parser.add_argument("--loss-tolerance", type=float, default=None,
+                        help="relative loss tolerance (default per dtype: float32 1e-5, bfloat16 2e-2)")
+    parser.add_argument("--no-update", action="store_true", help="skip the optimizer-step comparison")
+    parser.add_argument("--reference", choices=("auto", "original", "torch"), default="auto",
+                        help="what the unpatched side runs: its original core ('original'), the plain-torch / "
+                             "float64 reference core ('torch'), or 'auto' = original on CUDA, torch on CPU")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random batches and preset weights")
+    add_json(parser, "the full report")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let transformers run the model repository's own code")
+
+
+def list_presets() -> str:
+    from ..adapters import all_adapters
+    from ..models.loading import preset_names
+
+    lines = ["presets (random weights from a fixed seed, no download):"]
+    lines += [f"  {name}" for name in preset_names()]
+    rows = [(a.family, a.op, cls) for a in all_adapters() for cls in a.layer_classes]
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    lines += ["", "supported architectures (delta-rule layer classes rewy-hf patches; --model takes any model "
+              "that has one):"]
+    lines += [f"  {family:<{widths[0]}}  {op:<{widths[1]}}  {cls}" for family, op, cls in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        print(list_presets())
+        return 0
+    if args.model is None:
+        print("rewy-hf parity: --model is required: a hub id, a local directory or a preset "
+              "(rewy-hf parity --list-presets lists the presets)", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from ..cpu_triton import enable_cpu_interpreter
+    from ..errors import UnsupportedConfigError
+    from ..models.loading import ModelLoadError, load_causal_lm
+    from ..parity.comparison import DEFAULT_TOLERANCES, Tolerance, run_parity
+    from ..parity.inputs import token_batches, with_lora
+    from ..parity.output import format_result, progress_bar
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("rewy-hf parity: --device cuda, but torch sees no CUDA device; use --device cpu", file=sys.stderr)
+        return 2
+    if device == "cpu":
+        enable_cpu_interpreter()
+    dtype = getattr(torch, args.dtype)
+    base = DEFAULT_TOLERANCES[dtype]
+    tol = Tolerance(loss_rel=args.loss_tolerance or base.loss_rel, grad_rel=args.tolerance or base.grad_rel,
+                    min_cosine=base.min_cosine)
+    report = JsonReport(args.json)
+
+    def could_not_run(reason: str) -> int:
+        print(f"rewy-hf parity: could not run: {reason}", file=sys.stderr)
+        report.finish({"ok": False, "exit_code": 2, "error": reason, "model": args.model})
+        return 2
+
+    with report.human_output():
+        try:
+            loaded = load_causal_lm(args.model, revision=args.revision, dtype=dtype, device=device,
+                                    trust_remote_code=args.trust_remote_code, seed=args.seed)
+            model = loaded.model
+            if args.lora:
+                model = with_lora(model)
+            batches = token_batches(model, loaded.tokenizer, batch_size=args.batch_size, seq_len=args.seq_len,
+                                    steps=args.steps, seed=args.seed, text_file=args.text_file, name=args.model)
+            with progress_bar(args.steps, f"parity {args.model}") as advance:
+                result = run_parity(model, batches, tolerance=tol, backend=args.backend, policy=args.policy,
+                                    check_update=not args.no_update, progress=advance,
+                                    reference_cores=None if args.reference == "auto" else args.reference == "torch")
+        except (ModelLoadError, UnsupportedConfigError, ValueError) as exc:
+            return could_not_run(str(exc))
+        except Exception as exc:  # e.g. the original core refusing to run on this GPU (FLA's Hopper guard)
+            hint = "" if args.reference == "torch" else "; try --reference torch"
+            return could_not_run(f"{type(exc).__name__}: {exc}{hint}")
+
+        if result.optimized_backward_calls == 0:
+            return could_not_run(
+                "the patched model ran no optimized backward (its layers never reached the chunked core); "
+                "FLA's DeltaNet uses a recurrent kernel for sequences of 64 tokens or fewer: raise --seq-len")
+        print(format_result(result, model=args.model, dtype=args.dtype, device=device))
+    report.finish({"model": args.model, "device": device, "dtype": args.dtype, "exit_code": 0 if result.ok else 1,
+                   **result.to_dict()})
+    return 0 if result.ok else 1

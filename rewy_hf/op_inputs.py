@@ -1,0 +1,95 @@
+"""Random inputs for the four ops, shared by `rewy-hf bench`, `rewy-hf verify` and `rewy-hf demo`.
+
+Ops go by short names here (``delta_rule``, ``gdn``, ``kda``, ``gdn2``); each
+maps to its public op and to the name it has in the dispatch report and in
+``REWY_HF_TEST_FAULT=...@<op>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+OPS = ("delta_rule", "gdn", "kda", "gdn2")
+REWY_OPS = {"delta_rule": ops.chunk_delta_rule, "gdn": ops.chunk_gated_delta_rule, "kda": ops.chunk_kda,
+            "gdn2": ops.chunk_gdn2}
+DISPATCH_NAME = {"delta_rule": "delta_rule", "gdn": "gated_delta_rule", "kda": "kda", "gdn2": "gdn2"}
+GRAD_NAMES = {
+    "delta_rule": ("q", "k", "v", "beta"),
+    "gdn": ("q", "k", "v", "g", "beta"),
+    "kda": ("q", "k", "v", "g", "beta"),
+    "gdn2": ("q", "k", "v", "g", "b", "w"),
+}
+
+# Gates near FLA's safe lower bound: g = LOWER_BOUND * sigmoid(x + 3), inside
+# (-5, 0) and mostly near -4.8 per token, as a layer with use_gate_in_kernel
+# and lower_bound = -5 (FLA's safe_gate range) produces when its gate
+# saturates. Only the vector-gated ops have such a bound.
+BOUND_OPS = ("kda", "gdn2")
+LOWER_BOUND = -5.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.B},{self.T},{self.H}" + ("" if self.K == self.V == 128 else f",{self.K},{self.V}")
+
+    def with_T(self, T: int) -> "Shape":
+        return Shape(self.B, T, self.H, self.K, self.V)
+
+
+def make_inputs(op: str, s: Shape, device: str, qkv_dtype: torch.dtype, seed: int, gates: str = "logsigmoid"):
+    """Op inputs in FLA's argument order, and an output gradient. ``gates``: "logsigmoid",
+    or "bound" (KDA / GDN2 only) for gates near the safe lower bound (see BOUND_OPS)."""
+    if gates == "bound" and op not in BOUND_OPS:
+        raise ValueError(f"gates at the safe lower bound are a check of {', '.join(BOUND_OPS)}, not of {op}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, device=device, generator=gen)  # noqa: E731
+    u = lambda *shape: torch.rand(*shape, device=device, generator=gen)   # noqa: E731
+    if gates == "bound":
+        gate = lambda *shape: LOWER_BOUND * torch.sigmoid(r(*shape) + 3.0)  # noqa: E731
+    else:
+        gate = lambda *shape: F.logsigmoid(r(*shape))                       # noqa: E731
+    B, T, H, K, V = s.B, s.T, s.H, s.K, s.V
+    qkv = [r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)]
+    # As FLA's layers hand them to the op: log-gates in float32 (computed in
+    # float32 there), write strengths (beta, b, w) in the model dtype.
+    if op == "delta_rule":
+        gate_inputs, strengths = [], [u(B, T, H)]
+    elif op == "gdn":
+        gate_inputs, strengths = [gate(B, T, H)], [u(B, T, H)]
+    elif op == "kda":
+        gate_inputs, strengths = [gate(B, T, H, K)], [u(B, T, H)]
+    else:
+        gate_inputs, strengths = [gate(B, T, H, K)], [u(B, T, H, K), u(B, T, H, V)]
+    do = r(B, T, H, V).to(qkv_dtype)
+    return [x.to(qkv_dtype) for x in qkv] + gate_inputs + [x.to(qkv_dtype) for x in strengths], do
+
+
+def float64_inputs(op: str, gen: torch.Generator, shape: Shape):
+    """float64 op inputs (leaves that require grad) and an initial state, for checks against the
+    float64 recurrence; ``op`` is a public op name (``chunk_kda``, ...)."""
+    B, T, H, K, V = shape.B, shape.T, shape.H, shape.K, shape.V
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)   # noqa: E731
+    q, k, v = r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)
+    if op == "chunk_delta_rule":
+        args = [q, k, v, u(B, T, H)]
+    elif op == "chunk_gated_delta_rule":
+        args = [q, k, v, F.logsigmoid(r(B, T, H)), u(B, T, H)]
+    elif op == "chunk_kda":
+        args = [q, k, v, F.logsigmoid(r(B, T, H, K)), u(B, T, H)]
+    else:
+        args = [q, k, v, F.logsigmoid(r(B, T, H, K)), u(B, T, H, K), u(B, T, H, V)]
+    return [a.requires_grad_() for a in args], 0.5 * r(B, H, K, V)

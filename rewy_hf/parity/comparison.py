@@ -1,0 +1,246 @@
+"""Loss and gradient parity of a patched model against its unpatched self.
+
+The model is copied before patching, so both sides start from the same weights
+(and, with LoRA, the same adapter weights). Each step feeds both the same
+batch, runs forward + backward, and compares the loss and every trainable
+parameter's gradient (relative error ||x - ref|| / ||ref|| and cosine
+similarity). The unpatched side runs its original core; where that cannot run
+(CPU with FLA installed, FLA-hub layers on CPU) it runs the reference core of
+``rewy_hf.patching.reference_cores``. Optionally one optimizer step is taken
+on both sides and the parameter updates are compared too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from ..patching.dispatch import dispatch_report, reset_dispatch_report
+from ..patching.patch import patch_model, unpatch_model
+from ..patching.reference_cores import use_reference_cores
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    loss_rel: float
+    grad_rel: float
+    min_cosine: float
+
+
+# float32: both sides accumulate in fp32 but in different orders; gradients of
+# gate parameters (A_log, dt_bias) sum many cancelling per-token terms and sit
+# near 1e-4 relative even between two correct fp32 implementations.
+# bfloat16: activations round to 8 mantissa bits on both sides.
+DEFAULT_TOLERANCES = {
+    torch.float64: Tolerance(loss_rel=1e-9, grad_rel=1e-7, min_cosine=1 - 1e-12),
+    torch.float32: Tolerance(loss_rel=1e-5, grad_rel=1e-3, min_cosine=1 - 1e-6),
+    torch.bfloat16: Tolerance(loss_rel=2e-2, grad_rel=1e-1, min_cosine=0.99),
+    torch.float16: Tolerance(loss_rel=1e-2, grad_rel=5e-2, min_cosine=0.995),
+}
+
+
+@dataclass
+class ParamResult:
+    name: str
+    group: str
+    numel: int
+    rel_err: float
+    cosine: float
+    ok: bool
+    tiny: bool = False     # judged against the tiny-gradient floor, see compare()
+
+
+@dataclass
+class ParityResult:
+    tolerance: Tolerance
+    losses: list[tuple[float, float]] = field(default_factory=list)        # (unpatched, patched) per step
+    params: list[ParamResult] = field(default_factory=list)               # worst over steps
+    update: list[ParamResult] = field(default_factory=list)               # optimizer-step comparison
+    backward_ms: dict[str, list[float]] = field(default_factory=lambda: {"unpatched": [], "patched": []})
+    patch_report: dict | None = None
+    dispatch: dict | None = None
+
+    @property
+    def loss_rel_err(self) -> float:
+        return max((abs(p - u) / max(abs(u), 1e-30) for u, p in self.losses), default=0.0)
+
+    @property
+    def optimized_backward_calls(self) -> int:
+        ops = (self.dispatch or {}).get("ops", {})
+        return sum(e["optimized_backward_calls"] for e in ops.values())
+
+    @property
+    def ok(self) -> bool:
+        return (self.loss_rel_err <= self.tolerance.loss_rel and all(p.ok for p in self.params)
+                and all(p.ok for p in self.update) and self.optimized_backward_calls > 0)
+
+    def failing(self) -> list[ParamResult]:
+        return [p for p in self.params + self.update if not p.ok]
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "tolerance": asdict(self.tolerance),
+            "loss": [{"unpatched": u, "patched": p, "abs_diff": abs(p - u),
+                      "rel_diff": abs(p - u) / max(abs(u), 1e-30)} for u, p in self.losses],
+            "loss_rel_err": self.loss_rel_err,
+            "gradients": [asdict(p) for p in self.params],
+            "update": [asdict(p) for p in self.update],
+            "groups": group_summary(self.params),
+            "backward_ms": {k: _median(v) for k, v in self.backward_ms.items()},
+            "backward_speedup": _ratio(self.backward_ms),
+            "optimized_backward_calls": self.optimized_backward_calls,
+            "patch_report": self.patch_report,
+            "dispatch": self.dispatch,
+        }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(ms: dict[str, list[float]]) -> float | None:
+    u, p = _median(ms["unpatched"]), _median(ms["patched"])
+    return None if not u or not p else u / p
+
+
+_GROUP = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def param_group(name: str) -> str:
+    """``model.layers.3.linear_attn.A_log`` -> ``model.layers.3``; others by first component."""
+    m = _GROUP.match(name)
+    return m.group(1) if m else name.split(".")[0]
+
+
+# A gradient smaller than this fraction of the largest one is judged against
+# that floor instead of its own norm: freshly initialised gate parameters can
+# have gradients of 1e-9 next to 1e-1 elsewhere, where two correct float32
+# implementations already disagree by 100 % relative, and where no update a
+# training run takes could tell them apart.
+TINY_GRADIENT = 1e-4
+
+
+def compare(name: str, x: torch.Tensor, ref: torch.Tensor, tol: Tolerance, floor: float = 0.0) -> ParamResult:
+    x, ref = x.detach().double().flatten(), ref.detach().double().flatten()
+    ref_norm, x_norm = ref.norm().item(), x.norm().item()
+    diff = (x - ref).norm().item()
+    if ref_norm == 0.0:
+        rel = 0.0 if diff == 0.0 else math.inf
+    else:
+        rel = diff / ref_norm
+    cosine = 1.0 if ref_norm == 0.0 and x_norm == 0.0 else (
+        (x @ ref).item() / (x_norm * ref_norm) if x_norm and ref_norm else 0.0)
+    if math.isnan(rel) or math.isnan(cosine) or math.isnan(diff):
+        return ParamResult(name, param_group(name), x.numel(), math.inf, -1.0, False)
+    tiny = ref_norm < floor
+    ok = diff <= tol.grad_rel * max(ref_norm, floor) and (tiny or cosine >= tol.min_cosine or rel <= tol.grad_rel * 1e-3)
+    return ParamResult(name, param_group(name), x.numel(), rel, cosine, ok, tiny)
+
+
+def group_summary(params: list[ParamResult]) -> list[dict]:
+    groups: dict[str, list[ParamResult]] = {}
+    for p in params:
+        groups.setdefault(p.group, []).append(p)
+    out = []
+    for name, ps in groups.items():
+        worst = max(ps, key=lambda p: p.rel_err)
+        out.append({"group": name, "params": len(ps), "max_rel_err": worst.rel_err,
+                    "min_cosine": min(p.cosine for p in ps), "worst_param": worst.name,
+                    "ok": all(p.ok for p in ps)})
+    return out
+
+
+def _loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=input_ids, labels=input_ids)
+    return out.loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model: nn.Module, input_ids: torch.Tensor, reference: bool) -> tuple[float, float, dict]:
+    model.zero_grad(set_to_none=True)
+    ctx = use_reference_cores(model) if reference else contextlib.nullcontext()
+    with ctx:
+        loss = _loss(model, input_ids)
+        _sync(input_ids.device)
+        t0 = time.perf_counter()
+        loss.backward()
+        _sync(input_ids.device)
+        ms = (time.perf_counter() - t0) * 1e3
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return loss.item(), ms, grads
+
+
+def run_parity(
+    model: nn.Module,
+    batches: Iterable[torch.Tensor],
+    *,
+    tolerance: Tolerance,
+    backend: str = "auto",
+    policy: str = "recompute",
+    check_update: bool = True,
+    reference_cores: bool | None = None,
+    progress=None,
+) -> ParityResult:
+    """Compare ``model`` patched vs unpatched on ``batches`` of token ids.
+
+    ``model`` itself becomes the patched side; an unpatched deep copy is the
+    reference. ``reference_cores`` makes the unpatched side run the reference
+    cores instead of its original ones (default: on CPU only, where the
+    originals cannot run). ``progress`` is an optional callable(step).
+    """
+    reference_model = copy.deepcopy(model)
+    unpatch_model(reference_model)          # in case the caller had patched it already
+    device = next(model.parameters()).device
+    use_reference = device.type != "cuda" if reference_cores is None else reference_cores
+    result = ParityResult(tolerance=tolerance)
+    result.patch_report = patch_model(model, backend=backend, policy=policy).to_dict()
+    reset_dispatch_report()
+    worst: dict[str, ParamResult] = {}
+    last_grads = None
+    for step, input_ids in enumerate(batches):
+        input_ids = input_ids.to(device)
+        loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference)
+        loss_p, ms_p, grads_p = _step(model, input_ids, reference=False)
+        result.losses.append((loss_u, loss_p))
+        result.backward_ms["unpatched"].append(ms_u)
+        result.backward_ms["patched"].append(ms_p)
+        floor = TINY_GRADIENT * max((g.double().norm().item() for g in grads_u.values()), default=0.0)
+        for name, g_ref in grads_u.items():
+            g = grads_p.get(name)
+            r = compare(name, g if g is not None else torch.zeros_like(g_ref), g_ref, tolerance, floor)
+            if name not in worst or r.rel_err > worst[name].rel_err:
+                worst[name] = r
+        last_grads = (grads_u, grads_p)
+        if progress is not None:
+            progress(step)
+    result.params = list(worst.values())
+    result.dispatch = dispatch_report()
+    if check_update and last_grads is not None:
+        result.update = _compare_update(reference_model, model, tolerance)
+    return result
+
+
+def _compare_update(reference_model: nn.Module, model: nn.Module, tol: Tolerance) -> list[ParamResult]:
+    """One SGD step from each side's last gradients: the updates must agree too."""
+    updates = []
+    for side in (reference_model, model):
+        before = {n: p.detach().clone() for n, p in side.named_parameters() if p.requires_grad}
+        opt = torch.optim.SGD([p for p in side.parameters() if p.requires_grad], lr=1e-2)
+        opt.step()
+        updates.append({n: side.get_parameter(n).detach() - before[n] for n in before})
+    floor = TINY_GRADIENT * max((u.double().norm().item() for u in updates[0].values()), default=0.0)
+    return [compare(f"update:{n}", updates[1][n], u, tol, floor) for n, u in updates[0].items()]

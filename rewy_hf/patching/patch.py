@@ -1,0 +1,271 @@
+"""patch_model / unpatch_model / patched: swap only the delta-rule core, per instance.
+
+For each supported layer, the module-level core name its forward calls is
+replaced (once per process) by a ``CoreDispatcher``, and a small wrapper is
+bound into the layer instance's ``__dict__['forward']`` that marks the layer as
+active while its forward runs. Only marked layers reach rewy; every other
+model keeps its original core. Parameters, buffers, the state dict and the
+config are never touched, so checkpoints are byte-identical.
+
+Order with PEFT and Accelerate: patch before or after ``get_peft_model`` (the
+LoRA wrapping replaces Linear children, not the delta-rule layer), and before
+``accelerator.prepare`` (prepare may wrap the model; patching the wrapper also
+works, since it walks all submodules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from ..adapters import find_adapter, looks_like_delta_rule
+from ..adapters.base import Adapter
+from ..errors import UnsupportedConfigError
+from ..validation import BACKENDS, POLICIES
+from .dispatch import ACTIVE_LAYER, CoreDispatcher, route
+from .flash_qla import GDN_OP, WARNING as FLASH_QLA_WARNING, flash_qla_serves_gdn
+from .report import PatchedLayer, PatchReport, SkippedLayer
+
+FALLBACKS = ("error", "original")
+_STATE_ATTR = "_rewy_patch"
+# Reentrant: a layer collected by the garbage collector while this thread holds the
+# lock runs _restore_site_if_unused (below) inside the critical section.
+_SITES_LOCK = threading.RLock()
+# Per core site, the layers currently patched for it (weakly held: a layer that
+# is garbage-collected stops counting). When the last one is unpatched, or
+# collected, the module-level name is restored.
+_SITE_LAYERS: dict[str, weakref.WeakSet] = {}
+# Layers that already carry a finalizer releasing their site (see _restore_site_if_unused).
+_WATCHED: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass
+class LayerPatch:
+    """The per-instance patch state, stored in the layer's ``__dict__``."""
+
+    name: str
+    layer_class: str
+    adapter: Adapter
+    backend: str
+    policy: str
+    fallback: str
+    previous_forward: Callable | None   # an instance-level forward that was there before us
+
+    def call_core(self, original: Callable, args: tuple, kwargs: dict):
+        return route(self, original, args, kwargs)
+
+
+class PatchedForward:
+    """The forward bound into a patched layer's ``__dict__``.
+
+    A small class rather than a bound method so that ``torch.save`` /
+    ``copy.deepcopy`` of a patched model rebuild it around the copied layer
+    (a bound method would be re-fetched by name and lose the patch).
+    """
+
+    __name__ = "forward"
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        return _patched_forward(self.layer, *args, **kwargs)
+
+    def __reduce__(self):
+        return (PatchedForward, (self.layer,))
+
+    # Look like the bound forward it wraps, for code that inspects forwards
+    # (signature checks for accepted keyword arguments, hooks that wrap them).
+    @property
+    def __self__(self) -> nn.Module:
+        return self.layer
+
+    @property
+    def __wrapped__(self):
+        state = self.layer.__dict__.get(_STATE_ATTR)
+        if state is not None and state.previous_forward is not None:
+            return state.previous_forward
+        return type(self.layer).forward.__get__(self.layer)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
+
+
+def _patched_forward(self: nn.Module, *args, **kwargs):
+    state: LayerPatch = self.__dict__[_STATE_ATTR]
+    # A deep copy (or any clone made without patch_model) carries the patch
+    # state but was never registered; make sure its site still dispatches.
+    # Checked without the lock: on every forward after the first it is a
+    # dict lookup and a set membership test.
+    registered = _SITE_LAYERS.get(state.adapter.site)
+    if registered is None or self not in registered or not _site_dispatches(state.adapter):
+        _install_dispatcher(state.adapter, self)
+    token = ACTIVE_LAYER.set(state)
+    try:
+        if state.previous_forward is not None:
+            return state.previous_forward(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        ACTIVE_LAYER.reset(token)
+
+
+def _site_dispatches(adapter: Adapter) -> bool:
+    module = sys.modules.get(adapter.site_module)
+    return module is not None and isinstance(getattr(module, adapter.site_attr, None), CoreDispatcher)
+
+
+def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
+    with _SITES_LOCK:
+        module = importlib.import_module(adapter.site_module)
+        current = getattr(module, adapter.site_attr)
+        if not isinstance(current, CoreDispatcher):
+            setattr(module, adapter.site_attr, CoreDispatcher(current, adapter.site))
+        _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
+        # A patched model dropped without unpatch_model must not leave the dispatcher behind.
+        # One finalizer per layer, however often it is patched and unpatched.
+        if layer not in _WATCHED:
+            _WATCHED.add(layer)
+            weakref.finalize(layer, _restore_site_if_unused, adapter)
+
+
+def _restore_site_if_unused(adapter: Adapter) -> None:
+    """Restore the site's original core once no live patched layer is registered there
+    (after an unpatch, and from a patched layer's finalizer when it is collected)."""
+    with _SITES_LOCK:
+        layers = _SITE_LAYERS.get(adapter.site)
+        # Iterate rather than len(): the dying layer's entry may not be purged yet.
+        if layers is not None and next(iter(layers), None) is not None:
+            return
+        module = sys.modules.get(adapter.site_module)
+        current = None if module is None else getattr(module, adapter.site_attr, None)
+        if isinstance(current, CoreDispatcher):
+            setattr(module, adapter.site_attr, current.original)
+
+
+def _release_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
+    with _SITES_LOCK:
+        _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).discard(layer)
+        _restore_site_if_unused(adapter)
+
+
+def _resolve_backend(backend: str, model: nn.Module) -> str:
+    """What the report shows: the backend, or ``auto`` (decided per call: triton on
+    CUDA where rewy has Triton kernels, torch elsewhere; the dispatch report
+    counts which one served each call)."""
+    if backend not in BACKENDS:
+        raise UnsupportedConfigError(f"`backend`={backend!r} is unknown; choose one of {BACKENDS}.")
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if backend == "auto" and not on_cuda:
+        return "torch"
+    return backend
+
+
+def _layer_class(layer: nn.Module) -> str:
+    return type(layer).__name__
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    policy: str = "recompute",
+    fallback: str = "error",
+    strict: bool = True,
+) -> PatchReport:
+    """Route the chunked delta-rule core of every supported layer of ``model`` to rewy.
+
+    Idempotent (a patched layer is left as it is and reported), reversible with
+    ``unpatch_model``, and scoped to this instance. ``fallback="original"``
+    runs the original core for calls rewy cannot serve, counting each in
+    ``rewy_hf.dispatch_report()``; ``fallback="error"`` raises
+    ``UnsupportedConfigError`` instead. With ``strict=True`` a model without a
+    supported layer is an error; with ``strict=False`` the report is empty.
+    """
+    if policy not in POLICIES:
+        raise UnsupportedConfigError(f"`policy`={policy!r} is unknown; choose one of {POLICIES}.")
+    if fallback not in FALLBACKS:
+        raise UnsupportedConfigError(f"`fallback`={fallback!r} is unknown; choose one of {FALLBACKS}.")
+    backend = _resolve_backend(backend, model)
+    report = PatchReport(backend=backend, policy=policy, fallback=fallback)
+    for name, layer in model.named_modules():
+        existing = layer.__dict__.get(_STATE_ATTR)
+        if existing is not None:
+            report.patched.append(PatchedLayer(name, _layer_class(layer), existing.adapter.op,
+                                               existing.backend, existing.policy, already=True))
+            continue
+        adapter = find_adapter(layer)
+        if adapter is None:
+            if looks_like_delta_rule(layer):
+                report.skipped.append(SkippedLayer(name, _layer_class(layer), "no rewy adapter for this layer class"))
+            continue
+        reason = adapter.unsupported_reason(layer)
+        if reason is not None:
+            report.skipped.append(SkippedLayer(name, _layer_class(layer), reason))
+            continue
+        _install_dispatcher(adapter, layer)
+        layer.__dict__[_STATE_ATTR] = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback,
+                                                 layer.__dict__.get("forward"))
+        layer.forward = PatchedForward(layer)
+        report.patched.append(PatchedLayer(name, _layer_class(layer), adapter.op, backend, policy))
+    if strict and not report.patched:
+        raise UnsupportedConfigError(
+            f"no supported delta-rule layer found in {type(model).__name__}"
+            + (f" ({len(report.skipped)} found but not supported: see the report with strict=False)"
+               if report.skipped else "")
+            + f". Supported layer classes: {', '.join(supported_layer_classes())}."
+        )
+    gdn = sum(1 for p in report.patched if p.op == GDN_OP and not p.already)
+    if gdn and flash_qla_serves_gdn():
+        report.notes.append(FLASH_QLA_WARNING.format(n=gdn))
+        warnings.warn(report.notes[-1], RuntimeWarning, stacklevel=2)
+    return report
+
+
+def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:
+    """Restore every patched layer of ``model`` (or those named in ``only``);
+    returns how many were restored."""
+    restored = 0
+    for name, layer in model.named_modules():
+        if only is not None and name not in only:
+            continue
+        state = layer.__dict__.pop(_STATE_ATTR, None)
+        if state is None:
+            continue
+        if state.previous_forward is not None:
+            layer.forward = state.previous_forward
+        else:
+            layer.__dict__.pop("forward", None)
+        _release_dispatcher(state.adapter, layer)
+        restored += 1
+    return restored
+
+
+def is_patched(layer: nn.Module) -> bool:
+    return _STATE_ATTR in layer.__dict__
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, **options: Any):
+    """``with rewy_hf.patched(model): ...`` patches for the block and restores after."""
+    report = patch_model(model, **options)
+    try:
+        yield report
+    finally:
+        # Layers that were patched before the block stay patched.
+        unpatch_model(model, only={p.name for p in report.patched if not p.already})
+
+
+def supported_layer_classes() -> list[str]:
+    from ..adapters import all_adapters
+
+    return sorted({cls.rsplit(".", 1)[1] for a in all_adapters() for cls in a.layer_classes})

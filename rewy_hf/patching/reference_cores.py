@@ -1,0 +1,99 @@
+"""Reference cores: what an *unpatched* model runs where its original core can't.
+
+On CPU with FLA installed, transformers' delta-rule core dispatches to FLA's
+Triton op and crashes, and FLA-hub layers' cores are Triton-only. To compare a
+patched model with its unpatched self there, ``use_reference_cores(model)``
+temporarily points every core site the model uses at a reference:
+transformers' own plain-torch function (the one its hub wrapper falls back
+to), or, for FLA layers, rewy's float64 token-by-token recurrence behind FLA's
+signature. On CUDA the originals run, so this is not needed there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..adapters import find_adapter
+from ..adapters.base import Adapter
+from ..kernels import reference
+from .dispatch import CoreDispatcher
+
+# FLA keyword arguments that change nothing about the math.
+_PLUMBING = ("cu_seqlens_cpu", "chunk_size", "chunk_indices", "disable_recompute", "cp_context",
+             "return_intermediate_states", "use_graph", "max_num_seqs")
+
+_FLA_REFERENCES = {
+    "delta_rule": reference.naive_delta_rule,
+    "gated_delta_rule": reference.naive_gated_delta_rule,
+    "kda": reference.naive_kda,
+    "gdn2": reference.naive_gdn2,
+}
+
+
+def fla_reference(op: str) -> Callable:
+    """A float64 recurrence with the FLA op's signature and FLA's output dtypes."""
+    naive = _FLA_REFERENCES[op]
+
+    def core(*args, **kwargs):
+        for key in _PLUMBING:
+            kwargs.pop(key, None)
+        dtype = args[2].dtype if len(args) > 2 else kwargs["v"].dtype
+        o, ht = naive(*args, **kwargs)
+        return o.to(dtype), (None if ht is None else ht.float())
+
+    core.__name__ = f"reference_{op}"
+    return core
+
+
+def reference_for(adapter: Adapter, original: Callable) -> Callable:
+    if adapter.family == "fla":
+        return fla_reference(adapter.op)
+    return getattr(original, "__wrapped__", original)
+
+
+@contextlib.contextmanager
+def replaced_core(module, attr: str, core: Callable):
+    """Make ``core`` what an *unpatched* layer reaches through ``module.attr``.
+
+    Without a rewy dispatcher the module-level name is set; under one, the
+    dispatcher's ``original`` is, so patched instances keep routing to rewy.
+    On exit the saved original is put back wherever the site then stands,
+    also when a patch or unpatch happened inside the block.
+    """
+    current = getattr(module, attr)
+    saved = current.original if isinstance(current, CoreDispatcher) else current
+
+    def install(fn: Callable) -> None:
+        now = getattr(module, attr)
+        if isinstance(now, CoreDispatcher):
+            now.original = fn
+        else:
+            setattr(module, attr, fn)
+
+    install(core)
+    try:
+        yield core
+    finally:
+        install(saved)
+
+
+@contextlib.contextmanager
+def use_reference_cores(model: nn.Module):
+    """Point each core site used by ``model`` at its reference for the block."""
+    adapters = {a.site: a for a in (find_adapter(m) for m in model.modules()) if a is not None}
+    with contextlib.ExitStack() as stack:
+        for adapter in adapters.values():
+            module = importlib.import_module(adapter.site_module)
+            current = getattr(module, adapter.site_attr)
+            original = current.original if isinstance(current, CoreDispatcher) else current
+            stack.enter_context(replaced_core(module, adapter.site_attr, reference_for(adapter, original)))
+        yield
+
+
+def needs_reference_cores(model: nn.Module) -> bool:
+    return not any(p.is_cuda for p in model.parameters()) or not torch.cuda.is_available()

@@ -1,0 +1,212 @@
+"""kernels/triton_backend/launch.py and fla_stages.py, under TRITON_INTERPRET=1 on CPU.
+
+A direct launch must run the config the kernel's autotuner picked for the call's key, with the
+kernel's heuristics applied, and must fall back to the autotuner's own path whenever it has no
+pick (a new key, picks forgotten by the bench) or cannot rebuild the autotuner's key. FLA's local
+value gradient launched by rewy must equal FLA's own function; the state recurrences, which do not
+run under the interpreter, must get the same arguments and grid as FLA gives them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rewy_hf.kernels.constants import RCP_LN2
+from rewy_hf.kernels.triton_backend import fla_stages, launch, state_launch
+
+
+@triton.heuristics({"HAS_B": lambda args: args["b"] is not None})
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])
+@triton.jit
+def _scaled_add(a, b, out, width, n, SCALE: tl.constexpr, BLOCK: tl.constexpr, HAS_B: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(a + offs, mask=m, other=0.0) * SCALE
+    if HAS_B:
+        x += tl.load(b + offs, mask=m, other=0.0)
+    tl.store(out + offs, x, mask=m)
+    tl.store(width + tl.program_id(0), BLOCK)       # which config ran
+
+
+def _tuner():
+    tuner = _scaled_add.fn
+    # rewy's test setup cuts every autotuner to its first config; this kernel needs its two
+    tuner.configs = list(getattr(tuner, "listed_configs", tuner.configs))
+    tuner.cache.clear()
+    return tuner
+
+
+def _counting(monkeypatch, tuner):
+    calls = []
+    run = tuner.run
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("n"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "run", counted)
+    return calls
+
+
+def _launch(a, b, n, widths=None):
+    out = torch.full_like(a, float("nan"))
+    width = torch.zeros(n, dtype=torch.int32)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)   # noqa: E731
+    launch.launch(_scaled_add, grid, a=a, b=b, out=out, width=width, n=n, SCALE=2.0)
+    if widths is not None:
+        widths.append(int(width[0]))
+    return out
+
+
+def test_a_tuned_key_skips_the_autotuner_and_runs_its_pick(monkeypatch):
+    """The interpreter cannot time configs, so the pick is stored under the key Triton's autotuner
+    builds (key arguments, then each tensor's dtype): the first launch goes through the autotuner
+    (and checks that rewy's key rule finds that pick), the later ones do not, and the heuristic
+    (HAS_B from b) is applied on both paths."""
+    tuner = _tuner()
+    monkeypatch.setattr(_scaled_add, "_rewy_direct_plan", False, raising=False)   # a fresh plan, key rule unchecked
+    a, b = torch.arange(40.0), torch.ones(40)
+    n = 40
+    key = (n, "torch.float32", "torch.float32", "torch.float32", "torch.int32")
+    tuner.cache[key] = tuner.configs[1]
+    calls, widths = _counting(monkeypatch, tuner), []
+    first = _launch(a, b, n, widths)
+    assert calls == [n]
+    second = _launch(a, b, n, widths)
+    assert calls == [n], "the second launch went through the autotuner"
+    assert torch.equal(first, 2 * a + 1) and torch.equal(second, first)
+    assert widths == [32, 32], "the pick (BLOCK 32) must run on both paths"
+    # b None: one dtype fewer in the key, and the heuristic HAS_B False
+    tuner.cache[(n, "torch.float32", "torch.float32", "torch.int32")] = tuner.configs[0]
+    assert torch.equal(_launch(a, None, n, widths), 2 * a) and widths[-1] == 16
+    tuner.cache[key] = tuner.configs[0]                            # another pick under the same key
+    assert torch.equal(_launch(a, b, n, widths), first) and widths[-1] == 16
+    assert calls == [n]
+    tuner.cache.clear()                                            # what the bench's forget_picks does
+    with pytest.raises(RuntimeError, match="active drivers"):      # no pick: the autotuner tries to time its
+        _launch(a, b, n)                                           # two configs, which the interpreter cannot
+    assert calls == [n, n], "without a pick the launch must go through the autotuner"
+
+
+def test_direct_launches_leave_the_configs_as_tritons_disk_cache_rebuilds_them(monkeypatch):
+    """With TRITON_CACHE_AUTOTUNING=1 Triton stores each config's attributes and rebuilds the
+    config with Config(**attributes): after direct launches every config of the autotuner must
+    still rebuild that way, to an equal config (an attribute added by rewy once broke the next
+    autotune of an H200 run with that cache on)."""
+    tuner = _tuner()
+    monkeypatch.setattr(_scaled_add, "_rewy_direct_plan", False, raising=False)
+    a, b, n = torch.arange(40.0), torch.ones(40), 40
+    for pick in tuner.configs:
+        tuner.cache[(n, "torch.float32", "torch.float32", "torch.float32", "torch.int32")] = pick
+        for _ in range(2):                                         # the second launch is the direct one
+            _launch(a, b, n)
+    for config in tuner.configs:
+        rebuilt = triton.Config(**config.__dict__)
+        assert rebuilt.all_kwargs() == config.all_kwargs()
+    tuner.cache.clear()
+
+
+def test_a_key_rule_that_does_not_match_is_never_used(monkeypatch):
+    """If rewy's key differs from the one the autotuner stored (another Triton version's rule),
+    the direct path is switched off for that kernel, with a warning ("rewy's direct launch: ..."),
+    not guessed at."""
+    tuner = _tuner()
+    a, b, n = torch.arange(24.0), torch.zeros(24), 24
+    tuner.cache[(n, "torch.float32", "torch.float32", "torch.float32", "torch.int32")] = tuner.configs[0]
+    monkeypatch.setattr(launch._Plan, "key", lambda self, args: ("not", "triton's", "key"))
+    monkeypatch.setattr(_scaled_add, "_rewy_direct_plan", False, raising=False)   # planned afresh, then dropped
+    calls = _counting(monkeypatch, tuner)
+    with pytest.warns(RuntimeWarning, match="^rewy's direct launch: .*_scaled_add stores its picks under another key"):
+        assert torch.equal(_launch(a, b, n), 2 * a)
+    for _ in range(2):
+        assert torch.equal(_launch(a, b, n), 2 * a)
+    assert calls == [n, n, n]
+    assert launch._plan(_scaled_add).usable is False
+
+
+def _gdn_chunk_inputs(T=150, H=1, HV=2, K=32, V=16, seed=0):
+    """Inputs of FLA's chunk stages as rewy's GDN forward makes them (log2 chunk cumsum, A)."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = chunk_local_cumsum(F.logsigmoid(torch.randn(1, T, HV, generator=gen)), chunk_size=64, scale=RCP_LN2)
+    beta = torch.rand(1, T, HV, generator=gen)
+    do = torch.randn(1, T, HV, V, generator=gen)
+    _, _, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+    return q, k, v, g, beta, A, do
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flas_local_dv_launched_by_rewy_equals_flas_function(packed):
+    """Bit for bit, with and without the gate (GDN, DeltaNet), rows or packed sequences."""
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    q, k, v, g, beta, A, do = _gdn_chunk_inputs()
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    for gate in (g, None):
+        ours = fla_stages.dv_local(q=q, k=k, do=do, g=gate, scale=0.3, **pk)
+        theirs = chunk_bwd_dv_local(q=q, k=k, do=do, g=gate, scale=0.3, chunk_size=64, **pk)
+        assert torch.isfinite(ours).all() and torch.equal(ours, theirs)
+
+
+class _Recorder:
+    """Stands in for one of FLA's recurrence kernels: records the grid and arguments it is launched with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.calls.append((grid, kwargs))
+
+
+def _same_launch(a, b):
+    (grid_a, kw_a), (grid_b, kw_b) = a, b
+    assert kw_a.keys() == kw_b.keys()
+    for name in kw_a:
+        x, y = kw_a[name], kw_b[name]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype, name
+            if name not in ("h", "ht", "v_new", "dh", "dh0", "dv2"):          # inputs: the very same values
+                assert torch.equal(x, y), name
+        else:
+            assert x == y, name
+    for bv in (32, 64):
+        assert grid_a({"BV": bv}) == grid_b({"BV": bv})
+
+
+@pytest.mark.parametrize("gate", ["g", "gk", "gk-state-v-first"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_state_recurrences_at_flas_widths_get_flas_arguments(packed, gate, monkeypatch):
+    """At FLA's own width (no narrowing: V = 16 leaves BV 16 nothing to gain), rewy launches FLA's
+    recurrence kernels itself: with exactly the arguments and grid FLA's stage functions give them, for GDN's
+    head-wise gate g and KDA / GDN2's key-wise gate gk, also with the state stored [V, K] as
+    FLA's KDA layer keeps it (state_v_first)."""
+    from fla.ops.common import chunk_delta_h as fla
+
+    assert state_launch.narrow_block_v(2, 2, 16) is None
+    fwd_rec, bwd_rec = _Recorder(), _Recorder()
+    monkeypatch.setattr(fla, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", fwd_rec)
+    monkeypatch.setattr(fla, "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", bwd_rec)
+    q, k, v, g, beta, A, do = _gdn_chunk_inputs()
+    w, u = torch.randn(1, 150, 2, 32), torch.randn(1, 150, 2, 16)
+    h0 = torch.randn(2 if packed else 1, 2, 32, 16)
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    # (the recorders stand in for the kernels, so the key-wise gate only needs its shape)
+    gates = {"g": g} if gate == "g" else {"gk": -torch.rand(1, 150, 2, 32).cumsum(1)}
+    if gate == "gk-state-v-first":
+        gates["state_v_first"] = True
+        h0 = h0.transpose(-1, -2).contiguous()
+    for launcher in (state_launch.fwd_h, fla.chunk_gated_delta_rule_fwd_h):
+        launcher(k=k, w=w, u=u, **gates, initial_state=h0, output_final_state=True, chunk_size=64, **pk)
+    _same_launch(*fwd_rec.calls)
+    for launcher in (state_launch.bwd_dhu, fla.chunk_gated_delta_rule_bwd_dhu):
+        launcher(q=q, k=k, w=w, do=do, dv=u, **gates, h0=h0, dht=h0, scale=0.3, chunk_size=64, **pk)
+    _same_launch(*bwd_rec.calls)

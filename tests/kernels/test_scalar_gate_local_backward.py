@@ -1,0 +1,138 @@
+"""The ReWY Triton kernel for GDN / DeltaNet, under TRITON_INTERPRET=1 on CPU.
+
+It is fed the torch backend's own intermediates (A, W, U, the chunk states and
+their gradients, Vn and dVn), moved to FLA's layout, and must reproduce the
+torch backend's local gradients (dq, dk, dv, dg, dbeta) to float32 accuracy.
+bfloat16 is not used: the interpreter's tl.dot is wrong for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_hf.kernels.constants import CHUNK as C
+from rewy_hf.kernels.torch_backend.chunk_backward import local_backward, reverse_state_pass
+from rewy_hf.kernels.torch_backend.chunk_forward import ChunkInputs
+from rewy_hf.kernels.torch_backend.function import forward_pass
+from rewy_hf.kernels.torch_backend.layout import ChunkLayout
+from rewy_hf.kernels.triton_backend.scalar_gate.local_backward import rewy_gdn_bwd_local
+from rewy_hf.rel_error import rel_err
+
+
+def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
+    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T), as the op's layout maps back."""
+    return ChunkLayout(x.shape[1], T, C, None, x.device).from_chunks(x).contiguous()
+
+
+def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NT, N, HV, C)
+    r = lambda d: torch.randn(*shape, d, generator=gen)
+    valid = (torch.arange(NT * C) < T).view(NT, 1, 1, C, 1).float()      # zero padding past T, as the layout does
+    qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
+    q, k = qk() * valid, qk() * valid
+    v = r(V) * valid
+    g = F.logsigmoid(r(1)) * valid if kind == "gdn" else torch.zeros(*shape, 1)
+    b = torch.rand(*shape, 1, generator=gen) * valid
+    x = ChunkInputs(q, k, v, g, b, None, scale=K ** -0.5)
+    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    gt, s, _ = forward_pass(x, h0)
+    do = r(V) * valid
+    dht = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    dVn, dHnext, _ = reverse_state_pass(x, gt, s, do, dht)
+    ref = local_backward(x, gt, s, do, dVn, dHnext)
+    return x, gt, s, do, dVn, dHnext, ref
+
+
+def _nan_filled_buffers(monkeypatch):
+    """Every buffer the wrapper allocates from here on starts as NaN, so an output tile or a key
+    block's gradient share the kernel leaves unwritten cannot pass as zeros."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+
+
+# K = 128 and 96 split into key blocks of 64 (the second one partly masked).
+@pytest.mark.parametrize("kind,T,K,V", [("gdn", 2 * C, 16, 32), ("gdn", 150, 16, 128), ("gdn", 100, 16, 256),
+                                        ("delta_rule", 150, 16, 32), ("gdn", 100, 128, 32), ("gdn", 70, 96, 64),
+                                        ("delta_rule", 70, 128, 16)])
+def test_kernel_matches_torch_stage(kind, T, K, V, monkeypatch):
+    N, H, HV = 2, 1, 2
+    NT = math.ceil(T / C)
+    x, gt, s, do, dVn, dHnext, ref = _stages(kind, N, H, HV, NT, K, V, T, seed=T + V)
+    fla = lambda t: _to_fla(t, T)
+    q = fla(x.q)[:, :, ::HV // H].contiguous()          # key heads only; the kernel maps value head -> key head
+    k = fla(x.k)[:, :, ::HV // H].contiguous()
+    g2 = fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None
+    A = fla(s.A)
+    h = s.Hs.permute(1, 0, 2, 3, 4).contiguous()
+    dh = dHnext.permute(1, 0, 2, 3, 4).contiguous()
+    _nan_filled_buffers(monkeypatch)
+    dq, dk, dv, dg, db = rewy_gdn_bwd_local(
+        q, k, fla(x.v), fla(s.Vn), g2, fla(x.b)[..., 0], A, h, dh,
+        fla(do), fla(dVn), scale=x.scale)
+    rq, rk, rv, rg, rb, _ = ref
+    errors = {"dq": rel_err(dq, fla(rq)), "dk": rel_err(dk, fla(rk)), "dv": rel_err(dv, fla(rv)),
+              "db": rel_err(db, fla(rb)[..., 0])}
+    if kind == "gdn":
+        errors["dg"] = rel_err(dg, fla(rg)[..., 0])
+    assert max(errors.values()) < 1e-5, errors
+
+
+def _kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV):
+    fla = lambda t: _to_fla(t, T)
+    return dict(
+        q=fla(x.q)[:, :, ::HV // H].contiguous(), k=fla(x.k)[:, :, ::HV // H].contiguous(), v=fla(x.v),
+        v_new=fla(s.Vn), g=fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None, beta=fla(x.b)[..., 0],
+        A=fla(s.A), h=s.Hs.permute(1, 0, 2, 3, 4).contiguous(), dh=dHnext.permute(1, 0, 2, 3, 4).contiguous(),
+        do=fla(do), dv2=fla(dVn))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "delta_rule"])
+def test_kernel_packed_sequences(kind, monkeypatch):
+    """cu_seqlens: three sequences packed into one row (B = 1), chunks and states in FLA's
+    global chunk order, must give each sequence exactly its own gradients."""
+    H, HV, K, V = 1, 2, 96, 32
+    lengths = [70, 130, 20]
+    parts, refs = [], []
+    for i, T in enumerate(lengths):
+        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=50 + i)
+        parts.append(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV))
+        refs.append([_to_fla(r, T) for r in ref[:5]])
+    packed = {name: (None if parts[0][name] is None else
+                     torch.cat([p[name] for p in parts], dim=1)) for name in parts[0] if name not in ("h", "dh")}
+    packed["h"] = torch.cat([p["h"] for p in parts], dim=1)
+    packed["dh"] = torch.cat([p["dh"] for p in parts], dim=1)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    chunk_indices = torch.tensor([[n, t] for n, T in enumerate(lengths) for t in range(math.ceil(T / C))])
+    _nan_filled_buffers(monkeypatch)
+    dq, dk, dv, dg, db = rewy_gdn_bwd_local(**packed, scale=K ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
+    rq, rk, rv, rg, rb = (torch.cat([r[i] for r in refs], dim=1) for i in range(5))
+    errors = {"dq": rel_err(dq, rq), "dk": rel_err(dk, rk), "dv": rel_err(dv, rv), "db": rel_err(db, rb[..., 0])}
+    if kind == "gdn":
+        errors["dg"] = rel_err(dg, rg[..., 0])
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_kernel_with_one_key_block_of_128():
+    """block_k=128: one program per chunk covers K (the wrapper's other allowed width)."""
+    T, K, V, N, H, HV = 100, 128, 32, 1, 1, 1
+    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, math.ceil(T / C), K, V, T, seed=7)
+    out = rewy_gdn_bwd_local(**_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV), scale=x.scale,
+                             block_k=128)
+    for o, r in zip(out, [_to_fla(t, T) for t in ref[:5]]):
+        r = r[..., 0] if o.dim() == 3 else r
+        assert rel_err(o, r) < 1e-5
+
+
+def test_narrow_key_blocks_are_refused():
+    """Key blocks under 64 channels changed with the launch config on the H200 (triton 3.6.0):
+    the wrapper refuses them with the fix, instead of running them."""
+    T, K, V = 64, 32, 32
+    x, gt, s, do, dVn, dHnext, _ = _stages("gdn", 1, 1, 1, 1, K, V, T, seed=3)
+    with pytest.raises(ValueError, match="narrower than 64.*use 64"):
+        rewy_gdn_bwd_local(**_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, 1, 1), scale=x.scale, block_k=32)

@@ -1,0 +1,183 @@
+"""The import graph of rewy_hf (rewy_hf.kernels and rewy_hf.adapters included) has no cycle,
+and no module imports another rewy_hf module's private (underscore) name.
+
+Imports are read with ``ast``, at module level and inside functions alike (an
+import deferred into a function still ties the two modules together). An edge
+goes to the module an import names: ``from .a import b`` is an edge to ``a.b``
+when that is a module, else to ``a``; the packages a dotted name passes
+through are not edges of their own, since a package importing its submodules
+and a submodule importing a sibling is the ordinary shape of a package.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOTS = ("rewy_hf", "rewy_hf.kernels", "rewy_hf.adapters")
+
+
+def package_dirs() -> dict[str, Path]:
+    """Where each root package's files are, as the installation maps them."""
+    return {name: Path(next(iter(importlib.util.find_spec(name).submodule_search_locations))) for name in ROOTS}
+
+
+def walk_modules(roots: dict[str, Path]) -> dict[str, Path]:
+    """Module name -> file, for every module of every root package (subpackages need an __init__.py)."""
+    modules: dict[str, Path] = {}
+
+    def walk(name: str, folder: Path) -> None:
+        for path in sorted(folder.iterdir()):
+            if path.is_dir() and (path / "__init__.py").is_file():
+                walk(f"{name}.{path.name}", path)
+            elif path.suffix == ".py":
+                modules[name if path.name == "__init__.py" else f"{name}.{path.stem}"] = path
+
+    for name, folder in roots.items():
+        walk(name, folder)
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]):
+    """(target module, imported name or None, line) for each intra-package import in ``path``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = alias.name
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target:
+                    yield target, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                if submodule in modules:
+                    yield submodule, None, node.lineno
+                elif source in modules:
+                    yield source, alias.name, node.lineno
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for target, _, _ in imports_of(name, path, modules):
+            if target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a closed path) per strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def connect(v: str) -> None:          # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+
+    found = []
+    for component in components:
+        start = min(component)
+        path, seen = [start], {start}
+        while True:                       # follow edges inside the component until the path closes
+            nxt = sorted(w for w in graph[path[-1]] if w in component)
+            back = [w for w in nxt if w in seen]
+            if back:
+                found.append(path[path.index(back[0]):] + [back[0]])
+                break
+            path.append(nxt[0])
+            seen.add(nxt[0])
+    return found
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    out = []
+    for name, path in modules.items():
+        for target, imported, line in imports_of(name, path, modules):
+            leaf = imported if imported is not None else target.rpartition(".")[2]
+            if leaf.startswith("_") and not (leaf.startswith("__") and leaf.endswith("__")) and target != name:
+                out.append(f"{path}:{line}: {name} imports {target + ('.' + imported if imported else '')}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Path]:
+    found = walk_modules(package_dirs())
+    for root in ROOTS[1:]:
+        assert any(m.startswith(root + ".") for m in found), f"no module found under {root}"
+    return found
+
+
+def test_no_import_cycle(modules):
+    found = cycles(import_graph(modules))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_no_private_name_imported_across_modules(modules):
+    found = private_imports(modules)
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_verify_does_not_depend_on_the_bench_engine(modules):
+    """`rewy-hf verify` must work where the bench does not: what both need lives outside rewy_hf.bench."""
+    graph = import_graph(modules)
+    for start in [m for m in modules if m.startswith("rewy_hf.verify")] + ["rewy_hf.cli.verify", "rewy_hf.cli.demo"]:
+        assert not {m for m in reachable(graph, start) if m.startswith("rewy_hf.bench")}, start
+
+
+def test_the_checks_find_a_planted_cycle_and_private_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import _helper\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    modules = walk_modules({"pkg": pkg})
+    assert set(modules) == {"pkg", "pkg.a", "pkg.sub", "pkg.sub.b", "pkg.c"}
+    assert cycles(import_graph(modules)) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
+    (found,) = private_imports(modules)
+    assert found.endswith("pkg.sub.b imports pkg.a._helper")
