@@ -16,9 +16,9 @@ segment bounds, the checkpoints as their initial states). Segments start on
 chunk bounds of their sequence, so the segmented run numbers its chunks as
 the whole-sequence run does, and h and v_new come back in the layout the rest
 of the backward reads. It walks the same chunks once, as the sequential
-rebuild does, with NS / N times as many programs. Unlike the sequence split
-that would first have to find the boundary states (twice the work), the
-forward hands them over.
+rebuild does, with NS / N times as many programs. Unlike a sequence-parallel
+scan, which must first find the boundary states (twice the work), this takes
+them from the forward.
 
 Precision: a checkpoint is the forward's h at that chunk in h's dtype (the
 value policy ``full`` keeps for every chunk), so from a checkpoint on the

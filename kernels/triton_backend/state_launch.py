@@ -12,7 +12,7 @@ fewer than MIN_PROGRAMS programs (and 16 gives more), e.g. one sequence of
 16 heads. Everywhere else FLA's kernel runs at the width its own autotuner
 picks. Both are launched here (``launch.launch``), without FLA's stage
 function around the kernel. The measured effect of the rule is in
-docs/performance.md.
+CHANGELOG.md.
 
 The kernels are FLA's own (imported, not copied); only the launch is here.
 num_warps and num_stages stay autotuned over FLA's own values, keyed on

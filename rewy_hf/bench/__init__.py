@@ -6,7 +6,6 @@ gradient check and timing; ``op_run``: a whole op-level run. ``model_bench``:
 one model's training step, unpatched against patched. ``timing``: the
 alternating rounds and peak memory. ``autotune_picks``: forgetting Triton's
 picks between shapes. ``output``: tables, Markdown and plots; ``merge``:
-combining several runs' JSON into one report. ``kernel_registers``,
-``kernel_configs`` and ``gdn_stages`` are developer benchmarks of rewy's own
-kernels.
+combining several runs' JSON into one report. The modules not named here
+are developer benchmarks, run as scripts.
 """

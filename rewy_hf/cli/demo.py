@@ -34,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
         passed = worst <= FLOAT64_TOL
         ok &= passed
         print(f"{op:<24}{worst:>18.2e}{elapsed:>14.3f}  {'PASS' if passed else 'FAIL'}")
-    print(f"\n{'all ops match' if ok else 'MISMATCH'} (tolerance {FLOAT64_TOL:g}, relative error ||x - ref|| / ||ref||)")
+    verdict = "all ops match" if ok else "MISMATCH"
+    print(f"\n{verdict} (tolerance {FLOAT64_TOL:g}, relative error ||x - ref|| / ||ref||)")
     return 0 if ok else 1

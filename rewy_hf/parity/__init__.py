@@ -1,2 +1,3 @@
 """The comparison behind `rewy-hf parity`: a patched model against its unpatched self
-(``comparison``), and how the result is shown (``output``)."""
+(``comparison``), what it is fed (``inputs``: LoRA wrap, token batches), and how the
+result is shown (``output``)."""

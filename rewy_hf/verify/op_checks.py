@@ -25,7 +25,8 @@ FLOAT64_SHAPE = Shape(B=2, T=200, H=2, K=32, V=32)
 BF16_TOL = 2e-2
 TRITON_SHAPE = Shape(B=2, T=300, H=4, K=128, V=128)
 
-REFERENCES = {"chunk_delta_rule": reference.naive_delta_rule, "chunk_gated_delta_rule": reference.naive_gated_delta_rule,
+REFERENCES = {"chunk_delta_rule": reference.naive_delta_rule,
+              "chunk_gated_delta_rule": reference.naive_gated_delta_rule,
               "chunk_kda": reference.naive_kda, "chunk_gdn2": reference.naive_gdn2}
 
 

@@ -25,7 +25,7 @@ it by dO on its way, so dO is not read here at all.
 Operand dtypes follow the stages it replaces: products take the inputs'
 16-bit dtype in training, accumulate in fp32, and store in the input dtype.
 One launch instead of two and the keys read once: on the H200 the kernel
-takes less time than FLA's two (docs/performance.md).
+takes less time than FLA's two (CHANGELOG.md has the figures).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def rewy_gdn_prestage_kernel(
     gam = tl.exp2(tl.where(causal, b_g[None, :] - b_g[:, None], float("-inf")))
     b_st = (b_st * gam * scale).to(do.dtype.element_ty)
     if not LOCAL_DV:
-        # For the reverse walk that forms S^T dO itself (triton_gdn_walk.py).
+        # For the reverse walk that forms S^T dO itself (reverse_walk.py).
         tl.store(st + (o_i * HV)[:, None] * BT + o_i[None, :], b_st, mask=valid[:, None])
 
     # Value tiles: u = A (beta V), dV_loc = S^T dO (LOCAL_DV).

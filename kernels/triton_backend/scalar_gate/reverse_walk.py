@@ -45,7 +45,7 @@ def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
     Where N x HV x V / 64 programs fill half the SMs or more (``launch_fills_half``, the
     measure that keeps the state checkpoints off) the walk's extra product per chunk hides
     behind other programs' loads and the traffic it saves shows; below it one program's
-    chain is the critical path and the extra product lengthens it (docs/performance.md has
+    chain is the critical path and the extra product lengthens it (CHANGELOG.md has
     both sides measured). K above MAX_K keeps FLA's walk."""
     return k.shape[-1] <= MAX_K and launch_fills_half(v, cu_seqlens)
 

@@ -33,7 +33,6 @@ outputs under triton 3.6.0 (4 warps with software pipelining, or with a
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

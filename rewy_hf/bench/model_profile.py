@@ -9,7 +9,7 @@ launch path rather than the GPU bounds the step), the delta-rule kernels
 and launches per kernel, and host (self CPU) time per op. FLA's GDN guard (Hopper, Triton < 3.7.1) is lifted for
 the unpatched side: its time is valid, its gradients are not used.
 
-Usage: python benchmarks/model_profile.py --model qwen3.5-1b --seq-len 4096
+Usage: python -m rewy_hf.bench.model_profile --model qwen3.5-1b --seq-len 4096
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     a = p.parse_args()
 
-    from rewy_hf.bench_model import ModelSettings, _Sides, _train_step
-    from rewy_hf.bench_ops import lift_gdn_guard
-    from rewy_hf.model_loading import load_causal_lm
+    from rewy_hf.bench.model_bench import ModelSettings, ModelSides, train_step
+    from rewy_hf.bench.op_bench import lift_gdn_guard
+    from rewy_hf.models.loading import load_causal_lm
 
     lift_gdn_guard()
     model = load_causal_lm(a.model, dtype=torch.bfloat16, device="cuda").model.train()
@@ -69,13 +69,13 @@ def main() -> None:
                       backend=a.backend, policy=a.policy, seed=0)
     batch = torch.randint(0, model.config.vocab_size, (a.batch_size, a.seq_len), device="cuda")
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
-    sides = _Sides(model, s)
+    sides = ModelSides(model, s)
     result = {}
     for side in ("unpatched", "patched"):
         with sides.enter(side):
             for _ in range(a.warmup):
-                _train_step(model, opt, batch)
-            result[side] = kernel_totals(lambda: _train_step(model, opt, batch))
+                train_step(model, opt, batch)
+            result[side] = kernel_totals(lambda: train_step(model, opt, batch))
     print(f"{a.model}, {a.batch_size} x {a.seq_len} tokens, bf16, backend {a.backend}, policy {a.policy}; "
           f"{torch.cuda.get_device_name()}, one profiled step per side after {a.warmup} warm-up steps")
     for side, (wall, totals, launches, _, host) in result.items():
