@@ -30,10 +30,9 @@ from .qk_l2norm import normalize, normalize_backward
 
 
 class Tensors(SimpleNamespace):
-    """The stage results of one call by name; an absent one reads as None."""
-
-    def __getattr__(self, name):
-        return None
+    """The stage results of one call by name. A stage that may find a result absent asks with
+    ``getattr(t, name, None)``; any other absent name is an AttributeError, so a misspelt name
+    cannot read as None."""
 
 
 def packing(cu_seqlens: torch.Tensor | None) -> dict:

@@ -25,6 +25,7 @@ The gate and beta arrive activated. Layout [B, T, H, D]; the state is
 
 from __future__ import annotations
 
+from functools import cache
 from types import SimpleNamespace
 
 from ...constants import CHUNK, RCP_LN2
@@ -34,6 +35,7 @@ from . import prestage, reverse_walk
 from .local_backward import rewy_gdn_bwd_local
 
 
+@cache
 def _fla():
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -75,10 +77,12 @@ class ScalarGate:
 
     @staticmethod
     def reverse(t: Tensors, do, dht, call, pk):
-        if t.st is not None:
-            st, t.st = t.st, None
+        st = getattr(t, "st", None)
+        if st is not None:
+            t.st = None
             return reverse_walk.reverse_walk(t.q, t.k, t.w, st, do, g=t.g2, h0=t.h0, dht=dht, scale=call.scale, **pk)
-        dv_local, t.dv_local = t.dv_local, None     # dv2 holds it after the recurrence; freed before the local kernel
+        dv_local = getattr(t, "dv_local", None)     # dv2 holds it after the recurrence; freed before the local kernel
+        t.dv_local = None
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=t.q, k=t.k, do=do, g=t.g2, scale=call.scale, chunk_size=CHUNK, **pk)
         return state_launch.bwd_dhu(q=t.q, k=t.k, w=t.w, do=do, dv=dv_local, g=t.g2, h0=t.h0, dht=dht,

@@ -27,6 +27,7 @@ handled natively by FLA's stages and by rewy's kernels.
 
 from __future__ import annotations
 
+from functools import cache
 from types import SimpleNamespace
 
 from ...constants import CHUNK, RCP_LN2
@@ -35,6 +36,7 @@ from ..function import ReWYTritonFunction, Tensors
 from .backward import rewy_kda_bwd
 
 
+@cache
 def _fla(gdn2: bool):
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
@@ -50,6 +52,11 @@ def _fla(gdn2: bool):
                            recompute=recompute)
 
 
+def _gates(t: Tensors) -> dict:
+    """The erase / write gates by the names FLA's KDA or GDN2 stage takes them."""
+    return dict(beta=t.beta) if t.w_gate is None else dict(b=t.beta, w_gate=t.w_gate)
+
+
 class VectorGate:
     """KDA (beta [B, T, HV], no write gate) and GDN2 (beta: the erase gate b [B, T, H, K];
     w_gate: the write gate [B, T, H, V])."""
@@ -63,10 +70,8 @@ class VectorGate:
 
     @staticmethod
     def intra(t: Tensors, call, pk):
-        f = _fla(t.w_gate is not None)
-        gates = dict(beta=t.beta) if t.w_gate is None else dict(b=t.beta, w_gate=t.w_gate)
-        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = f.intra(
-            q=t.q, k=t.k, v=t.v, gk=t.g2, **gates, scale=call.scale, chunk_size=CHUNK, safe_gate=call.safe_gate,
+        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = _fla(t.w_gate is not None).intra(
+            q=t.q, k=t.k, v=t.v, gk=t.g2, **_gates(t), scale=call.scale, chunk_size=CHUNK, safe_gate=call.safe_gate,
             disable_recompute=call.policy == "full", cu_seqlens=pk.get("cu_seqlens"),
             chunk_indices=pk.get("chunk_indices"))
 
@@ -81,10 +86,9 @@ class VectorGate:
 
     @staticmethod
     def recompute(t: Tensors, do, call, pk):
-        f = _fla(t.w_gate is not None)
-        gates = dict(beta=t.beta) if t.w_gate is None else dict(b=t.beta, w_gate=t.w_gate)
-        t.w, t.u, t.qg, t.kg = f.recompute(k=t.k, v=t.v, **gates, A=t.Akk, gk=t.g2, q=t.q,
-                                           cu_seqlens=pk.get("cu_seqlens"), chunk_indices=pk.get("chunk_indices"))
+        t.w, t.u, t.qg, t.kg = _fla(t.w_gate is not None).recompute(
+            k=t.k, v=t.v, **_gates(t), A=t.Akk, gk=t.g2, q=t.q, cu_seqlens=pk.get("cu_seqlens"),
+            chunk_indices=pk.get("chunk_indices"))
 
     @staticmethod
     def reverse(t: Tensors, do, dht, call, pk):
