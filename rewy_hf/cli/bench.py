@@ -23,7 +23,7 @@ import sys
 import warnings
 
 from ..validation import POLICIES
-from .options import JsonReport, add_backend, add_dtype, add_json, at_least
+from .options import NO_CUDA, JsonReport, add_backend, add_dtype, add_json, at_least, chosen_device
 
 HELP = "time FLA vs rewy per op (with a gradient check of every configuration), or a whole model's training step"
 
@@ -97,17 +97,14 @@ def could_not_run(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from ..bench.output import plot_unavailable
     from ..cpu_triton import enable_cpu_interpreter
 
     if args.from_json:
         return render(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        return could_not_run("--device cuda, but torch sees no CUDA device; use --device cpu (a comparison "
-                             "against the reference path) or a CUDA build of torch")
+    device = chosen_device(args.device)
+    if device is None:
+        return could_not_run(f"{NO_CUDA} (a comparison against the reference path) or a CUDA build of torch")
     if args.plot and (reason := plot_unavailable()):
         return could_not_run(reason)
     if device == "cpu":

@@ -61,6 +61,18 @@ def add_json(parser, what: str, without: str = "") -> None:
                              + (f"; without it {without}" if without else ""))
 
 
+NO_CUDA = "--device cuda, but torch sees no CUDA device; use --device cpu"
+
+
+def chosen_device(requested: str | None) -> str | None:
+    """``--device`` as given, else cuda where torch sees a CUDA device, else cpu; None where cuda
+    is asked for and torch sees none (the caller then reports ``NO_CUDA``)."""
+    import torch
+
+    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
+    return None if device == "cuda" and not torch.cuda.is_available() else device
+
+
 def write_json(path: str, data: dict, stdout=None) -> None:
     """``data`` as JSON to ``path``, or to ``stdout`` (default: the current sys.stdout) for '-'."""
     text = json.dumps(data, indent=2, default=str) + "\n"

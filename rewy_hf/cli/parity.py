@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ..validation import POLICIES
-from .options import DTYPES, JsonReport, add_backend, add_dtype, add_json, at_least
+from .options import DTYPES, NO_CUDA, JsonReport, add_backend, add_dtype, add_json, at_least, chosen_device
 
 HELP = "compare loss and gradients of your model patched vs unpatched (exit 0 = parity holds)"
 
@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     from ..parity.inputs import token_batches, with_lora
     from ..parity.output import format_result, progress_bar
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("rewy-hf parity: --device cuda, but torch sees no CUDA device; use --device cpu", file=sys.stderr)
+    device = chosen_device(args.device)
+    if device is None:
+        print(f"rewy-hf parity: {NO_CUDA}", file=sys.stderr)
         return 2
     if device == "cpu":
         enable_cpu_interpreter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import JsonReport, add_json
+from .options import NO_CUDA, JsonReport, add_json, chosen_device
 
 HELP = "self-check of a fresh install: environment, each op, each adapter family (exit 0 = all pass)"
 
@@ -27,14 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from ..cpu_triton import enable_cpu_interpreter, first_config_only
     from ..verify.checklist import GROUPS, run_checks
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("rewy-hf verify: --device cuda, but torch sees no CUDA device; use --device cpu", file=sys.stderr)
+    device = chosen_device(args.device)
+    if device is None:
+        print(f"rewy-hf verify: {NO_CUDA}", file=sys.stderr)
         return 2
     if device == "cpu":
         enable_cpu_interpreter()
