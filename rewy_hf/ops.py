@@ -10,14 +10,15 @@ FLA's ``disable_recompute=True`` means "full").
 
 from __future__ import annotations
 
-import contextvars
+import threading
 import warnings
 
 import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
+from .kernels.core import CoreArgs, delta_rule
 from .kernels.reference import beta_activation, gdn_gate, kda_gate, l2norm
-from .kernels.torch_backend import compute_dtype, delta_rule_core
+from .kernels.torch_backend import compute_dtype
 from .validation import (
     check_chunk_size,
     check_cu_seqlens,
@@ -34,8 +35,33 @@ from .validation import (
 
 __all__ = ["chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn2"]
 
-# The backend that served the latest call in this context (read by the dispatcher's report).
-last_backend: contextvars.ContextVar = contextvars.ContextVar("rewy_last_backend", default=None)
+# The backend that served this thread's latest call (read by the dispatcher's report). A
+# thread-local rather than a ContextVar: torch.compile traces attribute access on it.
+_LAST = threading.local()
+
+
+def last_backend() -> str | None:
+    """The backend ("torch" or "triton") that served this thread's latest op call."""
+    return getattr(_LAST, "backend", None)
+
+
+def reporting_as(op: str):
+    """Calls made inside ``with reporting_as(op):`` have their backward counted in the
+    dispatch report as ``op`` (the dispatcher wraps the calls of patched layers)."""
+    return _Reporting(op)
+
+
+class _Reporting:
+    # A plain class (not contextlib.contextmanager): dynamo traces its __enter__ / __exit__.
+    def __init__(self, op: str):
+        self.op = op
+
+    def __enter__(self):
+        self.previous = getattr(_LAST, "report_as", "")
+        _LAST.report_as = self.op
+
+    def __exit__(self, *exc):
+        _LAST.report_as = self.previous
 _WARNED_TORCH_ON_GPU: set[str] = set()
 
 _PLUMBING = ("chunk_size", "chunk_indices", "cu_seqlens_cpu", "transpose_state_layout", "disable_recompute")
@@ -50,13 +76,17 @@ def _state_layout(state_v_first: bool, extras: dict) -> bool:
     return bool(extras["transpose_state_layout"])
 
 
-def _prepare_qk(q, k, use_qk_l2norm_in_kernel: bool):
-    """l2norm in float32 (float64 stays float64) for the torch backend. The triton
-    backends normalise inside their autograd functions instead (kernels/qk_l2norm.py)."""
-    if not use_qk_l2norm_in_kernel:
-        return q, k
-    dt = compute_dtype(q)
-    return l2norm(q.to(dt)), l2norm(k.to(dt))
+def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final_state, cu_seqlens,
+         state_v_first, policy, qk_l2norm, safe_gate=False):
+    """The core on the chosen backend. The torch backend takes q and k normalised (in float32,
+    float64 staying float64, as plain torch ops autograd chains through); the Triton backend
+    normalises inside the core (kernels/triton_backend/qk_l2norm.py)."""
+    if chosen == "torch" and qk_l2norm:
+        dt = compute_dtype(q)
+        q, k, qk_l2norm = l2norm(q.to(dt)), l2norm(k.to(dt)), False
+    o, ht = delta_rule(CoreArgs(q, k, v, g, beta, w, initial_state, cu_seqlens, scale, family, policy,
+                                state_v_first, qk_l2norm, safe_gate, getattr(_LAST, "report_as", "")), chosen)
+    return o, (ht if output_final_state else None)
 
 
 def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
@@ -96,26 +126,6 @@ def _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, 
     return kda_gate(g.to(dt), cast(A_log), cast(dt_bias), lower_bound)
 
 
-def triton_gdn_core(*args):
-    # Imported on first use: importing rewy_hf must not define Triton kernels
-    # (on CPU, Triton's interpreter has to be switched on first).
-    from .kernels.triton_backend import triton_gdn_core as core
-
-    return core(*args)
-
-
-def triton_kda_core(*args, **kwargs):
-    from .kernels.triton_backend import triton_kda_core as core
-
-    return core(*args, **kwargs)
-
-
-def triton_gdn2_core(*args, **kwargs):
-    from .kernels.triton_backend import triton_gdn2_core as core
-
-    return core(*args, **kwargs)
-
-
 def triton_unsupported_reason(q: torch.Tensor) -> str | None:
     """Why the Triton backend cannot serve this call, or None if it can."""
     if q.dtype == torch.float64:
@@ -132,11 +142,11 @@ def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backen
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
     reason = triton_unsupported_reason(q)
     chosen = resolve_backend(backend, q.device, reason)
-    if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU:
+    if chosen == "torch" and q.is_cuda and op not in _WARNED_TORCH_ON_GPU and not torch.compiler.is_compiling():
         _WARNED_TORCH_ON_GPU.add(op)
         warnings.warn(f"rewy-hf: {op} runs on the torch backend on GPU ({reason or 'backend=torch'}); it computes "
                       "the same gradients but is slower than FLA's kernels.", RuntimeWarning, stacklevel=3)
-    last_backend.set(chosen)
+    _LAST.backend = chosen
     policy = resolve_policy(policy, bool(extras.get("disable_recompute", False)))
     scale = K ** -0.5 if scale is None else float(scale)
     return (B, T, H, K, HV, V), scale, policy, chosen
@@ -169,13 +179,8 @@ def chunk_delta_rule(
     )
     check_tensor("beta", beta, 3)
     check_shape("beta", beta, (B, T, HV), "[B, T, H]")
-    check_finite(q=q, k=k, v=v, beta=beta, initial_state=initial_state)
-    if chosen == "triton":
-        return triton_gdn_core(q, k, v, None, beta, scale, initial_state, output_final_state, False, policy,
-                               cu_seqlens, use_qk_l2norm_in_kernel)
-    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
-    return delta_rule_core(q, k, v, None, beta.unsqueeze(-1), None, scale, initial_state,
-                           output_final_state, cu_seqlens, False, policy)
+    return _run("delta_rule", chosen, q, k, v, None, beta, None, scale, initial_state, output_final_state,
+                cu_seqlens, False, policy, use_qk_l2norm_in_kernel)
 
 
 def chunk_gated_delta_rule(
@@ -216,19 +221,14 @@ def chunk_gated_delta_rule(
     for name, x in (("g", g), ("beta", beta)):
         check_tensor(name, x, 3)
         check_shape(name, x, (B, T, HV), "[B, T, HV]")
-    check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if extras.get("use_gate_in_kernel", False):
         A_log, dt_bias = extras.get("A_log"), extras.get("dt_bias")
         _check_gate_params(A_log, dt_bias, HV, HV, need_a=True)
         dt = compute_dtype(g)
         g = gdn_gate(g.to(dt), A_log.reshape(-1).to(dt), None if dt_bias is None else dt_bias.reshape(-1).to(dt))
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if chosen == "triton":
-        return triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
-                               cu_seqlens, use_qk_l2norm_in_kernel)
-    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
-    return delta_rule_core(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), None, scale, initial_state,
-                           output_final_state, cu_seqlens, state_v_first, policy)
+    return _run("gdn", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
+                state_v_first, policy, use_qk_l2norm_in_kernel)
 
 
 def chunk_kda(
@@ -278,15 +278,10 @@ def chunk_kda(
     check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     check_tensor("beta", beta, 3)
     check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
-    check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), HV, K)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if chosen == "triton":
-        return triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
-                               safe_gate=safe_gate, cu_seqlens=cu_seqlens, qk_l2norm=use_qk_l2norm_in_kernel)
-    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
-    return delta_rule_core(q, k, v, g, beta.unsqueeze(-1), None, scale, initial_state,
-                           output_final_state, cu_seqlens, state_v_first, policy)
+    return _run("kda", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
+                state_v_first, policy, use_qk_l2norm_in_kernel, safe_gate)
 
 
 def chunk_gdn2(
@@ -332,11 +327,6 @@ def chunk_gdn2(
                                     ("w", w, (B, T, H, V), "[B, T, H, V]")):
         check_tensor(name, x, 4)
         check_shape(name, x, shape, meaning)
-    check_finite(q=q, k=k, v=v, g=g, b=b, w=w, initial_state=initial_state)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), H, K)
-    if chosen == "triton":
-        return triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy,
-                                safe_gate=safe_gate, cu_seqlens=cu_seqlens, qk_l2norm=use_qk_l2norm_in_kernel)
-    q, k = _prepare_qk(q, k, use_qk_l2norm_in_kernel)
-    return delta_rule_core(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens,
-                           state_v_first, policy)
+    return _run("gdn2", chosen, q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens,
+                state_v_first, policy, use_qk_l2norm_in_kernel, safe_gate)

@@ -54,7 +54,8 @@ def check_qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
-    """Returns the number of sequences N."""
+    """Returns the number of sequences N. Reads no tensor values (a traced call must not);
+    ``check_cu_seqlens_values`` checks the bounds inside the core."""
     if cu_seqlens is None:
         return B
     if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()
@@ -64,12 +65,20 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
         raise InputValidationError(
             f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}; flatten the batch first."
         )
+    if cu_seqlens.shape[0] < 2:
+        raise InputValidationError(f"`cu_seqlens` must hold at least [0, T], got {cu_seqlens.shape[0]} value(s).")
+    return cu_seqlens.shape[0] - 1
+
+
+def check_cu_seqlens_values(cu_seqlens, T: int) -> None:
+    """The bounds themselves: from 0 to T, never decreasing (a device sync on GPU)."""
+    if cu_seqlens is None:
+        return
     cu = cu_seqlens.tolist()
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise InputValidationError(
             f"`cu_seqlens` must start at 0, end at T={T} and never decrease, got {cu if len(cu) < 12 else cu[:12] + ['...']}."
         )
-    return len(cu) - 1
 
 
 def check_initial_state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, compute_f64: bool) -> None:

@@ -1,12 +1,15 @@
-"""The torch backend's autograd Function: chunked forward, ReWY backward.
+"""The torch backend's chunked forward and ReWY backward, in the chunk-major layout.
 
-Inputs arrive already preprocessed (l2norm, gate and beta activations are plain
-torch ops outside, so autograd chains through them), in the compute dtype and
-the chunk-major layout ``[NT, N, H, C, D]`` (C = 64); see layout.py.
+Inputs arrive already preprocessed (l2norm, gate and beta activations happen
+before the core), in the compute dtype and the layout ``[NT, N, H, C, D]``
+(C = 64; see layout.py). ``chunk_forward`` returns the output, the final state
+and what the backward needs; ``chunk_backward`` turns that back into input
+gradients. Neither is an autograd Function: the autograd boundary, the same
+for both backends, is kernels/core.py.
 
 Save policies:
-- ``recompute``: keep the inputs and A = (I + L)^{-1} (T x C per head); rebuild
-  [W U] (one product), Aqk and the chunk states in backward.
+- ``recompute``: keep A = (I + L)^{-1} (T x C per head); rebuild [W U] (one
+  product), Aqk and the chunk states in backward.
 - ``full``: keep [W U], the states, Vn and Aqk as well; backward skips the
   recomputation at the cost of one K x V state per chunk.
 Neither policy rebuilds the key Gram L in backward.
@@ -35,47 +38,40 @@ def forward_pass(x: ChunkInputs, h0: torch.Tensor, A: torch.Tensor | None = None
     return gt, Saved(A=A, WU=WU, Hs=Hs, Vn=Vn, Aqk=Aqk), ht
 
 
-class ReWYChunkFunction(torch.autograd.Function):
-    """o, ht = f(q, k, v, g, b, w, h0); see module docstring for the contract."""
+def _inputs(q, k, v, g, b, w, scale) -> ChunkInputs:
+    if q.shape[-2] != CHUNK:
+        raise ValueError(f"the torch core expects chunks of {CHUNK} tokens, got {q.shape[-2]}")
+    if g is None:
+        g = q.new_zeros(*q.shape[:-1], 1)
+    return ChunkInputs(q, k, v, g, b, w, scale=scale)
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, b, w, h0, scale: float, policy: str):
-        if q.shape[-2] != CHUNK:
-            raise ValueError(f"the torch core expects chunks of {CHUNK} tokens, got {q.shape[-2]}")
-        has_g = g is not None
-        if g is None:
-            g = q.new_zeros(*q.shape[:-1], 1)
-        x = ChunkInputs(q, k, v, g, b, w, scale=scale)
-        _, N, H, _, K = q.shape
-        state0 = h0 if h0 is not None else q.new_zeros(N, H, K, v.shape[-1])
-        gt, s, ht = forward_pass(x, state0)
-        o = output(x, gt, s.Hs, s.Vn, s.Aqk)
 
-        extra = (s.WU, s.Hs, s.Vn, s.Aqk) if policy == "full" else ()
-        ctx.save_for_backward(q, k, v, g, b, w, state0, s.A, *extra)
-        ctx.meta = (scale, policy, has_g, h0 is not None)
-        return o, ht
+def chunk_forward(q, k, v, g, b, w, h0, scale: float, policy: str):
+    """(o, final state, saved): ``saved`` is [A] under ``recompute``, [A, WU, Hs, Vn, Aqk] under
+    ``full``. h0: the initial state [N, H, K, V] (zeros when the caller has none)."""
+    x = _inputs(q, k, v, g, b, w, scale)
+    gt, s, ht = forward_pass(x, h0)
+    o = output(x, gt, s.Hs, s.Vn, s.Aqk)
+    return o, ht, [s.A, s.WU, s.Hs, s.Vn, s.Aqk] if policy == "full" else [s.A]
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        # backward() may be called inside an autocast region; the math stays in its own dtype.
-        with torch.autocast(do.device.type, enabled=False):
-            return ReWYChunkFunction._backward(ctx, do, dht)
 
-    @staticmethod
-    def _backward(ctx, do, dht):
-        scale, policy, has_g, has_h0 = ctx.meta
-        q, k, v, g, b, w, state0, A, *extra = ctx.saved_tensors
-        x = ChunkInputs(q, k, v, g, b, w, scale=scale)
-        if policy == "full":
-            gt = gate_terms(x.g)
-            s = Saved(A, *extra)
-        else:
-            gt, s, _ = forward_pass(x, state0, A)
-        if dht is None:
-            dht = torch.zeros_like(state0)
-        do = do.to(q.dtype).contiguous()
-        dVn, dHnext, dh0 = reverse_state_pass(x, gt, s, do, dht.to(q.dtype))
-        grads = local_backward(x, gt, s, do, dVn, dHnext)
-        dq, dk, dv, dg, db, dw = grads
-        return dq, dk, dv, dg if has_g else None, db, dw, dh0 if has_h0 else None, None, None
+def saved_shapes(NT, N, H, K, V, policy: str) -> list[tuple]:
+    """The shapes of ``chunk_forward``'s saved tensors, in its order."""
+    shapes = [(NT, N, H, CHUNK, CHUNK)]
+    if policy == "full":
+        shapes += [(NT, N, H, CHUNK, K + V), (NT, N, H, K, V), (NT, N, H, CHUNK, V), (NT, N, H, CHUNK, CHUNK)]
+    return shapes
+
+
+def chunk_backward(q, k, v, g, b, w, h0, saved: list, scale: float, policy: str, do, dht):
+    """(dq, dk, dv, dg, db, dw, dh0) in the chunk layout; dg is None for DeltaNet (g None),
+    dw None without a write gate. ``dht`` may be None (the final state unused)."""
+    x = _inputs(q, k, v, g, b, w, scale)
+    if policy == "full":
+        gt, s = gate_terms(x.g), Saved(*saved)
+    else:
+        gt, s, _ = forward_pass(x, h0, saved[0])
+    dht = torch.zeros_like(h0) if dht is None else dht.to(q.dtype)
+    dVn, dHnext, dh0 = reverse_state_pass(x, gt, s, do.to(q.dtype).contiguous(), dht)
+    dq, dk, dv, dg, db, dw = local_backward(x, gt, s, do.to(q.dtype).contiguous(), dVn, dHnext)
+    return dq, dk, dv, dg if g is not None else None, db, dw, dh0

@@ -1,13 +1,44 @@
 """The triton backend (CUDA): FLA 0.6.0's forward stages, rewy's ReWY backward kernels.
 
-One autograd skeleton (function.py) runs both op families: the scalar gate
-(scalar_gate/: DeltaNet, GDN) and the vector gate (vector_gate/: KDA, GDN2).
-Shared launch helpers live beside it: launch.py (direct launches of tuned
-kernels), state_launch.py and state_checkpoints.py (FLA's state recurrences,
-launched and segmented by rewy), chunks.py, occupancy.py, tiles.py.
+One forward and one backward (function.py) run both op families: the scalar
+gate (scalar_gate/: DeltaNet, GDN) and the vector gate (vector_gate/: KDA,
+GDN2). ``forward``, ``backward`` and ``saved_like`` take a ``CoreArgs``
+record, as the torch backend's do (kernels/core.py calls them). Shared launch
+helpers live beside it: launch.py (direct launches of tuned kernels),
+state_launch.py and state_checkpoints.py (FLA's state recurrences, launched
+and segmented by rewy), chunks.py, occupancy.py, tiles.py.
 """
 
-from .scalar_gate.stages import triton_gdn_core
-from .vector_gate.stages import triton_gdn2_core, triton_kda_core
+from __future__ import annotations
 
-__all__ = ["triton_gdn_core", "triton_kda_core", "triton_gdn2_core"]
+from ..core_args import CoreArgs
+from . import function
+from .scalar_gate.stages import ScalarGate, triton_gdn_core
+from .vector_gate.stages import VectorGate, triton_gdn2_core, triton_kda_core
+
+__all__ = ["forward", "backward", "saved_like", "triton_gdn_core", "triton_kda_core", "triton_gdn2_core"]
+
+
+def _family(a: CoreArgs):
+    return ScalarGate if a.family in ("delta_rule", "gdn") else VectorGate
+
+
+def forward(a: CoreArgs):
+    return function.forward(_family(a), a)
+
+
+def backward(a: CoreArgs, saved: list, do, dht):
+    return function.backward(_family(a), a, saved, do, dht)
+
+
+def saved_like(a: CoreArgs, dynamic_size):
+    return function.saved_like(_family(a), a, dynamic_size)
+
+
+def normalised_qk(a: CoreArgs) -> tuple[int, int] | None:
+    """Where the normalised q and k are in ``forward``'s saved list (with ``qk_l2norm``), else None:
+    the backward then needs only those, not the raw q and k."""
+    if not a.qk_l2norm:
+        return None
+    names = function.saved_names(_family(a), a)
+    return names.index("q"), names.index("k")

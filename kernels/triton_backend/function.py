@@ -1,17 +1,21 @@
-"""The autograd Function both Triton families run: forward stages, what each policy saves, backward stages.
+"""The forward and backward both Triton families run: stages, what each policy saves, in one order.
 
 A family (``scalar_gate.stages.ScalarGate``: DeltaNet, GDN; ``vector_gate.stages.VectorGate``:
 KDA, GDN2) supplies the stages that differ: the gate's chunk cumsum, the intra-chunk stage, the
 output, the recompute of the WY pair, the reverse state pass and the local ReWY backward. This
-skeleton owns what both share, in one order:
+module owns what both share, in one order:
 
 forward   q/k l2norm -> FLA's chunk table (packed sequences) -> gate cumsum -> intra stage
           -> state recurrence (h entering every chunk, v_new) -> output
-saves     the family's ``saved`` names; under ``full`` its ``full_saved`` names too; under
-          ``recompute`` the state checkpoints where the sequential rebuild would starve the GPU
+saves     the family's intermediates (``saved_names``): under ``full`` its ``full_saved`` too;
+          under ``recompute`` the state checkpoints, empty where the sequential rebuild fills the GPU
 backward  (recompute) the family's recompute, then h and v_new rebuilt (from the checkpoints, or
           sequentially) -> the family's reverse state pass -> its local backward -> GVA fold
           -> l2norm backward
+
+The inputs themselves are not among the saved tensors: the autograd boundary (kernels/core.py)
+keeps them, and ``backward`` receives them again. ``saved_like`` gives the saved tensors' shapes
+and dtypes without running anything, for the custom op's fake implementation.
 
 Stage results travel in one ``Tensors`` record. A tensor the later stages no longer read is
 dropped from it at once (u after the rebuild, the local dv after the reverse pass), so the next
@@ -25,6 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from ..constants import CHUNK
+from ..core_args import CoreArgs
 from . import state_checkpoints, state_launch
 from .qk_l2norm import normalize, normalize_backward
 
@@ -60,54 +65,102 @@ def state_pass(family, t: Tensors, call, pk: dict, final: bool):
                               chunk_size=CHUNK, state_v_first=call.state_v_first, **pk)
 
 
-class ReWYTritonFunction(torch.autograd.Function):
-    """o, ht = f(q, k, v, g, beta, w_gate, h0) for ``family``. ``call``: the call's settings
-    (scale, policy, state_v_first, safe_gate), a ``SimpleNamespace``."""
+def saved_names(family, a: CoreArgs) -> tuple[str, ...]:
+    """The intermediates ``forward`` returns for the backward, in order."""
+    names = (("g2",) if a.g is not None else ()) + family.intra_saved
+    if a.qk_l2norm:
+        names += ("q", "k", "q_rstd", "k_rstd")
+    return names + (family.full_saved if a.policy == "full" else ("checkpoints",))
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, w_gate, h0, family, call, cu_seqlens, qk_l2norm: bool):
-        ctx.set_materialize_grads(False)       # no zero tensors for an unused output or final state
-        q, q_rstd = normalize(q, qk_l2norm)
-        k, k_rstd = normalize(k, qk_l2norm)
-        pk = packing(cu_seqlens)
-        t = Tensors(q=q, k=k, v=v, beta=beta, w_gate=w_gate, h0=h0, q_rstd=q_rstd, k_rstd=k_rstd, **pk)
-        t.g2 = family.gate_cumsum(g, pk)
-        family.intra(t, call, pk)
-        t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True)
-        o = family.output(t, call, pk)
-        names = family.saved + tuple(pk)
-        segments = None
-        if call.policy == "full":
-            names += family.full_saved
+
+def _call(family, a: CoreArgs) -> SimpleNamespace:
+    return SimpleNamespace(scale=a.scale, policy=a.policy, state_v_first=_v_first_inside(family, a),
+                           safe_gate=a.safe_gate)
+
+
+def _v_first_inside(family, a: CoreArgs) -> bool:
+    """Whether the kernels themselves run in the V-first state layout (the vector gate's take it
+    natively; for the scalar gate the state is transposed at the edges)."""
+    return a.state_v_first and family.state_v_first_native
+
+
+def _state_in(family, a: CoreArgs, state):
+    """A state in the caller's layout -> the layout the family's kernels take, float32."""
+    if state is None:
+        return None
+    if a.state_v_first and not family.state_v_first_native:
+        state = state.transpose(-1, -2)
+    return state.float().contiguous()
+
+
+def _state_out(family, a: CoreArgs, state):
+    if a.state_v_first and not family.state_v_first_native:
+        state = state.transpose(-1, -2)
+    return state.contiguous()
+
+
+def _inputs(family, a: CoreArgs) -> Tensors:
+    c = lambda x: None if x is None else x.contiguous()
+    return Tensors(q=c(a.q), k=c(a.k), v=c(a.v), beta=c(a.beta), w_gate=c(a.w), h0=_state_in(family, a, a.h0))
+
+
+def forward(family, a: CoreArgs):
+    """(o, final state in the caller's layout, the tensors of ``saved_names``)."""
+    call = _call(family, a)
+    t = _inputs(family, a)
+    t.q, t.q_rstd = normalize(t.q, a.qk_l2norm)
+    t.k, t.k_rstd = normalize(t.k, a.qk_l2norm)
+    pk = packing(a.cu_seqlens)
+    t.g2 = family.gate_cumsum(None if a.g is None else a.g.contiguous(), pk)
+    family.intra(t, call, pk)
+    t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True)
+    o = family.output(t, call, pk)
+    if a.policy != "full":
+        segments = state_checkpoints.plan(t.v, a.cu_seqlens)
+        t.checkpoints = (state_checkpoints.save(t.h, t.h0, segments) if segments is not None
+                         else t.h.new_empty(0, *t.h.shape[2:], dtype=torch.float32 if t.h0 is not None else None))
+    return o.to(a.v.dtype), _state_out(family, a, ht), [getattr(t, n) for n in saved_names(family, a)]
+
+
+def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
+    """Empty tensors shaped as ``forward``'s saved ones. ``dynamic_size()``: a size known only at
+    run time (the chunks of packed sequences, the number of state checkpoints)."""
+    B, T, H, K = a.q.shape
+    HV, V = a.v.shape[2], a.v.shape[3]
+    NT = -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size()
+    state = (V, K) if _v_first_inside(family, a) else (K, V)
+    f32 = torch.float32
+    shapes = dict(g2=(a.g.shape, f32) if a.g is not None else None, A=((B, T, HV, CHUNK), a.k.dtype),
+                  Aqk=((B, T, HV, CHUNK), a.k.dtype), Akk=((B, T, HV, CHUNK), a.k.dtype),
+                  q=(a.q.shape, a.q.dtype), k=(a.k.shape, a.k.dtype), q_rstd=((B, T, H), f32),
+                  k_rstd=((B, T, H), f32), w=((B, T, HV, K), a.k.dtype), qg=((B, T, HV, K), a.k.dtype),
+                  kg=((B, T, HV, K), a.k.dtype), v_new=(a.v.shape, a.v.dtype), h=((B, NT, HV, *state), a.k.dtype),
+                  checkpoints=((dynamic_size(), HV, *state), f32 if a.h0 is not None else a.k.dtype))
+    return [a.q.new_empty(*shapes[n]) for n in saved_names(family, a)]
+
+
+def backward(family, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | None):
+    """(dq, dk, dv, dg, dbeta, dw, dh0) in the inputs' shapes and dtypes; None where an input is None."""
+    call = _call(family, a)
+    t = _inputs(family, a)
+    t.q_rstd = t.k_rstd = t.g2 = None            # present in the saved list only when the call has them
+    t.__dict__.update(zip(saved_names(family, a), saved))
+    pk = packing(a.cu_seqlens)
+    do = do.contiguous()
+    dht = _state_in(family, a, dht)
+    if a.policy != "full":
+        family.recompute(t, do, call, pk)
+        segments = state_checkpoints.plan(t.v, a.cu_seqlens)
+        if segments is not None:
+            t.h, t.v_new = state_checkpoints.rebuild(t.checkpoints, segments, t.u, **family.state_inputs(t),
+                                                     state_v_first=call.state_v_first)
         else:
-            segments = state_checkpoints.plan(v, cu_seqlens)
-            if segments is not None:
-                t.checkpoints = state_checkpoints.save(t.h, h0, segments)
-                names += ("checkpoints",)
-        ctx.save_for_backward(*(getattr(t, n) for n in names))
-        ctx.names, ctx.segments, ctx.family, ctx.call = names, segments, family, call
-        ctx.g_dtype = None if g is None else g.dtype
-        return o.to(v.dtype), ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        family, call = ctx.family, ctx.call
-        t = Tensors(**dict(zip(ctx.names, ctx.saved_tensors)))
-        pk = {n: getattr(t, n) for n in ("cu_seqlens", "chunk_indices") if n in ctx.names}
-        do = torch.zeros_like(t.v) if do is None else do.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        if call.policy != "full":
-            family.recompute(t, do, call, pk)
-            if ctx.segments is not None:
-                t.h, t.v_new = state_checkpoints.rebuild(t.checkpoints, ctx.segments, t.u, **family.state_inputs(t),
-                                                         state_v_first=call.state_v_first)
-            else:
-                t.h, t.v_new, _ = state_pass(family, t, call, pk, final=False)
-            t.u = t.checkpoints = None              # freed before the reverse pass allocates dh
-        dh, dh0, dv2 = family.reverse(t, do, dht, call, pk)
-        dq, dk, dv, dg, db, dw = family.local_backward(t, do, dh, dv2, call, pk)
-        dq, dk = fold_gva(dq, dk, t.q.shape[2])
-        dq, dk = normalize_backward(t.q, t.q_rstd, dq), normalize_backward(t.k, t.k_rstd, dk)
-        return (dq, dk, dv.to(t.v.dtype), None if ctx.g_dtype is None else dg.to(ctx.g_dtype),
-                db.to(t.beta.dtype), None if dw is None else dw.to(t.w_gate.dtype),
-                dh0 if t.h0 is not None else None, None, None, None, None)
+            t.h, t.v_new, _ = state_pass(family, t, call, pk, final=False)
+        t.u = t.checkpoints = None              # freed before the reverse pass allocates dh
+    dh, dh0, dv2 = family.reverse(t, do, dht, call, pk)
+    dq, dk, dv, dg, db, dw = family.local_backward(t, do, dh, dv2, call, pk)
+    dq, dk = fold_gva(dq, dk, t.q.shape[2])
+    dq, dk = normalize_backward(t.q, t.q_rstd, dq), normalize_backward(t.k, t.k_rstd, dk)
+    return (dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype), None if a.g is None else dg.to(a.g.dtype),
+            db.to(a.beta.dtype), None if dw is None else dw.to(a.w.dtype),
+            None if a.h0 is None else _state_out(family, a, dh0).to(a.h0.dtype))

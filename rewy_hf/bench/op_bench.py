@@ -191,7 +191,7 @@ def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) 
     try:
         per = {n: rel_err(g, r) for n, g, r in zip(names, grads(rewy.fn, inputs, do), ref)}
         out["err_rewy"], out["err_rewy_per_grad"] = max(per.values()), per
-        out["rewy_backend"] = ops.last_backend.get()
+        out["rewy_backend"] = ops.last_backend()
     except Exception as exc:   # a crash is a failed check, with its reason
         out.update(err_rewy=None, err_rewy_per_grad=None, ok=False, rewy_error=describe(exc),
                    check_rule="rewy must run")

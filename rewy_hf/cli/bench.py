@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--steps", type=at_least(1), default=None,
                        help="timed steps per side (default 10 on CUDA, 2 on CPU)")
     add_dtype(model, MODEL_DTYPES, None, "model dtype (default bfloat16 on CUDA, float32 on CPU)")
+    model.add_argument("--compile", action="store_true",
+                       help="time four sides: unpatched and patched, each eager and under torch.compile")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="let transformers run the model repository's own code")
@@ -209,6 +211,8 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
         return failed_to_run(str(exc))
     model = loaded.model
     settings["parameters"] = sum(p.numel() for p in model.parameters())
+    if args.compile:
+        return run_compiled_model(args, model, s, settings, data, failed_to_run, report)
     try:
         with progress(s.warmup + s.steps, f"bench {args.model}") as bar:
             res = run_model_bench(model, s, progress=bar.step)
@@ -230,6 +234,29 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     if args.plot:
         plot_model_steps(res, args.plot, f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {dtype_name}, "
                                          f"{data['device_name']}")
+    for p in problems:
+        print(f"FAIL: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run, report: JsonReport) -> int:
+    """--model X --compile: the four sides of bench/compile_bench.py."""
+    from ..bench.compile_bench import SIDES, compile_problems, format_compile_result, run_compile_bench
+    from ..bench.output import progress
+
+    settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
+    try:
+        with progress(len(SIDES) * (s.warmup + s.steps), f"bench {args.model} --compile") as bar:
+            res = run_compile_bench(model, s, progress=bar.step)
+    except Exception as exc:
+        hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
+                "unpatched sides anyway") if "#640" in str(exc) else ""
+        return failed_to_run(f"{type(exc).__name__}: {exc}{hint}")
+    print(format_compile_result(res, args.model))
+    problems = compile_problems(res)
+    data.update(res)
+    data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
+    report.finish(data)
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)
     return 1 if problems else 0

@@ -4,15 +4,15 @@ A layer's forward calls its core through a module-level name (transformers'
 ``torch_chunk_gated_delta_rule``, FLA's ``chunk_gated_delta_rule`` imported
 into ``fla.layers.gated_deltanet``, ...). That name is shared by every model
 in the process, so it is replaced once by a ``CoreDispatcher`` that calls
-rewy only while a *patched instance* is inside its forward (a context variable
-set by the wrapper bound into that instance) and the saved original
+rewy only while a *patched instance* is inside its forward (a thread-local
+stack pushed by the wrapper bound into that instance) and the saved original
 otherwise. Every routed call, optimized backward and fallback is counted in a
-process-wide, JSON-serializable dispatch report.
+process-wide, JSON-serializable dispatch report. All of it is traceable by
+torch.compile: a compiled patched layer has no graph break (docs/usage.md).
 """
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import functools
 import threading
@@ -22,11 +22,19 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
+from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
 
-# The patch state of the layer whose forward is running, or None.
-ACTIVE_LAYER: contextvars.ContextVar = contextvars.ContextVar("rewy_active_layer", default=None)
+# Per thread, the patch states of the layers whose forwards are running, innermost last. A
+# thread-local list rather than a ContextVar: torch.compile traces it (dynamo replays its
+# pushes and pops), so a compiled patched layer routes its core without a graph break.
+_ACTIVE = threading.local()
+
+
+def active_layers() -> list:
+    """This thread's stack of running patched layers (created on first use)."""
+    return _ACTIVE.__dict__.setdefault("stack", [])
 
 _LOCK = threading.Lock()
 _COUNTS: dict[str, dict[str, Any]] = {}
@@ -77,6 +85,20 @@ def reset_dispatch_report() -> None:
         _COUNTS.clear()
 
 
+# count_fallback as routed calls run it: eagerly even inside a compiled layer (a graph break, on
+# fallback calls only), since traced, the count's read would become a guard on its value and
+# recompile the graph at every call. Made by ``prepare_fallback_count`` when a model is patched, not
+# at import: torch.compiler.disable imports dynamo, which loads Triton, and a CPU test must be able
+# to switch on Triton's interpreter after importing rewy_hf.
+_count_fallback_eagerly: Callable[[str, str], None] = count_fallback
+
+
+def prepare_fallback_count() -> None:
+    global _count_fallback_eagerly
+    if _count_fallback_eagerly is count_fallback:
+        _count_fallback_eagerly = torch.compiler.disable(count_fallback)
+
+
 def report_difference(before: dict, after: dict) -> dict:
     """Per op, what ran between two dispatch reports (counts subtracted, zero entries left out)."""
     ops: dict[str, dict] = {}
@@ -112,7 +134,8 @@ class CoreDispatcher:
         functools.update_wrapper(self, original)
 
     def __call__(self, *args, **kwargs):
-        state = ACTIVE_LAYER.get()
+        stack = active_layers()
+        state = stack[-1] if stack else None
         if state is None or state.adapter.site != self.site:
             return self.original(*args, **kwargs)
         return state.call_core(self.original, args, kwargs)
@@ -121,26 +144,31 @@ class CoreDispatcher:
         return f"<rewy CoreDispatcher for {self.site} wrapping {self.original!r}>"
 
 
-def count_backward_when_used(out: torch.Tensor, op: str) -> None:
-    """Counts one optimized backward when the gradient of ``out`` is computed."""
-    if isinstance(out, torch.Tensor) and out.requires_grad:
-        out.register_hook(lambda grad: (count_backward(op), grad)[1])
+def _count_core_event(event: str, op: str, backend: str, policy: str) -> None:
+    if event == "forward":
+        count_forward(op, backend, policy)
+    else:
+        count_backward(op)
+
+
+# The core announces each forward and backward of a routed call (kernels/core.py): eager or
+# compiled, the count is taken where the core runs, never in traced code.
+LISTENERS.append(_count_core_event)
 
 
 def route(state, original: Callable, args: tuple, kwargs: dict):
     """Run the rewy core for one call of a patched layer, honouring its fallback."""
     op = state.adapter.op
     try:
-        o, final_state = state.adapter.call(args, kwargs, backend=state.backend, policy=state.policy)
+        with ops.reporting_as(op):
+            o, final_state = state.adapter.call(args, kwargs, backend=state.backend, policy=state.policy)
     except UnsupportedConfigError as exc:
         if state.fallback == "error":
             raise UnsupportedConfigError(
                 f"{state.name} ({state.layer_class}): {exc} Pass fallback='original' to patch_model to run "
                 "the original core for such calls instead (they are counted in rewy_hf.dispatch_report())."
             ) from exc
-        count_fallback(op, str(exc))
+        _count_fallback_eagerly(op, str(exc))
         return original(*args, **kwargs)
-    count_forward(op, ops.last_backend.get() or state.backend, state.policy)
-    count_backward_when_used(o, op)
     apply_grad_fault(o, op)
     return o, final_state

@@ -31,7 +31,7 @@ from ..adapters import find_adapter, looks_like_delta_rule
 from ..adapters.base import Adapter
 from ..errors import UnsupportedConfigError
 from ..validation import BACKENDS, POLICIES
-from .dispatch import ACTIVE_LAYER, CoreDispatcher, route
+from .dispatch import CoreDispatcher, active_layers, prepare_fallback_count, route
 from .flash_qla import GDN_OP, WARNING as FLASH_QLA_WARNING, flash_qla_serves_gdn
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
@@ -110,13 +110,14 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     registered = _SITE_LAYERS.get(state.adapter.site)
     if registered is None or self not in registered or not _site_dispatches(state.adapter):
         _install_dispatcher(state.adapter, self)
-    token = ACTIVE_LAYER.set(state)
+    stack = active_layers()
+    stack.append(state)
     try:
         if state.previous_forward is not None:
             return state.previous_forward(*args, **kwargs)
         return type(self).forward(self, *args, **kwargs)
     finally:
-        ACTIVE_LAYER.reset(token)
+        stack.pop()
 
 
 def _site_dispatches(adapter: Adapter) -> bool:
@@ -196,6 +197,7 @@ def patch_model(
     if fallback not in FALLBACKS:
         raise UnsupportedConfigError(f"`fallback`={fallback!r} is unknown; choose one of {FALLBACKS}.")
     backend = _resolve_backend(backend, model)
+    prepare_fallback_count()
     report = PatchReport(backend=backend, policy=policy, fallback=fallback)
     for name, layer in model.named_modules():
         existing = layer.__dict__.get(_STATE_ATTR)

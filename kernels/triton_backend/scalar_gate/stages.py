@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 from ...constants import CHUNK, RCP_LN2
 from .. import fla_stages, state_launch
-from ..function import ReWYTritonFunction, Tensors
+from ..function import Tensors
 from . import prestage, reverse_walk
 from .local_backward import rewy_gdn_bwd_local
 
@@ -47,8 +47,9 @@ def _fla():
 class ScalarGate:
     """GDN (g: [B, T, HV] log-decay) and DeltaNet (g None)."""
 
-    saved = ("q", "k", "v", "g2", "beta", "A", "h0", "q_rstd", "k_rstd")
+    intra_saved = ("A",)
     full_saved = ("w", "h", "v_new")
+    state_v_first_native = False        # the state is transposed at the edges (function.py)
 
     @staticmethod
     def gate_cumsum(g, pk):
@@ -100,13 +101,9 @@ def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, 
     """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward.
     ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA. ``qk_l2norm``:
     q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
-    h0 = None
-    if initial_state is not None:
-        h0 = (initial_state.transpose(-1, -2) if state_v_first else initial_state).float().contiguous()
-    call = SimpleNamespace(scale=scale, policy=policy, state_v_first=False)
-    o, ht = ReWYTritonFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                     None if g is None else g.contiguous(), beta.contiguous(), None, h0, ScalarGate,
-                                     call, cu_seqlens, qk_l2norm)
-    if not output_final_state:
-        return o, None
-    return o, (ht.transpose(-1, -2) if state_v_first else ht)
+    from ...core import CoreArgs, delta_rule
+
+    args = CoreArgs(q, k, v, g, beta, None, initial_state, cu_seqlens, scale, "delta_rule" if g is None else "gdn",
+                    policy, state_v_first, qk_l2norm, False)
+    o, ht = delta_rule(args, "triton")
+    return o, (ht if output_final_state else None)

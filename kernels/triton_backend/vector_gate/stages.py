@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 from ...constants import CHUNK, RCP_LN2
 from .. import state_launch
-from ..function import ReWYTritonFunction, Tensors
+from ..function import Tensors
 from .backward import rewy_kda_bwd
 
 
@@ -61,8 +61,9 @@ class VectorGate:
     """KDA (beta [B, T, HV], no write gate) and GDN2 (beta: the erase gate b [B, T, H, K];
     w_gate: the write gate [B, T, H, V])."""
 
-    saved = ("q", "k", "v", "g2", "beta", "w_gate", "Aqk", "Akk", "h0", "q_rstd", "k_rstd")
+    intra_saved = ("Aqk", "Akk")
     full_saved = ("w", "qg", "kg", "v_new", "h")
+    state_v_first_native = True         # FLA's stages and rewy's kernels take either layout
 
     @staticmethod
     def gate_cumsum(g, pk):
@@ -106,16 +107,13 @@ class VectorGate:
                             chunk_indices=pk.get("chunk_indices"), final_dtypes=t.q.shape[2] == t.v.shape[2])
 
 
-def _state(initial_state):
-    return None if initial_state is None else initial_state.float().contiguous()
-
-
 def _apply(q, k, v, g, beta, w_gate, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
            cu_seqlens, qk_l2norm):
-    call = SimpleNamespace(scale=scale, policy=policy, state_v_first=state_v_first, safe_gate=safe_gate)
-    o, ht = ReWYTritonFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                     beta.contiguous(), None if w_gate is None else w_gate.contiguous(),
-                                     _state(initial_state), VectorGate, call, cu_seqlens, qk_l2norm)
+    from ...core import CoreArgs, delta_rule
+
+    args = CoreArgs(q, k, v, g, beta, w_gate, initial_state, cu_seqlens, scale, "kda" if w_gate is None else "gdn2",
+                    policy, state_v_first, qk_l2norm, safe_gate)
+    o, ht = delta_rule(args, "triton")
     return o, (ht if output_final_state else None)
 
 

@@ -1,0 +1,197 @@
+"""The autograd boundary of the delta-rule core: one for both backends, eager or compiled.
+
+``delta_rule(args, backend)`` runs a backend's forward (torch_backend or
+triton_backend: each has ``forward``, ``backward`` and ``saved_like``) and
+registers its backward, in one of two equivalent ways:
+
+- eagerly, through ``CoreFunction`` (a ``torch.autograd.Function``);
+- under ``torch.compile``, through the custom op ``torch.ops.rewy.delta_rule``
+  with its fake implementation and registered autograd (the backward is the
+  custom op ``torch.ops.rewy.delta_rule_backward``). Dynamo records both as
+  single nodes, so a delta-rule layer compiles without a graph break, and the
+  fake implementations give shapes from the input shapes alone (sizes that
+  depend on packed lengths are unbacked), so new lengths do not recompile.
+
+Both paths run the same backend functions and save the same tensors: the
+inputs, and the intermediates the backend's forward returns. Eager calls skip
+the custom op because its dispatch costs host time on every call (about
+0.35 ms per forward + backward on a 2-core CPU, against 0.15 ms for the
+Function), which the GPU does not hide at the smaller benchmark shapes.
+
+A call made by a patched layer carries ``report_as``, its op name in the
+dispatch report; each forward and backward of such a call is announced to
+``LISTENERS`` from inside the boundary itself (eager Function or custom op
+alike). A compiled graph runs the custom op on every call, so the counts are
+right there too, and the traced code never reads a counter (dynamo would
+guard on its value and recompile at every step).
+
+Checks that read tensor values (packed bounds, the opt-in finite check) run
+here, inside the boundary, so the traced code around the core never reads a
+tensor's values.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .core_args import FAMILIES, CoreArgs
+
+__all__ = ["CoreArgs", "delta_rule", "CoreFunction"]
+
+BACKENDS = ("torch", "triton")
+# Called as listener(event, report_as, backend, policy), event "forward" or "backward", after each
+# forward and backward of a call that has a ``report_as`` (the dispatch report counts them).
+LISTENERS: list[Callable[[str, str, str, str], None]] = []
+
+
+def _backend(name: str):
+    # Imported on first use: importing rewy_hf must not define Triton kernels.
+    if name == "torch":
+        from . import torch_backend as module
+    elif name == "triton":
+        from . import triton_backend as module
+    else:
+        raise ValueError(f"unknown core backend {name!r}; expected one of {BACKENDS}")
+    return module
+
+
+def _check_values(a: CoreArgs) -> None:
+    from ..validation import check_cu_seqlens_values, check_finite
+
+    check_cu_seqlens_values(a.cu_seqlens, a.q.shape[1])
+    gates = dict(b=a.beta, w=a.w) if a.family == "gdn2" else dict(beta=a.beta)     # the op's argument names
+    check_finite(q=a.q, k=a.k, v=a.v, g=a.g, **gates, initial_state=a.h0)
+
+
+def _settings(a: CoreArgs) -> tuple:
+    return a.scale, a.family, a.policy, a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as
+
+
+def _announce(event: str, a: CoreArgs, backend: str) -> None:
+    if a.report_as:
+        for listener in LISTENERS:
+            listener(event, a.report_as, backend, a.policy)
+
+
+def _tensors(a: CoreArgs) -> tuple:
+    return a.q, a.k, a.v, a.g, a.beta, a.w, a.h0, a.cu_seqlens
+
+
+def _kept(a: CoreArgs, backend: str) -> tuple:
+    """The inputs the backward keeps: all but q and k when the backend saved them normalised (one
+    copy of each per layer instead of two; the backward takes the normalised ones in their place,
+    same shape and dtype)."""
+    if _backend(backend).normalised_qk(a) is not None:
+        return (None, None) + _tensors(a)[2:]
+    return _tensors(a)
+
+
+def _restored(inputs: tuple, a_settings: tuple, backend: str, saved: list) -> tuple:
+    q, k, *rest = inputs
+    if q is None:
+        iq, ik = _backend(backend).normalised_qk(CoreArgs(None, None, *rest, *a_settings))
+        q, k = saved[iq], saved[ik]
+    return (q, k, *rest)
+
+
+def delta_rule(a: CoreArgs, backend: str) -> tuple[Tensor, Tensor]:
+    """(o [B, T, HV, V] in v's dtype, the final state [N, HV, K, V] float32 in the caller's layout).
+    The final state is always returned; a caller that did not ask for it drops it, and its
+    gradient is then absent."""
+    if a.family not in FAMILIES:
+        raise ValueError(f"unknown delta-rule family {a.family!r}; expected one of {FAMILIES}")
+    if torch.compiler.is_compiling():
+        out = torch.ops.rewy.delta_rule(*_tensors(a), *_settings(a), backend)
+        return out[0], out[1]
+    return CoreFunction.apply(*_tensors(a), _settings(a), backend)
+
+
+class CoreFunction(torch.autograd.Function):
+    """The eager path: o, ht = f(q, k, v, g, beta, w, h0) for ``backend``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, w, h0, cu_seqlens, settings: tuple, backend: str):
+        ctx.set_materialize_grads(False)       # no zero tensors for an unused output or final state
+        a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, *settings)
+        _check_values(a)
+        o, ht, saved = _backend(backend).forward(a)
+        _announce("forward", a, backend)
+        ctx.save_for_backward(*_kept(a, backend), *saved)
+        ctx.settings, ctx.backend = settings, backend
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        inputs, saved = ctx.saved_tensors[:8], list(ctx.saved_tensors[8:])
+        a = CoreArgs(*_restored(inputs, ctx.settings, ctx.backend, saved), *ctx.settings)
+        do = torch.zeros_like(a.v) if do is None else do
+        grads = _backend(ctx.backend).backward(a, saved, do, dht)
+        _announce("backward", a, ctx.backend)
+        return (*grads, None, None, None)
+
+
+# The custom ops. Their signatures spell out CoreArgs' fields, as torch.library needs.
+
+@torch.library.custom_op("rewy::delta_rule", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
+                h0: Tensor | None, cu_seqlens: Tensor | None, scale: float, family: str, policy: str,
+                state_v_first: bool, qk_l2norm: bool, safe_gate: bool, report_as: str,
+                backend: str) -> list[Tensor]:
+    a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
+                 report_as)
+    _check_values(a)
+    o, ht, saved = _backend(backend).forward(a)
+    _announce("forward", a, backend)
+    # The fake implementations describe dense tensors; a strided view would not match them.
+    return [x.contiguous() for x in (o, ht, *saved)]
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
+                  report_as, backend):
+    a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate)
+    ctx = torch.library.get_ctx()
+    state_dtype = torch.float64 if backend == "torch" and q.dtype == torch.float64 else torch.float32
+    o = v.new_empty(v.shape)
+    ht = q.new_empty(a.state_shape(), dtype=state_dtype)
+    return [o, ht, *_backend(backend).saved_like(a, ctx.new_dynamic_size)]
+
+
+@torch.library.custom_op("rewy::delta_rule_backward", mutates_args=())
+def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
+                 h0: Tensor | None, cu_seqlens: Tensor | None, saved: list[Tensor], do: Tensor, dht: Tensor | None,
+                 scale: float, family: str, policy: str, state_v_first: bool, qk_l2norm: bool, safe_gate: bool,
+                 report_as: str, backend: str) -> list[Tensor]:
+    a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
+                 report_as)
+    grads = _backend(backend).backward(a, list(saved), do, dht)
+    _announce("backward", a, backend)
+    return [x.contiguous() for x in grads if x is not None]
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht, *settings):
+    return [x.new_empty(x.shape) for x in (q, k, v, g, beta, w, h0) if x is not None]
+
+
+def _setup_context(ctx, inputs, output):
+    a = CoreArgs(*inputs[:-1])
+    ctx.save_for_backward(*_kept(a, inputs[-1]), *output[2:])
+    ctx.settings = inputs[8:]
+
+
+def _backward(ctx, grads):
+    inputs, saved = ctx.saved_tensors[:8], list(ctx.saved_tensors[8:])
+    q, k, v, g, beta, w, h0, cu_seqlens = _restored(inputs, ctx.settings[:-1], ctx.settings[-1], saved)
+    do, dht = grads[0], grads[1]
+    do = torch.zeros_like(v) if do is None else do
+    out = iter(torch.ops.rewy.delta_rule_backward(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht,
+                                                   *ctx.settings))
+    dq, dk, dv, dg, dbeta, dw, dh0 = (None if x is None else next(out) for x in (q, k, v, g, beta, w, h0))
+    return (dq, dk, dv, dg, dbeta, dw, dh0, None) + (None,) * len(ctx.settings)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
