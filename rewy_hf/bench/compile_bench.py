@@ -76,8 +76,9 @@ def _dynamo_counts() -> dict:
             "break_reasons": sorted(counters["graph_break"])[:20]}
 
 
-def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict:
-    """Per side of SIDES, ``s.warmup`` untimed then ``s.steps`` timed training steps; see the module docstring."""
+def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None) -> dict:
+    """Per side of SIDES, ``s.warmup`` untimed then ``s.steps`` timed training steps; see the module
+    docstring. ``on_side(side, row)`` is called as each side finishes."""
     import torch._dynamo
 
     model.train()
@@ -134,6 +135,8 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict
                 total, per, launches = gpu_time_by_family(lambda: train_step(run, opt, batch))
                 row.update(gpu_ms=total, gpu_ms_by_family=per, launches=launches)
         out["sides"][side] = row
+        if on_side is not None:
+            on_side(side, row)
     unpatch_model(model)
     base = out["sides"]["unpatched eager"]
     for side, row in out["sides"].items():
@@ -153,6 +156,17 @@ def compile_problems(res: dict) -> list[str]:
     if any(not all(x == x and abs(x) != float("inf") for x in r["loss"]) for r in res["sides"].values()):
         problems.append("a loss was not finite")
     return problems
+
+
+def format_side(side: str, r: dict) -> str:
+    """One side's line, as it finishes."""
+    per = r.get("gpu_ms_by_family") or {}
+    fams = ", ".join(f"{f} {per[f]:.1f}" for f in FAMILIES) if per else ""
+    comp = f", compile {r['compile_s']:.1f} s, {r.get('graph_breaks')} graph breaks, {r.get('graphs')} graphs" \
+        if r["compile_s"] is not None else ""
+    peak = f", peak {r['peak_mb']:.0f} MB" if r["peak_mb"] is not None else ""
+    return (f"{side}: {r['median_step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s{peak}{comp}"
+            + (f"; GPU ms by family: {fams}" if fams else ""))
 
 
 def format_compile_result(res: dict, spec: str) -> str:

@@ -241,13 +241,14 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
 
 def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run, report: JsonReport) -> int:
     """--model X --compile: the four sides of bench/compile_bench.py."""
-    from ..bench.compile_bench import SIDES, compile_problems, format_compile_result, run_compile_bench
+    from ..bench.compile_bench import SIDES, compile_problems, format_compile_result, format_side, run_compile_bench
     from ..bench.output import progress
 
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
     try:
         with progress(len(SIDES) * (s.warmup + s.steps), f"bench {args.model} --compile") as bar:
-            res = run_compile_bench(model, s, progress=bar.step)
+            res = run_compile_bench(model, s, progress=bar.step,
+                                    on_side=lambda side, row: bar.write(format_side(side, row)))
     except Exception as exc:
         hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
                 "unpatched sides anyway") if "#640" in str(exc) else ""

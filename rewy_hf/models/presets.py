@@ -1,7 +1,8 @@
 """Random models built from config with a fixed seed, for commands that must
 work anywhere with no download (``--model tiny-qwen3.5`` ...): tiny ones for
 CPU checks, and ``qwen3.5-1b`` for `rewy-hf bench --model` on a GPU (its GDN2
-counterpart is ``gdn2-1b``, from ``models.gdn2.GDN2_PRESETS``)."""
+counterpart is ``gdn2-1b``, from ``models.gdn2.GDN2_PRESETS``), with
+``qwen3.5-gva-1b`` and ``kimi-linear-1b`` for `rewy-hf bench --model --compile`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ _MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_ex
 _QWEN35_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096, num_hidden_layers=20,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
                   linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16)
+# The two ~1B hybrids of the end-to-end (torch.compile) benchmark, 16 layers each with a 3:1
+# delta-rule / attention layout. Qwen3.5-like: GVA (16 key, 32 value heads of 128), 4 gated
+# full-attention layers. Kimi-Linear-like: 16 KDA heads of 128, 4 MLA layers, a dense MLP
+# everywhere (no MoE), so the step is the mixers and the MLP, as in the Qwen3.5-like one.
+_HYBRID_16 = ["linear_attention"] * 3 + ["full_attention"]
+_QWEN35_GVA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                      layer_types=_HYBRID_16 * 4, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                      linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                      linear_num_value_heads=32)
+_KIMI_LINEAR_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                       layer_types=_HYBRID_16 * 4, mlp_layer_types=["dense"] * 16, num_attention_heads=16,
+                       num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                       v_head_dim=128, qk_nope_head_dim=128, moe_intermediate_size=1024, num_local_experts=8,
+                       num_experts_per_tok=2, linear_head_dim=128, linear_num_heads=16, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2)
 _FLA = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256, fuse_norm=False, fuse_swiglu=False,
             fuse_cross_entropy=False, use_short_conv=False)
 
@@ -73,6 +89,8 @@ PRESETS: dict[str, Callable[[], nn.Module]] = {
     "tiny-fla-kda": _fla("KDAConfig", "KDAForCausalLM", num_heads=4, head_dim=16),
     "tiny-fla-gdn2": _gdn2(num_heads=4, head_dim=16),
     "qwen3.5-1b": _hf("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_QWEN35_1B),
+    "qwen3.5-gva-1b": _hf("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_QWEN35_GVA_1B),
+    "kimi-linear-1b": _hf("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", **_KIMI_LINEAR_1B),
 }
 
 
