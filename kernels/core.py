@@ -145,8 +145,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor,
     _check_values(a)
     o, ht, saved = _backend(backend).forward(a)
     _announce("forward", a, backend)
-    # The fake implementations describe dense tensors; a strided view would not match them.
-    return [x.contiguous() for x in (o, ht, *saved)]
+    return [_own(x) for x in (o, ht, *saved)]
 
 
 @_forward_op.register_fake
@@ -169,12 +168,19 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor
                  report_as)
     grads = _backend(backend).backward(a, list(saved), do, dht)
     _announce("backward", a, backend)
-    return [x.contiguous() for x in grads if x is not None]
+    return [_own(x) for x in grads if x is not None]
 
 
 @_backward_op.register_fake
 def _backward_fake(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht, *settings):
     return [x.new_empty(x.shape) for x in (q, k, v, g, beta, w, h0) if x is not None]
+
+
+def _own(x: Tensor) -> Tensor:
+    """A dense tensor that owns its storage: the fake implementations describe dense tensors, and
+    AOTAutograd mishandles an output that is a view into a larger buffer (the torch backend's
+    chunk states are a slice of the recurrence's buffer)."""
+    return x.clone(memory_format=torch.contiguous_format) if x._base is not None or not x.is_contiguous() else x
 
 
 def _setup_context(ctx, inputs, output):

@@ -136,7 +136,7 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
                   k_rstd=((B, T, H), f32), w=((B, T, HV, K), a.k.dtype), qg=((B, T, HV, K), a.k.dtype),
                   kg=((B, T, HV, K), a.k.dtype), v_new=(a.v.shape, a.v.dtype), h=((B, NT, HV, *state), a.k.dtype),
                   checkpoints=((dynamic_size(), HV, *state), f32 if a.h0 is not None else a.k.dtype))
-    return [a.q.new_empty(*shapes[n]) for n in saved_names(family, a)]
+    return [a.q.new_empty(shapes[n][0], dtype=shapes[n][1]) for n in saved_names(family, a)]
 
 
 def backward(family, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | None):

@@ -55,6 +55,9 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
       "(the norm is still logged)")
     a("--mixed-precision", choices=("auto", "no", *MIXED_PRECISION), default="auto",
       help="auto: the accelerate config's setting if launched with one, else bfloat16 on a GPU and none on CPU")
+    a("--compile", choices=("auto", "on", "off"), default="auto",
+      help="torch.compile the model (in place: checkpoints keep their names); auto: on with CUDA, off on CPU, "
+           "where compiling costs more than a short run gains")
     a("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
     a("--lora", action="store_true", help="train LoRA adapters only (PEFT)")
     a("--lora-r", type=int, default=16, help="LoRA rank")
@@ -94,6 +97,15 @@ def check_args(args) -> None:
         raise RecipeError("--warmup-steps and --save-every must be >= 0")
     if args.lr <= 0:
         raise RecipeError(f"--lr must be positive, got {args.lr}")
+
+
+def compile_choice(choice: str) -> tuple[bool, str]:
+    """(compile or not, why), for the run's output."""
+    if choice != "auto":
+        return choice == "on", f"--compile {choice}"
+    if torch.cuda.is_available():
+        return True, "--compile auto: on with CUDA"
+    return False, "--compile auto: off on CPU"
 
 
 def accelerate_mixed_precision(choice: str) -> str | None:

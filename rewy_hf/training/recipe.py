@@ -24,7 +24,7 @@ from .data import DataError, WindowSampler, pack, read_documents
 from .metrics import MetricsWriter, plot_loss, read_metrics
 from .model_setup import load_model_and_tokenizer, lora_targets
 from .options import (BUNDLED_CORPUS, DEFAULT_MODEL, RecipeError, accelerate_mixed_precision, build_parser,
-                      check_args)
+                      check_args, compile_choice)
 from .schedule import build_scheduler
 
 
@@ -110,6 +110,11 @@ def train(args) -> RunResult:
     if args.core == "rewy":
         patch_report = rewy_hf.patch_model(model, backend=args.backend, policy=args.policy, fallback=args.fallback)
 
+    compiled, compile_why = compile_choice(args.compile)
+    if compiled:
+        # nn.Module.compile compiles in place: the state dict, PEFT wrapping and checkpoints keep their names.
+        model.compile()
+
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -151,7 +156,8 @@ def train(args) -> RunResult:
     result = RunResult(out_dir, start_step, trainable_params=trainable, total_params=total)
     say(f"training {type(accelerator.unwrap_model(model)).__name__} ({trainable:,} trainable / {total:,} params) on "
         f"{windows.shape[0]} windows of {args.seq_len + 1} tokens, {world} process(es), device {accelerator.device}, "
-        f"mixed precision {accelerator.mixed_precision}, core {args.core}"
+        f"mixed precision {accelerator.mixed_precision}, core {args.core}, torch.compile "
+        f"{'on' if compiled else 'off'} ({compile_why})"
         + (f", backend {args.backend}" if args.core == "rewy" else ""))
 
     def save(step: int) -> None:

@@ -19,6 +19,7 @@ import rewy_hf
 from rewy_hf.kernels.triton_backend import occupancy
 from rewy_hf.kernels.triton_backend.scalar_gate import stages
 from rewy_hf.rel_error import rel_err
+from fake_shapes import watch_saved_like
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
 
 
@@ -30,6 +31,12 @@ def few_sms(monkeypatch, sms=4):
     """A GPU of ``sms`` SMs: the reverse walk's rule (and the checkpoints') then see small test
     shapes as filling the GPU. Off the GPU the rules otherwise count an H200's 132."""
     monkeypatch.setattr(occupancy, "sm_count", lambda t: sms)
+
+
+@pytest.fixture(autouse=True)
+def fake_shapes_checked(monkeypatch):
+    """Every Triton forward here also checks the custom op's fake shapes against its saved tensors."""
+    watch_saved_like(monkeypatch)
 
 
 def _inputs(op, T, H, HV, K, V, N, seed):

@@ -41,6 +41,7 @@ from rewy_hf.kernels.triton_backend.tiles import size_class
 from rewy_hf.kernels.triton_backend.vector_gate import backward, common, intra_backward, wy_backward
 from rewy_hf.kernels.triton_backend.vector_gate import stages as vector_gate
 from rewy_hf.rel_error import rel_err
+from fake_shapes import watch_saved_like
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
 LN2 = math.log(2.0)
 # Logsigmoid gates: float32 rounding only. "mixed" and "bound" gates reach cumulative
@@ -431,6 +432,12 @@ def test_autotune_key_has_a_size_class_not_the_length(kernel_name, monkeypatch):
 # qg, kg), output, w/u recompute and dAv stages, and our two kernels -- runs
 # as it does on the GPU.
 # ---------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def fake_shapes_checked(monkeypatch):
+    """Every Triton forward here also checks the custom op's fake shapes against its saved tensors."""
+    watch_saved_like(monkeypatch)
+
 
 def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_first, policy, seed,
                      qk_l2norm=False, cu=None):
