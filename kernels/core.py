@@ -125,6 +125,13 @@ class CoreFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        if torch.is_grad_enabled():
+            from ..errors import UnsupportedConfigError
+
+            raise UnsupportedConfigError(
+                "double backward (a gradient with create_graph=True) through rewy's delta-rule core is not "
+                "supported: its backward is written by hand and is not itself differentiable. Take first-order "
+                "gradients, or unpatch the model for this computation.")
         inputs, saved = ctx.saved_tensors[:8], list(ctx.saved_tensors[8:])
         a = CoreArgs(*_restored(inputs, ctx.settings, ctx.backend, saved), *ctx.settings)
         do = torch.zeros_like(a.v) if do is None else do

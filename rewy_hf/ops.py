@@ -25,6 +25,7 @@ from .validation import (
     check_finite,
     check_initial_state,
     check_qkv,
+    check_scale,
     check_shape,
     check_tensor,
     pop_fla_extras,
@@ -148,7 +149,7 @@ def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backen
                       "the same gradients but is slower than FLA's kernels.", RuntimeWarning, stacklevel=3)
     _LAST.backend = chosen
     policy = resolve_policy(policy, bool(extras.get("disable_recompute", False)))
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K ** -0.5 if scale is None else check_scale(scale)
     return (B, T, H, K, HV, V), scale, policy, chosen
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
@@ -40,6 +42,11 @@ def check_qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
     if v.shape[:2] != q.shape[:2]:
         raise InputValidationError(f"`v` must have shape [B, T, HV, V] with B, T of q ({B}, {T}), got {list(v.shape)}.")
     HV, V = v.shape[2], v.shape[3]
+    for name, n in (("H (heads of q and k)", H), ("K (key head dim)", K), ("HV (heads of v)", HV),
+                    ("V (value head dim)", V)):
+        if n == 0:
+            raise InputValidationError(f"{name} must be at least 1, got 0 (q has shape {list(q.shape)}, "
+                                       f"v {list(v.shape)}).")
     if HV != H and not allow_gva:
         raise UnsupportedConfigError(
             f"this op needs as many value heads as key heads (no GVA), got H={H} key heads and HV={HV} value heads."
@@ -51,6 +58,25 @@ def check_qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
     if T == 0:
         raise InputValidationError("the sequence length T must be at least 1, got 0.")
     return B, T, H, K, HV, V
+
+
+def check_scale(scale) -> float:
+    """``scale`` as a float. A tensor is accepted only as a constant: the core takes no gradient for
+    it, so one that requires grad would be silently detached."""
+    if isinstance(scale, torch.Tensor):
+        if scale.requires_grad:
+            raise UnsupportedConfigError(
+                "`scale` is a tensor that requires grad, but rewy-hf treats scale as a constant (no gradient "
+                "flows to it); pass a float, or scale q yourself before the op and pass scale=1.0.")
+        if scale.numel() != 1:
+            raise InputValidationError(f"`scale` must be one number, got a tensor of shape {list(scale.shape)}.")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InputValidationError(f"`scale` must be a number (the query scale), got {type(scale).__name__} "
+                                   f"{scale!r}.")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise InputValidationError(f"`scale` must be finite, got {value}.")
+    return value
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
@@ -74,6 +100,9 @@ def check_cu_seqlens_values(cu_seqlens, T: int) -> None:
     """The bounds themselves: from 0 to T, never decreasing (a device sync on GPU)."""
     if cu_seqlens is None:
         return
+    if cu_seqlens.device.type == "meta":
+        raise InputValidationError("`cu_seqlens` is on the meta device, but the core needs its values (the "
+                                   "sequence bounds); pass it on the CPU or the inputs' device.")
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise InputValidationError(

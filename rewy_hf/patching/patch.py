@@ -192,6 +192,10 @@ def patch_model(
     ``UnsupportedConfigError`` instead. With ``strict=True`` a model without a
     supported layer is an error; with ``strict=False`` the report is empty.
     """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedConfigError(f"patch_model expects a torch.nn.Module (a loaded model), got "
+                                     f"{type(model).__name__}; load the model first, e.g. "
+                                     "AutoModelForCausalLM.from_pretrained(...).")
     if policy not in POLICIES:
         raise UnsupportedConfigError(f"`policy`={policy!r} is unknown; choose one of {POLICIES}.")
     if fallback not in FALLBACKS:
@@ -202,6 +206,7 @@ def patch_model(
     for name, layer in model.named_modules():
         existing = layer.__dict__.get(_STATE_ATTR)
         if existing is not None:
+            _check_same_options(name, existing, backend, policy, fallback)
             report.patched.append(PatchedLayer(name, _layer_class(layer), existing.adapter.op,
                                                existing.backend, existing.policy, already=True))
             continue
@@ -231,6 +236,17 @@ def patch_model(
         report.notes.append(FLASH_QLA_WARNING.format(n=gdn))
         warnings.warn(report.notes[-1], RuntimeWarning, stacklevel=2)
     return report
+
+
+def _check_same_options(name: str, existing: LayerPatch, backend: str, policy: str, fallback: str) -> None:
+    """A second patch_model with other options must not keep the first call's silently."""
+    now = dict(backend=backend, policy=policy, fallback=fallback)
+    before = dict(backend=existing.backend, policy=existing.policy, fallback=existing.fallback)
+    if now != before:
+        diff = ", ".join(f"{k}={before[k]!r} (asked: {now[k]!r})" for k in now if now[k] != before[k])
+        raise UnsupportedConfigError(
+            f"{name or '<root>'} is already patched with {diff}; call rewy_hf.unpatch_model(model) first to "
+            "patch it with other options.")
 
 
 def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:

@@ -767,3 +767,56 @@ def test_auto_takes_triton_on_cuda_for_every_supported_call():
         assert why in reason
         assert resolve_backend("auto", cuda, reason) == "torch"
     assert resolve_backend("auto", torch.device("cpu"), None) == "torch"
+
+
+# --- zero-sized heads, a bad scale, meta cu_seqlens, double backward --------------------------
+
+@pytest.mark.parametrize("op", ALL)
+@pytest.mark.parametrize("dim", ["H", "K", "V"])
+def test_zero_sized_heads_are_named(op, dim):
+    sizes = dict(H=2, K=K_DIM, V=V_DIM)
+    sizes[dim] = 0
+    inputs = make_inputs(op, **sizes)
+    with pytest.raises(InputValidationError, match="must be at least 1, got 0"):
+        call(op, inputs)
+
+
+@pytest.mark.parametrize("op", ALL)
+@pytest.mark.parametrize("scale", ["abc", None.__class__, True, [0.5]], ids=["str", "type", "bool", "list"])
+def test_scale_that_is_not_a_number_is_named(op, scale):
+    with pytest.raises(InputValidationError, match=lit("`scale` must be a number")):
+        call(op, make_inputs(op), scale=scale)
+
+
+@pytest.mark.parametrize("op", ALL)
+def test_scale_tensor_that_requires_grad_is_refused(op):
+    with pytest.raises(UnsupportedConfigError, match=lit("`scale` is a tensor that requires grad")):
+        call(op, make_inputs(op), scale=torch.tensor(0.25, requires_grad=True))
+
+
+@pytest.mark.parametrize("op", ALL)
+def test_constant_scale_tensor_equals_the_float(op):
+    inputs = make_inputs(op)
+    o_tensor, _ = call(op, inputs, scale=torch.tensor(0.25))
+    o_float, _ = call(op, inputs, scale=0.25)
+    assert torch.equal(o_tensor, o_float)
+
+
+@pytest.mark.parametrize("op", ALL)
+def test_non_finite_scale_is_refused(op):
+    with pytest.raises(InputValidationError, match=lit("`scale` must be finite, got nan")):
+        call(op, make_inputs(op), scale=float("nan"))
+
+
+@pytest.mark.parametrize("op", ALL)
+def test_cu_seqlens_on_meta_device_is_named(op):
+    with pytest.raises(InputValidationError, match=lit("`cu_seqlens` is on the meta device")):
+        call(op, make_inputs(op, T=10), cu_seqlens=torch.tensor([0, 4, 10], device="meta"))
+
+
+@pytest.mark.parametrize("op", ALL)
+def test_double_backward_is_refused_with_a_clear_error(op):
+    inputs = {n: x.clone().requires_grad_() for n, x in make_inputs(op).items()}
+    o, _ = call(op, inputs)
+    with pytest.raises(UnsupportedConfigError, match=lit("double backward (a gradient with create_graph=True)")):
+        torch.autograd.grad(o.square().sum(), [inputs["q"]], create_graph=True)
