@@ -61,6 +61,14 @@ def add_json(parser, what: str, without: str = "") -> None:
                              + (f"; without it {without}" if without else ""))
 
 
+DEVICES = ("cuda", "cpu")
+
+
+def add_device(parser, help: str) -> None:
+    """``--device cuda|cpu``, default None: ``chosen_device`` then picks cuda where torch sees it."""
+    parser.add_argument("--device", choices=DEVICES, default=None, help=help)
+
+
 NO_CUDA = "--device cuda, but torch sees no CUDA device; use --device cpu"
 
 

@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from ..validation import POLICIES
-from .options import DTYPES, NO_CUDA, JsonReport, add_backend, add_dtype, add_json, at_least, chosen_device
+from .options import (DTYPES, NO_CUDA, JsonReport, add_backend, add_device, add_dtype, add_json, at_least,
+                      chosen_device)
 
 HELP = "compare loss and gradients of your model patched vs unpatched (exit 0 = parity holds)"
 
@@ -22,8 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list-presets", action="store_true",
                         help="print the presets and the supported architectures, then exit")
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="where to run (default: cuda if available, else cpu)")
+    add_device(parser, "where to run (default: cuda if available, else cpu)")
     add_dtype(parser, DTYPES, "float32", "the model's dtype (both sides)")
     parser.add_argument("--batch-size", type=at_least(1), default=2, help="sequences per batch")
     parser.add_argument("--seq-len", type=at_least(1), default=128,
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cpu_triton import enable_cpu_interpreter
     from ..errors import UnsupportedConfigError
     from ..models.loading import ModelLoadError, load_causal_lm
-    from ..parity.comparison import DEFAULT_TOLERANCES, Tolerance, run_parity
+    from ..parity.comparison import DEFAULT_TOLERANCES, OriginalCoreError, Tolerance, run_parity
     from ..parity.inputs import token_batches, with_lora
     from ..parity.output import format_result, progress_bar
 
@@ -111,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
                 result = run_parity(model, batches, tolerance=tol, backend=args.backend, policy=args.policy,
                                     check_update=not args.no_update, progress=advance,
                                     reference_cores=None if args.reference == "auto" else args.reference == "torch")
+        except OriginalCoreError as exc:  # e.g. FLA's Hopper guard refusing its GDN backward
+            return could_not_run(f"the unpatched model's own core failed: {exc}; try --reference torch "
+                                 "(the unpatched side then runs the plain-torch / float64 reference core)")
         except (ModelLoadError, UnsupportedConfigError, ValueError) as exc:
             return could_not_run(str(exc))
-        except Exception as exc:  # e.g. the original core refusing to run on this GPU (FLA's Hopper guard)
-            hint = "" if args.reference == "torch" else "; try --reference torch"
-            return could_not_run(f"{type(exc).__name__}: {exc}{hint}")
+        except Exception as exc:
+            return could_not_run(f"{type(exc).__name__}: {exc}")
 
         if result.optimized_backward_calls == 0:
             return could_not_run(

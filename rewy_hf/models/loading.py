@@ -5,7 +5,10 @@ size in ``models.gdn2.GDN2_PRESETS`` (``gdn2-tiny`` ... ``gdn2-1b``), built
 with random weights from a fixed seed.
 
 Hub ids go through the real ``from_pretrained`` path, so they resolve from the
-local Hugging Face cache and work offline with ``HF_HUB_OFFLINE=1``.
+local Hugging Face cache and work offline with ``HF_HUB_OFFLINE=1``. A hub id
+that is not in the cache fails at once, before transformers is imported, when
+offline mode forbids downloading it or one request without retries finds the
+hub unreachable (huggingface_hub would otherwise retry for about a minute).
 """
 
 from __future__ import annotations
@@ -57,6 +60,51 @@ def _build_gdn2(name: str, seed: int) -> nn.Module:
         return GDN2ForCausalLM(gdn2_config(name))
 
 
+CACHED_FILES = ("config.json", "adapter_config.json")   # a model repository has one of these
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """A failure to reach the server at all (DNS, refused connection, timeout), as
+    opposed to an answer from it; huggingface_hub's HTTP client raises these."""
+    root = type(exc).__module__.split(".")[0]
+    return isinstance(exc, (OSError, TimeoutError)) or root in ("httpx", "httpx2", "httpcore", "requests", "urllib3")
+
+
+def _require_cached_or_reachable(spec: str, revision: str | None) -> None:
+    """Raise ModelLoadError at once where ``spec`` (neither a preset nor a directory) is not in
+    the local Hugging Face cache and cannot be downloaded: offline mode is on, or the hub
+    does not answer one request made without retries. Anything else (a cached model, an
+    answer from the hub, an id the hub would reject) is left to ``from_pretrained``."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    try:
+        if any(isinstance(try_to_load_from_cache(spec, name, revision=revision), str) for name in CACHED_FILES):
+            return
+    except (HFValidationError, ValueError):
+        return          # not a valid repository id: from_pretrained says why
+    at = f"@{revision}" if revision else ""
+    missing = (f"model {spec + at!r} is not a preset, not a local directory and not in the local Hugging Face "
+               f"cache ({constants.HF_HUB_CACHE})")
+    # Not preset_names(): naming the GDN2 sizes imports FLA and transformers, seconds this check must not take.
+    elsewhere = (f"give a local directory or a preset ({', '.join(PRESETS)}, {GDN2_PREFIX}<size>; "
+                 "rewy-hf parity --list-presets lists them all)")
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"{missing}, and HF_HUB_OFFLINE=1 forbids downloading it: unset HF_HUB_OFFLINE "
+                             f"to download it from the hub, or {elsewhere}")
+    try:
+        get_hf_file_metadata(hf_hub_url(spec, CACHED_FILES[0], revision=revision),
+                             timeout=constants.HF_HUB_ETAG_TIMEOUT, retry_on_errors=False)
+    except HfHubHTTPError:
+        return          # the hub answered (not found, gated, ...): from_pretrained reports it
+    except Exception as exc:
+        if not _is_network_error(exc):
+            return
+        raise ModelLoadError(f"{missing}, and the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached to "
+                             f"download it ({type(exc).__name__}: {exc}): check the network connection (or, "
+                             f"with the model in the cache, set HF_HUB_OFFLINE=1), or {elsewhere}") from exc
+
+
 def load_causal_lm(spec: str, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
                    device: str = "cpu", trust_remote_code: bool = False, seed: int = 0) -> LoadedModel:
     if spec in PRESETS:
@@ -64,10 +112,13 @@ def load_causal_lm(spec: str, *, revision: str | None = None, dtype: torch.dtype
     elif spec.startswith(GDN2_PREFIX) and not os.path.isdir(spec):
         model, tokenizer, source = _build_gdn2(spec[len(GDN2_PREFIX):], seed), None, "preset"
     else:
+        source = "local" if os.path.isdir(spec) else "hub"
+        if source == "hub":
+            _require_cached_or_reachable(spec, revision)
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         _register_model_types()
-        source = "local" if os.path.isdir(spec) else "hub"
         try:
             model = AutoModelForCausalLM.from_pretrained(spec, revision=revision, dtype=dtype,
                                                          trust_remote_code=trust_remote_code)

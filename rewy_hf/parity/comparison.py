@@ -29,6 +29,12 @@ from ..patching.patch import patch_model, unpatch_model
 from ..patching.reference_cores import use_reference_cores
 
 
+class OriginalCoreError(RuntimeError):
+    """The unpatched side failed while it ran the model's own delta-rule cores (not the
+    reference cores), e.g. FLA refusing its GDN backward on some GPUs; ``__cause__`` is
+    the exception it raised. Running the reference cores there instead may get past it."""
+
+
 @dataclass(frozen=True)
 class Tolerance:
     loss_rel: float
@@ -200,7 +206,8 @@ def run_parity(
     ``model`` itself becomes the patched side; an unpatched deep copy is the
     reference. ``reference_cores`` makes the unpatched side run the reference
     cores instead of its original ones (default: on CPU only, where the
-    originals cannot run). ``progress`` is an optional callable(step).
+    originals cannot run); where the originals run and fail, ``OriginalCoreError``
+    is raised. ``progress`` is an optional callable(step).
     """
     reference_model = copy.deepcopy(model)
     unpatch_model(reference_model)          # in case the caller had patched it already
@@ -213,7 +220,14 @@ def run_parity(
     last_grads = None
     for step, input_ids in enumerate(batches):
         input_ids = input_ids.to(device)
-        loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference)
+        try:
+            loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if use_reference:
+                raise
+            raise OriginalCoreError(f"{type(exc).__name__}: {exc}") from exc
         loss_p, ms_p, grads_p = _step(model, input_ids, reference=False)
         result.losses.append((loss_u, loss_p))
         result.backward_ms["unpatched"].append(ms_u)

@@ -88,3 +88,43 @@ def test_verify_json_to_stdout_is_only_json(capsys):
     data = json.loads(out.out)
     assert data["ok"] is True and {c["group"] for c in data["checks"]} == {"env"}
     assert "PASS  FLA version pin" in out.err and "checks passed" in out.err
+
+
+# The counts the commands share: --steps, --seq-len and --batch-size of parity and of
+# bench's model level. Each is checked at parse time, as a usage error (exit 2) that
+# names the flag and its minimum, before anything is loaded or reshaped.
+COUNTS = [(command, flag) for command in ("parity", "bench") for flag in ("--steps", "--seq-len", "--batch-size")]
+
+
+@pytest.mark.parametrize("command,flag", COUNTS)
+@pytest.mark.parametrize("value", ["0", "-1", "-5"])
+def test_counts_below_one_are_usage_errors_naming_the_flag(command, flag, value, capsys):
+    assert cli.main([command, "--model", "tiny-qwen3.5", flag, value]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == f"rewy-hf {command}: error: argument {flag}: {value} is below the minimum of 1"
+
+
+@pytest.mark.parametrize("command,flag", COUNTS)
+def test_counts_must_be_integers(command, flag, capsys):
+    assert cli.main([command, "--model", "tiny-qwen3.5", flag, "two"]) == 2
+    assert f"error: argument {flag}: 'two' is not an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["parity", "bench", "verify"])
+def test_device_is_cuda_or_cpu_everywhere(command, capsys):
+    from rewy_hf.cli.options import DEVICES
+
+    (action,) = [a for a in PARSERS[command]()._actions if "--device" in a.option_strings]
+    assert tuple(action.choices) == DEVICES and action.default is None
+    assert cli.main([command, "--device", "nonsense"]) == 2
+    assert "error: argument --device: invalid choice: 'nonsense' (choose from 'cuda', 'cpu')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["parity", "bench", "verify"])
+def test_cuda_without_a_gpu_is_exit_2_suggesting_cpu(command, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [command, "--device", "cuda"] + (["--model", "tiny-qwen3.5"] if command == "parity" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda, but torch sees no CUDA device; use --device cpu" in err
+    assert "--reference" not in err

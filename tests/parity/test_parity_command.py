@@ -85,11 +85,116 @@ def test_model_without_delta_rule_layer_exits_2(tmp_path, capsys):
 
 
 def test_missing_model_exits_2_with_loader_reason(tmp_path):
+    """HF_HUB_OFFLINE=1 in the environment alone (read by huggingface_hub at import) is enough."""
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([shutil.which("rewy-hf"), "parity", "--model", "no-such-org/no-such-model", *QUICK],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2
-    assert "could not load 'no-such-org/no-such-model'" in proc.stderr and "presets are" in proc.stderr
+    assert ("model 'no-such-org/no-such-model' is not a preset, not a local directory and not in the local "
+            "Hugging Face cache") in proc.stderr
+    assert "HF_HUB_OFFLINE=1 forbids downloading" in proc.stderr and "tiny-qwen3.5" in proc.stderr
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every name lookup fails (and is counted): nothing here may reach a network."""
+    import socket
+
+    lookups = []
+
+    def lookup(host, *args, **kwargs):
+        lookups.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, f"simulated: no network (looking up {host})")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    return lookups
+
+
+@pytest.fixture
+def empty_hub_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def _timed_load(monkeypatch):
+    """Time spent in load_causal_lm, where `rewy-hf parity` runs it."""
+    import time
+
+    import rewy_hf.models.loading as loading
+
+    real, seconds = loading.load_causal_lm, []
+
+    def load(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    monkeypatch.setattr(loading, "load_causal_lm", load)
+    return seconds
+
+
+def test_offline_hub_id_not_in_the_cache_fails_at_once(empty_hub_cache, no_network, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    seconds = _timed_load(monkeypatch)
+    report = tmp_path / "parity.json"
+    code, _, err = _run(["--model", "no-such-org/no-such-model", "--json", str(report), *QUICK], capsys)
+    assert code == 2
+    assert ("could not run: model 'no-such-org/no-such-model' is not a preset, not a local directory and not in "
+            "the local Hugging Face cache") in err
+    assert "HF_HUB_OFFLINE=1 forbids downloading it: unset HF_HUB_OFFLINE" in err and "tiny-qwen3.5" in err
+    assert str(empty_hub_cache) in err, "names the cache it looked in"
+    assert seconds and seconds[0] < 0.5, seconds
+    assert no_network == []
+    assert json.loads(report.read_text())["exit_code"] == 2
+
+
+def test_unreachable_hub_fails_after_one_try(empty_hub_cache, no_network, monkeypatch):
+    """Not offline, not cached, and the hub cannot be reached: one request, no retries."""
+    import time
+
+    from huggingface_hub import constants
+
+    from rewy_hf.models.loading import ModelLoadError, load_causal_lm
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError) as info:
+        load_causal_lm("no-such-org/no-such-model")
+    assert time.perf_counter() - t0 < 1.0
+    message = str(info.value)
+    assert "'no-such-org/no-such-model' is not a preset, not a local directory and not in the local" in message
+    assert f"the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached" in message
+    assert "simulated: no network" in message and "check the network connection" in message
+    # one request; the HTTP client may look the name up twice for it (huggingface_hub's
+    # retries would be five more, a minute of backing off)
+    assert len(no_network) <= 2, f"retried: {no_network}"
+
+
+def test_offline_check_lets_a_cached_model_through(empty_hub_cache, no_network, monkeypatch):
+    """A hub id in the cache goes on to from_pretrained, offline or not, without a request."""
+    from huggingface_hub import constants
+
+    from rewy_hf.models.loading import _require_cached_or_reachable
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = empty_hub_cache / "models--rewy-test--cached"
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "snapshots" / rev / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    for offline in (True, False):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        _require_cached_or_reachable("rewy-test/cached", None)
+        _require_cached_or_reachable("rewy-test/cached", rev)
+    assert no_network == []
 
 
 def test_text_file_without_tokenizer_exits_2(tmp_path, capsys):
@@ -118,20 +223,55 @@ def test_text_file_through_the_models_tokenizer(saved_qwen, tmp_path, capsys):
     assert json.loads(report.read_text())["optimized_backward_calls"] == 1
 
 
-def test_crash_on_the_unpatched_side_exits_2_with_the_reason(capsys, monkeypatch):
-    """An original core that refuses to run (as FLA's GDN backward does on some
-    GPUs) is reported as "could not run", with a hint, not a traceback."""
+def _refusing(*args, **kwargs):
+    raise RuntimeError("this core refuses to run here")
+
+
+def test_crash_of_the_original_core_suggests_reference_torch(capsys, monkeypatch):
+    """The unpatched model's own core refusing to run (as FLA's GDN backward does on
+    some GPUs) is "could not run" with the way round it, not a traceback."""
+    import importlib
+
+    from rewy_hf.adapters import find_adapter
+    from rewy_hf.patching.dispatch import CoreDispatcher
+
+    (adapter,) = {a.site: a for a in map(find_adapter, build_preset("tiny-qwen3.5").modules()) if a}.values()
+    module = importlib.import_module(adapter.site_module)
+    site = getattr(module, adapter.site_attr)
+    if isinstance(site, CoreDispatcher):
+        monkeypatch.setattr(site, "original", _refusing)
+    else:
+        monkeypatch.setattr(module, adapter.site_attr, _refusing)
+    code, _, err = _run(["--model", "tiny-qwen3.5", "--reference", "original", *QUICK], capsys)
+    assert code == 2
+    assert ("could not run: the unpatched model's own core failed: RuntimeError: this core refuses to run here; "
+            "try --reference torch") in err
+
+
+def test_crash_of_the_reference_core_gets_no_reference_hint(capsys, monkeypatch):
+    """On CPU the unpatched side already runs the reference cores: --reference torch is no way out."""
     import rewy_hf.patching.reference_cores as rc
 
-    def refusing(adapter, original):
-        def core(*args, **kwargs):
-            raise RuntimeError("this core refuses to run here")
-        return core
-
-    monkeypatch.setattr(rc, "reference_for", refusing)
+    monkeypatch.setattr(rc, "reference_for", lambda adapter, original: _refusing)
     code, _, err = _run(["--model", "tiny-qwen3.5", *QUICK], capsys)
     assert code == 2
-    assert "RuntimeError: this core refuses to run here; try --reference torch" in err
+    assert "could not run: RuntimeError: this core refuses to run here" in err
+    assert "--reference" not in err
+
+
+def test_crash_outside_the_comparison_gets_no_reference_hint(capsys, monkeypatch):
+    """A failure while loading or moving the model (here: a CUDA build that cannot run on
+    this GPU) has nothing to do with the unpatched core: no --reference hint."""
+    import rewy_hf.models.loading as loading
+
+    def load(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(loading, "load_causal_lm", load)
+    code, _, err = _run(["--model", "tiny-qwen3.5", *QUICK], capsys)
+    assert code == 2
+    assert "could not run: RuntimeError: CUDA error: no kernel image is available" in err
+    assert "--reference" not in err
 
 
 def test_lora_parity(tmp_path, capsys):
