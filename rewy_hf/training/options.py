@@ -6,6 +6,7 @@ Every bad value is refused with a ``RecipeError`` that names the option and the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -76,6 +77,9 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
       help="calls rewy cannot serve: raise (error) or run the original core")
     a("--output-dir", default="outputs/finetune", help="checkpoints, metrics.jsonl, loss_curve.png, "
       "dispatch_report.json, final/")
+    a("--overwrite-output-dir", action="store_true",
+      help="start afresh in an --output-dir that holds an earlier run: delete its checkpoints, metrics and final "
+           "model first (other files stay); without it such a directory is refused")
     a("--save-every", type=int, default=500, help="checkpoint every N optimizer steps (0: only at the end)")
     a("--keep-checkpoints", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     a("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
@@ -89,14 +93,50 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
     return p
 
 
+#: integer options and their least value, with what that value means where it is special
+_INT_MINIMA = {"seq_len": (1, ""), "batch_size": (1, ""), "grad_accum": (1, ""), "max_steps": (1, ""),
+               "log_every": (1, ""), "lora_r": (1, ""), "lora_alpha": (1, ""), "warmup_steps": (0, ""),
+               "save_every": (0, "0: only at the end"), "keep_checkpoints": (0, "0: keep all")}
+#: float options: (low, low allowed, high, high allowed, what the value is); NaN and infinities never pass
+_FLOAT_RANGES = {"lr": (0.0, False, math.inf, False, ""),
+                 "min_lr_ratio": (0.0, True, 1.0, True, "the final LR as a fraction of --lr"),
+                 "weight_decay": (0.0, True, math.inf, False, ""),
+                 "max_grad_norm": (0.0, True, math.inf, False, "0: no clipping"),
+                 "lora_dropout": (0.0, True, 1.0, False, "a probability")}
+
+
 def check_args(args) -> None:
-    for name in ("seq_len", "batch_size", "grad_accum", "max_steps"):
-        if getattr(args, name) < 1:
-            raise RecipeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0 or args.save_every < 0:
-        raise RecipeError("--warmup-steps and --save-every must be >= 0")
-    if args.lr <= 0:
-        raise RecipeError(f"--lr must be positive, got {args.lr}")
+    for name, (least, note) in _INT_MINIMA.items():
+        value = getattr(args, name)
+        if value < least:
+            raise RecipeError(f"{_flag(name)} must be at least {least}{_note(note)}, got {value}")
+    for name, bounds in _FLOAT_RANGES.items():
+        value = getattr(args, name)
+        if not _in_range(value, *bounds[:4]):
+            raise RecipeError(f"{_flag(name)} must be {_range_text(*bounds[:4])}{_note(bounds[4])}, got {value}")
+    if args.resume is not None and args.overwrite_output_dir:
+        raise RecipeError("--overwrite-output-dir deletes the run that --resume would continue; pass one of them")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _note(note: str) -> str:
+    return f" ({note})" if note else ""
+
+
+def _in_range(value: float, lo: float, lo_ok: bool, hi: float, hi_ok: bool) -> bool:
+    if not math.isfinite(value):
+        return False
+    return (value > lo or (lo_ok and value == lo)) and (value < hi or (hi_ok and value == hi))
+
+
+def _range_text(lo: float, lo_ok: bool, hi: float, hi_ok: bool) -> str:
+    """"in [0, 1)" style, or "a finite number > 0" where there is no upper bound."""
+    if math.isinf(hi):
+        return f"a finite number {'>=' if lo_ok else '>'} {lo:g}"
+    return f"in {'[' if lo_ok else '('}{lo:g}, {hi:g}{']' if hi_ok else ')'}"
 
 
 def compile_choice(choice: str) -> tuple[bool, str]:

@@ -2,8 +2,10 @@
 
 ``main(argv)`` parses the command line, runs, and returns an exit code (2 with a
 one-line ``error: ...`` on bad input); ``train(args)`` returns a ``RunResult``.
-Order of operations: Accelerator -> data -> model (+ LoRA) -> ``patch_model``
-(``--core rewy``) -> ``accelerator.prepare`` -> optional resume -> loop.
+Order of operations: Accelerator -> claim ``--output-dir`` (writable, locked, no earlier run
+unless resuming or overwriting) -> pick and check the resume checkpoint -> data -> model (+ LoRA) ->
+``patch_model`` (``--core rewy``) -> ``accelerator.prepare`` -> load the resume state -> loop. Everything
+that can refuse the command line comes before the data and the model are loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import output_dir
 from .data import DataError, WindowSampler, pack, read_documents
 from .metrics import MetricsWriter, plot_loss, read_metrics
 from .model_setup import load_model_and_tokenizer, lora_targets
@@ -42,11 +45,6 @@ class RunResult:
 
 # --- the run ----------------------------------------------------------------------------------------
 
-#: settings a resumed run must share with the checkpoint, or the data order / schedule would differ
-_RESUME_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "max_steps", "warmup_steps", "lr",
-                "min_lr_ratio", "seed", "lora", "world_size")
-
-
 def train(args) -> RunResult:
     check_args(args)
     from rewy_hf.cpu_triton import enable_cpu_interpreter
@@ -55,9 +53,6 @@ def train(args) -> RunResult:
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
 
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
-
-    import rewy_hf
 
     if args.core == "original" and not torch.cuda.is_available():
         raise RecipeError("--core original runs FLA's own Triton kernels, which need a CUDA GPU; on CPU use "
@@ -67,20 +62,106 @@ def train(args) -> RunResult:
 
     accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(args.mixed_precision),
                               step_scheduler_with_optimizer=False)
-    main_proc = accelerator.is_main_process
-    say = accelerator.print
     out_dir = Path(args.output_dir)
-    data_spec = args.data or str(BUNDLED_CORPUS)
-    set_seed(args.seed)
+    # Before any heavy work: an unwritable or busy --output-dir, or an earlier run in it, fails at once.
+    lock = _on_main(accelerator, lambda: output_dir.claim(out_dir, fresh=args.resume is None,
+                                                          overwrite=args.overwrite_output_dir))
+    try:
+        return _run(args, accelerator, out_dir)
+    finally:
+        if accelerator.is_main_process:
+            output_dir.release_lock(lock)
 
-    # Resume target first: a bad --resume should fail before any heavy work.
-    resume_from = None
-    if args.resume is not None:
-        resume_from = ckpt.latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
-        if resume_from is None:
-            raise RecipeError(f"--resume: no complete checkpoint in {out_dir}; run without --resume to start fresh")
+
+def _on_main(accelerator, fn):
+    """``fn()`` run by the main process only, its result sent to every process; a RecipeError there is
+    raised on every process, so no process goes on to wait for a main process that has given up."""
+    from accelerate.utils import broadcast_object_list
+
+    value, error = None, None
+    if accelerator.is_main_process:
+        try:
+            value = fn()
+        except RecipeError as exc:
+            error = str(exc)
+    value, error = broadcast_object_list([value, error])
+    if error is not None:
+        raise RecipeError(error)
+    return value
+
+
+def _resume_target(args, out_dir: Path, run_config: dict) -> tuple[Path, dict] | None:
+    """(checkpoint, its trainer state) for --resume, after checking it is sound and of this run."""
+    if args.resume is None:
+        return None
+    if args.resume == "latest":
+        resume_from = _latest_sound_checkpoint(out_dir)
+    else:
+        resume_from = Path(args.resume)
         if not (resume_from / ckpt.STATE_FILE).is_file():
             raise RecipeError(f"--resume {resume_from}: not a complete checkpoint (no {ckpt.STATE_FILE})")
+        problem = ckpt.damage(resume_from)
+        if problem is not None:
+            raise RecipeError(f"--resume {resume_from}: {problem[0]} is damaged ({problem[1]}); "
+                              + _earlier_checkpoint_hint(resume_from))
+    state = ckpt.read_state(resume_from)
+    diff = ckpt.identity_diff(state["config"], run_config)
+    if diff:
+        raise RecipeError(f"--resume {resume_from}: it belongs to a run with other settings (checkpoint vs now): "
+                          + ", ".join(diff) + "; resume with the checkpoint's settings, or start a new run in "
+                          "another --output-dir")
+    return resume_from, state
+
+
+def _latest_sound_checkpoint(out_dir: Path) -> Path:
+    """The newest complete checkpoint that is not damaged; each damaged newer one is skipped with a warning."""
+    found = ckpt.list_checkpoints(out_dir)
+    if not found:
+        raise RecipeError(f"--resume: no complete checkpoint in {out_dir}; run without --resume to start fresh")
+    damaged = []
+    for _, path in reversed(found):
+        problem = ckpt.damage(path)
+        if problem is None:
+            return path
+        damaged.append(f"{problem[0]} ({problem[1]})")
+        warnings.warn(f"--resume: {problem[0]} is damaged ({problem[1]}); skipping {path.name} for the "
+                      "previous checkpoint", RuntimeWarning, stacklevel=2)
+    raise RecipeError(f"--resume: every checkpoint in {out_dir} is damaged: " + "; ".join(damaged)
+                      + "; start afresh with --overwrite-output-dir")
+
+
+def _earlier_checkpoint_hint(checkpoint: Path) -> str:
+    previous = ckpt.previous_sound(checkpoint)
+    if previous is None:
+        return f"there is no earlier complete checkpoint in {checkpoint.parent}; start afresh"
+    return f"resume from the previous complete checkpoint instead: --resume {previous}"
+
+
+def _finished(out_dir: Path, step: int, max_steps: int) -> bool:
+    return step >= max_steps and (out_dir / "final").is_dir()
+
+
+def _run(args, accelerator, out_dir: Path) -> RunResult:
+    from accelerate.utils import DistributedType, set_seed
+
+    import rewy_hf
+
+    main_proc = accelerator.is_main_process
+    say = accelerator.print
+    data_spec = args.data or str(BUNDLED_CORPUS)
+    set_seed(args.seed)
+    world = accelerator.num_processes
+    run_config = {k: getattr(args, k) for k in vars(args)} | {"data": data_spec, "world_size": world}
+
+    # Resume target before any heavy work: a bad --resume should fail at once.
+    target = _on_main(accelerator, lambda: _resume_target(args, out_dir, run_config))
+    resume_from, state = target if target is not None else (None, None)
+    if state is not None and _finished(out_dir, state["step"], args.max_steps):
+        # Resuming would retrain nothing and only rewrite final/, the plot and the dispatch report.
+        say(f"the run in {out_dir} is complete: {resume_from.name} is at step {state['step']} of "
+            f"--max-steps {args.max_steps} and {out_dir / 'final'} exists; nothing to resume")
+        adapter = out_dir / "final-adapter" if args.lora else None
+        return RunResult(out_dir, state["step"], final_model_dir=out_dir / "final", adapter_dir=adapter)
 
     try:
         docs = read_documents(data_spec, split=args.data_split)
@@ -124,23 +205,16 @@ def train(args) -> RunResult:
     scheduler = build_scheduler(optimizer, min(args.warmup_steps, args.max_steps), args.max_steps, args.min_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    world = accelerator.num_processes
-    run_config = {k: getattr(args, k) for k in vars(args)} | {"data": data_spec, "world_size": world}
     start_step, tokens_seen = 0, 0
     if resume_from is not None:
-        state = ckpt.read_state(resume_from)
-        diff = {k: (state["config"].get(k), run_config[k]) for k in _RESUME_KEYS
-                if state["config"].get(k) != run_config[k]}
-        if diff:
-            raise RecipeError("--resume: these settings differ from the checkpoint's (checkpoint, now): "
-                              + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items())
-                              + "; resume with the same settings")
-        accelerator.load_state(str(resume_from / ckpt.TRAINING_STATE_DIR))
+        _load_training_state(accelerator, resume_from)
         start_step, tokens_seen = state["step"], state["tokens_seen"]
         say(f"resumed from {resume_from} at step {start_step}")
 
     if main_proc:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        if args.overwrite_output_dir:
+            # Cleared only now, so a run that fails to start leaves the earlier run in place.
+            output_dir.clear_previous(out_dir)
         (out_dir / "run_config.json").write_text(json.dumps(
             run_config | {"model_source": source, "trainable_params": trainable, "total_params": total,
                           "num_windows": windows.shape[0], "tokenizer": type(tokenizer).__name__,
@@ -257,6 +331,16 @@ def train(args) -> RunResult:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
+
+
+def _load_training_state(accelerator, checkpoint: Path) -> None:
+    """accelerator.load_state, with a failure (damage the cheap check in ``ckpt.damage`` cannot see, such as
+    flipped bytes) reported as the checkpoint's, not as a bare library error."""
+    try:
+        accelerator.load_state(str(checkpoint / ckpt.TRAINING_STATE_DIR))
+    except Exception as exc:   # whatever the loaders raise on a bad file: torch, safetensors, pickle
+        raise RecipeError(f"--resume {checkpoint}: cannot load {checkpoint / ckpt.TRAINING_STATE_DIR} "
+                          f"({type(exc).__name__}: {exc}); " + _earlier_checkpoint_hint(checkpoint)) from exc
 
 
 class _null:
