@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from ..core_args import CoreArgs
 from . import function
-from .scalar_gate.stages import ScalarGate, triton_gdn_core
-from .vector_gate.stages import VectorGate, triton_gdn2_core, triton_kda_core
+from .scalar_gate.stages import ScalarGate
+from .vector_gate.stages import VectorGate
 
-__all__ = ["forward", "backward", "saved_like", "triton_gdn_core", "triton_kda_core", "triton_gdn2_core"]
+__all__ = ["forward", "backward", "saved_like", "normalised_qk"]
 
 
 def _family(a: CoreArgs):

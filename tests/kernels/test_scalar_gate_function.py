@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import rewy_hf
 from rewy_hf.kernels.triton_backend import occupancy
 from rewy_hf.kernels.triton_backend.scalar_gate import stages
+from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
 from fake_shapes import watch_saved_like
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
@@ -55,7 +56,7 @@ def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False):
     K = inputs[0].shape[-1]
     leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     q, k, v, g, beta, h0 = leaves
-    o, ht = stages.triton_gdn_core(q, k, v, g, beta, K ** -0.5, h0, True, False, policy, cu_seqlens, qk_l2norm)
+    o, ht = triton_entry.triton_gdn_core(q, k, v, g, beta, K ** -0.5, h0, True, False, policy, cu_seqlens, qk_l2norm)
     ref_leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     rq, rk, rv, rg, rb, rh0 = ref_leaves
     kw = dict(scale=K ** -0.5, initial_state=rh0, output_final_state=True, backend="torch", cu_seqlens=cu_seqlens,
@@ -220,6 +221,6 @@ def test_function_with_qk_l2norm_keeps_only_normalised_q_k_and_row_norms(monkeyp
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stages.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, None, False, False, "recompute", None, True)
+        triton_entry.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, None, False, False, "recompute", None, True)
     assert [s for s in saved if s[0] == tuple(q.shape)] == [(tuple(q.shape), torch.float16)] * 2, saved
     assert [s for s in saved if s[0] == tuple(q.shape[:-1])] == [(tuple(q.shape[:-1]), torch.float32)] * 2, saved

@@ -15,6 +15,7 @@ import rewy_hf
 from rewy_hf.kernels.triton_backend import state_checkpoints as C
 from rewy_hf.kernels.triton_backend import state_launch
 from rewy_hf.kernels.triton_backend.scalar_gate import stages
+from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
 
@@ -154,7 +155,7 @@ def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
     inputs, do, dht = _inputs(op, B, T, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=N, seed=21)
     leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     q, k, v, g, beta, h0 = leaves
-    o, ht = stages.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, h0, True, False, "recompute", cu)
+    o, ht = triton_entry.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, h0, True, False, "recompute", cu)
     live = [i for i, t in enumerate(leaves) if t is not None]
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[i] for i in live])
     # Forward: whole sequences; backward: segments of two chunks (3 per 300-token row; 1 + 2 + 2 packed).

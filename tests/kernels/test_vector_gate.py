@@ -40,6 +40,7 @@ from rewy_hf.kernels.triton_backend import state_checkpoints
 from rewy_hf.kernels.triton_backend.tiles import size_class
 from rewy_hf.kernels.triton_backend.vector_gate import backward, common, intra_backward, wy_backward
 from rewy_hf.kernels.triton_backend.vector_gate import stages as vector_gate
+from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
 from fake_shapes import watch_saved_like
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
@@ -460,7 +461,7 @@ def _function_errors(monkeypatch, fwd_h, bwd_dhu, *, B, T, H, HV, K, V, state_v_
     h0 = torch.randn(*state, generator=gen) * 0.3
     do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(*state, generator=gen) * 0.3
     ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-    o, ht = vector_gate.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, state_v_first, policy,
+    o, ht = triton_entry.triton_kda_core(*ours[:5], K ** -0.5, ours[5], True, state_v_first, policy,
                                         cu_seqlens=cu, qk_l2norm=qk_l2norm)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ours)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]

@@ -94,16 +94,3 @@ class ScalarGate:
         dq, dk, dv, dg, db = rewy_gdn_bwd_local(t.q, t.k, t.v, t.v_new, t.g2, t.beta, t.A, t.h, dh, do, dv2,
                                                 scale=call.scale, **pk)
         return dq, dk, dv, dg, db, None
-
-
-def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy,
-                    cu_seqlens=None, qk_l2norm: bool = False):
-    """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward.
-    ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA. ``qk_l2norm``:
-    q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
-    from ...core import CoreArgs, delta_rule
-
-    args = CoreArgs(q, k, v, g, beta, None, initial_state, cu_seqlens, scale, "delta_rule" if g is None else "gdn",
-                    policy, state_v_first, qk_l2norm, False)
-    o, ht = delta_rule(args, "triton")
-    return o, (ht if output_final_state else None)

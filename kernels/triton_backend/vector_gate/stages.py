@@ -105,35 +105,3 @@ class VectorGate:
         return rewy_kda_bwd(t.q, t.k, t.v, t.v_new, t.g2, t.beta, t.Akk, t.h, dh, do, dv2, t.dAqk, call.scale,
                             w_gate=t.w_gate, state_v_first=call.state_v_first, cu_seqlens=pk.get("cu_seqlens"),
                             chunk_indices=pk.get("chunk_indices"), final_dtypes=t.q.shape[2] == t.v.shape[2])
-
-
-def _apply(q, k, v, g, beta, w_gate, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
-           cu_seqlens, qk_l2norm):
-    from ...core import CoreArgs, delta_rule
-
-    args = CoreArgs(q, k, v, g, beta, w_gate, initial_state, cu_seqlens, scale, "kda" if w_gate is None else "gdn2",
-                    policy, state_v_first, qk_l2norm, safe_gate)
-    o, ht = delta_rule(args, "triton")
-    return o, (ht if output_final_state else None)
-
-
-def triton_kda_core(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, policy, *,
-                    safe_gate: bool = False, cu_seqlens=None, qk_l2norm: bool = False):
-    """KDA on CUDA with the ReWY backward. Activated inputs in FLA's layout:
-    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] natural-log per-token
-    gates (<= 0); beta [B, T, HV]; initial_state [N, HV, K, V] ([N, HV, V, K]
-    with ``state_v_first``). q, k and v must share one dtype (FLA's kernels).
-    ``qk_l2norm``: q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
-    return _apply(q, k, v, g, beta, None, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
-                  cu_seqlens, qk_l2norm)
-
-
-def triton_gdn2_core(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy, *,
-                     safe_gate: bool = False, cu_seqlens=None, qk_l2norm: bool = False):
-    """GDN2 on CUDA with the ReWY backward: b [B, T, H, K] erase gate, w
-    [B, T, H, V] write gate, no GVA (as in FLA 0.6.0); otherwise as
-    ``triton_kda_core``."""
-    if v.shape[2] != q.shape[2]:
-        raise ValueError("GDN2 has no GVA in FLA 0.6.0: v must have as many heads as q")
-    return _apply(q, k, v, g, b, w, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
-                  cu_seqlens, qk_l2norm)
