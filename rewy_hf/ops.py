@@ -38,12 +38,20 @@ __all__ = ["chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda", "chunk_gdn
 
 # The backend that served this thread's latest call (read by the dispatcher's report). A
 # thread-local rather than a ContextVar: torch.compile traces attribute access on it.
-_LAST = threading.local()
+class _CallState(threading.local):
+    # Both attributes exist from each thread's first access on: a traced read of a missing one
+    # would be a guard that recompiles once the first call sets it.
+    def __init__(self):
+        self.backend: str | None = None
+        self.report_as = ""
+
+
+_LAST = _CallState()
 
 
 def last_backend() -> str | None:
     """The backend ("torch" or "triton") that served this thread's latest op call."""
-    return getattr(_LAST, "backend", None)
+    return _LAST.backend
 
 
 def reporting_as(op: str):
@@ -58,7 +66,7 @@ class _Reporting:
         self.op = op
 
     def __enter__(self):
-        self.previous = getattr(_LAST, "report_as", "")
+        self.previous = _LAST.report_as
         _LAST.report_as = self.op
 
     def __exit__(self, *exc):
@@ -86,7 +94,7 @@ def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final
         dt = compute_dtype(q)
         q, k, qk_l2norm = l2norm(q.to(dt)), l2norm(k.to(dt)), False
     o, ht = delta_rule(CoreArgs(q, k, v, g, beta, w, initial_state, cu_seqlens, scale, family, policy,
-                                state_v_first, qk_l2norm, safe_gate, getattr(_LAST, "report_as", "")), chosen)
+                                state_v_first, qk_l2norm, safe_gate, _LAST.report_as), chosen)
     return o, (ht if output_final_state else None)
 
 

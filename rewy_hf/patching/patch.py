@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.nn as nn
 
 from ..adapters import find_adapter, looks_like_delta_rule
@@ -106,10 +107,16 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     # A deep copy (or any clone made without patch_model) carries the patch
     # state but was never registered; make sure its site still dispatches.
     # Checked without the lock: on every forward after the first it is a
-    # dict lookup and a set membership test.
-    registered = _SITE_LAYERS.get(state.adapter.site)
-    if registered is None or self not in registered or not _site_dispatches(state.adapter):
-        _install_dispatcher(state.adapter, self)
+    # dict lookup and a set membership test. Traced (torch.compile), only the site is checked:
+    # dynamo would guard on the registry's size, and recompile whenever any other patched layer
+    # is patched or collected; a clone's registration waits for its first eager call.
+    if torch.compiler.is_compiling():
+        if not _site_dispatches(state.adapter):
+            _install_dispatcher(state.adapter, self)
+    else:
+        registered = _SITE_LAYERS.get(state.adapter.site)
+        if registered is None or self not in registered or not _site_dispatches(state.adapter):
+            _install_dispatcher(state.adapter, self)
     stack = active_layers()
     stack.append(state)
     try:

@@ -1,0 +1,322 @@
+"""torch.compile of patched models and of the delta-rule custom ops (CPU, torch backend).
+
+A patched layer compiles without a graph break (its core is the custom op
+``torch.ops.rewy.delta_rule`` with a fake implementation and registered
+autograd, kernels/core.py), compiled and eager runs agree, the dispatch report
+still counts every compiled call, new sequence lengths and packed bounds do not
+recompile per value, the op passes ``torch.library.opcheck``, and unpatching a
+compiled model is followed by the compiled code. Compiles use the ``aot_eager``
+backend (AOT autograd without code generation) to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import rewy_hf
+import rewy_hf.kernels.core  # noqa: F401  (registers torch.ops.rewy.*)
+from rewy_hf import dispatch_report, patch_model, reset_dispatch_report, unpatch_model
+
+import hf_tiny_models as hf
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch (no cached frames, no automatic-dynamic marks from a previous test)."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    # Patched models of earlier tests are collected now, not in the middle of this test's compiled
+    # runs: the traced patched forward checks its layer's membership in a WeakSet of the site's
+    # patched layers, so dynamo guards on that set's size, and a collection there would recompile.
+    gc.collect()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    logging.set_verbosity(level)
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    den = ref.norm().item()
+    num = (x - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def grads_rel(model: nn.Module, ref: nn.Module) -> float:
+    """Relative Frobenius error over all parameter gradients together."""
+    mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert mine.keys() == theirs.keys()
+    num = den = 0.0
+    for name, p in theirs.items():
+        assert p.grad is not None and mine[name].grad is not None, name
+        num += (mine[name].grad.double() - p.grad.double()).square().sum().item()
+        den += p.grad.double().square().sum().item()
+    assert den > 0
+    return (num / den) ** 0.5
+
+
+def op_counts(op: str) -> dict:
+    return dispatch_report()["ops"].get(op, {"forward_calls": 0, "optimized_backward_calls": 0, "fallback_calls": 0})
+
+
+def dense_kimi_linear():
+    """A tiny Kimi-Linear with dense MLPs only (transformers' MoE breaks the graph on ``nonzero``)."""
+    fam = hf.FAMILIES["kimi_linear"]
+    cfg = hf.make_config(fam)
+    cfg.mlp_layer_types = ["dense"] * cfg.num_hidden_layers
+    torch.manual_seed(hf.SEED)
+    model = getattr(fam.modeling, fam.model_class)(cfg)
+    hf._init_gates(model, fam, hf.SEED)
+    return model.train()
+
+
+def without_cache(model):
+    """No KV / recurrent cache (a training step needs none): less model code to trace."""
+    model.config.use_cache = False
+    return model
+
+
+def small_qwen3_5():
+    """The tiny Qwen3.5 with its one delta-rule layer only (less to compile than hf.build's three
+    layers, for the tests that compile it twice)."""
+    fam = hf.FAMILIES["qwen3_5"]
+    cfg = hf.make_config(fam)
+    cfg.num_hidden_layers, cfg.layer_types, cfg.use_cache = 1, ["linear_attention"], False
+    torch.manual_seed(hf.SEED)
+    model = getattr(fam.modeling, fam.model_class)(cfg)
+    hf._init_gates(model, fam, hf.SEED)
+    return model.train()
+
+
+BUILDERS = {"qwen3_5": lambda: without_cache(hf.build("qwen3_5")),
+            "kimi_linear": lambda: without_cache(dense_kimi_linear())}
+
+
+# ---------------------------------------------------------------------------
+# 1. Compiled = eager, and the compiled calls reach rewy
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_fullgraph_compile_matches_eager_and_reaches_rewy(family):
+    model = BUILDERS[family]()
+    twin = hf.twin(model)
+    patch_model(model, backend="torch")
+    patch_model(twin, backend="torch")
+    layers = len(hf.delta_rule_layer_names(model, family))
+    assert layers == 2
+    ids = hf.input_ids(2, 77)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+    reset_dispatch_report()
+    loss = hf.loss_of(compiled, ids, family)
+    loss.backward()
+    counts = op_counts(hf.FAMILIES[family].op)
+    assert counts["forward_calls"] == layers, dispatch_report()
+    assert counts["optimized_backward_calls"] == layers, dispatch_report()
+    assert counts["fallback_calls"] == 0
+    assert counts["backends"] == {"torch": layers}
+
+    ref = hf.loss_of(twin, ids, family)
+    ref.backward()
+    assert rel(loss, ref) <= 1e-6
+    assert grads_rel(model, twin) <= 1e-5
+
+
+# ---------------------------------------------------------------------------
+# 2. No graph break inside a delta-rule layer (MoE model: transformers breaks elsewhere)
+# ---------------------------------------------------------------------------
+
+def _real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def test_no_graph_break_inside_a_delta_rule_layer():
+    family = "kimi_linear"
+    fam = hf.FAMILIES[family]
+    model = without_cache(hf.build(family))   # MoE MLPs: transformers' expert loop breaks on nonzero
+    patch_model(model, backend="torch")
+    layer_cls = getattr(fam.modeling, fam.layer_class)
+    forward = inspect.unwrap(layer_cls.forward)
+    layer_file = _real(inspect.getsourcefile(forward))
+    lines, first = inspect.getsourcelines(forward)
+    layer_lines = range(first, first + len(lines))
+    ours = [_real(str(Path(rewy_hf.__file__).parent)) + os.sep,
+            _real(str(Path(rewy_hf.kernels.__file__).parent)) + os.sep]   # rewy_hf/ and the repo's kernels/
+
+    reset_dispatch_report()
+    explained = torch._dynamo.explain(model)(input_ids=hf.input_ids(1, 24))
+    # The layers really ran inside the traced graphs, and through rewy.
+    assert op_counts(fam.op)["forward_calls"] == len(hf.delta_rule_layer_names(model, family))
+
+    # Positive control: the detector sees transformers' MoE breaks, so the checks below are not vacuous.
+    assert explained.graph_break_count > 0
+    assert explained.break_reasons
+    frames = [(_real(f.filename), f.lineno, f.name) for r in explained.break_reasons for f in r.user_stack]
+    assert any(path == layer_file for path, _, _ in frames), "no break passes through the modeling file"
+    for reason in explained.break_reasons:
+        for f in reason.user_stack:
+            path = _real(f.filename)
+            where = f"{f.filename}:{f.lineno} ({f.name}): {reason.reason}"
+            assert not any(path.startswith(root) for root in ours), where
+            assert not (path == layer_file and f.lineno in layer_lines), where
+
+
+# ---------------------------------------------------------------------------
+# 3. New sequence lengths do not recompile per length
+# ---------------------------------------------------------------------------
+
+def test_new_lengths_do_not_recompile_per_length():
+    model = small_qwen3_5()
+    patch_model(model, backend="torch")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    for T in (70, 100, 130, 190):
+        hf.loss_of(compiled, hf.input_ids(2, T), "qwen3_5").backward()
+    # The first call compiles with static shapes; the first new length marks T dynamic and
+    # compiles once more; every later length (all > 64, so several chunks) reuses that graph.
+    assert counter.frame_count == 2
+
+
+# ---------------------------------------------------------------------------
+# 4. Packed sequences: one dynamic graph for different bounds
+# ---------------------------------------------------------------------------
+
+def _packed_loss(q, k, v, g, beta, cu):
+    o, ht = rewy_hf.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                           backend="torch")
+    return o.sum() + ht.sum()
+
+
+def test_packed_sequences_compile_once():
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_packed_loss, backend=counter, fullgraph=True, dynamic=True)
+    for bounds in ([0, 40, 150], [0, 10, 90, 130, 200]):
+        T = bounds[-1]
+        gen = torch.Generator().manual_seed(T)
+        r = lambda *s: torch.randn(*s, generator=gen)
+        inputs = [F.normalize(r(1, T, 2, 16), dim=-1), F.normalize(r(1, T, 2, 16), dim=-1), r(1, T, 2, 16),
+                  F.logsigmoid(r(1, T, 2)), torch.sigmoid(r(1, T, 2))]
+        cu = torch.tensor(bounds, dtype=torch.long)
+        mine = [x.clone().requires_grad_() for x in inputs]
+        ref = [x.clone().requires_grad_() for x in inputs]
+        out = compiled(*mine, cu)
+        out.backward()
+        expected = _packed_loss(*ref, cu)
+        expected.backward()
+        assert rel(out, expected) <= 1e-6, bounds
+        for name, a, b in zip("q k v g beta".split(), mine, ref):
+            assert rel(a.grad, b.grad) <= 1e-6, (bounds, name)
+    assert counter.frame_count == 1
+
+
+# ---------------------------------------------------------------------------
+# 5. torch.library.opcheck on the forward op (schema, fake, autograd registration, AOT dynamic)
+# ---------------------------------------------------------------------------
+
+def _op_args(family, policy, *, T=70, B=2, H=2, HV=None, K=16, V=16, cu=None, h0=False, v_first=False):
+    """torch.ops.rewy.delta_rule's positional arguments, as kernels/core.py's delta_rule builds them:
+    q, k, v, g, beta, w, h0, cu_seqlens, then scale, family, policy, state_v_first, qk_l2norm,
+    safe_gate, report_as, backend. Activated inputs: q and k l2-normalised, log-decay gates, gates
+    and betas in (0, 1)."""
+    gen = torch.Generator().manual_seed(T + 31 * len(family))
+    HV = HV or H
+    if cu is not None:
+        B, T = 1, cu[-1]
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, generator=gen)
+    u = lambda *s: torch.rand(*s, generator=gen)
+    q, k, v = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1), r(B, T, HV, V)
+    g = w = None
+    if family == "delta_rule":
+        beta = u(B, T, HV)
+    elif family == "gdn":
+        g, beta = F.logsigmoid(r(B, T, HV)), u(B, T, HV)
+    elif family == "kda":
+        g, beta = F.logsigmoid(r(B, T, HV, K)), u(B, T, HV)
+    else:                                    # gdn2: erase gate beta [B, T, H, K], write gate w [B, T, H, V]
+        g, beta, w = F.logsigmoid(r(B, T, H, K)), u(B, T, H, K), u(B, T, H, V)
+    state = None if not h0 else 0.5 * r(*((N, HV, V, K) if v_first else (N, HV, K, V)))
+    tensors = [None if t is None else t.requires_grad_() for t in (q, k, v, g, beta, w, state)]
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long)
+    return (*tensors, cu_t, K ** -0.5, family, policy, v_first, False, False, "", "torch")
+
+
+OPCHECK_CASES = [pytest.param(f, p, {}, id=f"{f}-{p}") for f in ("delta_rule", "gdn", "kda", "gdn2")
+                 for p in ("recompute", "full")] + [
+    pytest.param("gdn", "recompute", dict(cu=[0, 40, 150]), id="gdn-packed"),
+    pytest.param("kda", "full", dict(h0=True, v_first=True), id="kda-h0-state_v_first"),
+    pytest.param("gdn", "recompute", dict(HV=4), id="gdn-gva"),
+]
+
+
+@pytest.mark.parametrize("family,policy,options", OPCHECK_CASES)
+def test_opcheck_forward_op(family, policy, options):
+    args = _op_args(family, policy, **options)
+    result = torch.library.opcheck(torch.ops.rewy.delta_rule.default, args)
+    assert result == {name: "SUCCESS" for name in result} and len(result) == 4, result
+
+
+# ---------------------------------------------------------------------------
+# 6. unpatch_model after compile: the compiled model follows the unpatch
+# ---------------------------------------------------------------------------
+
+def test_unpatch_after_compile_is_followed():
+    family = "qwen3_5"
+    model = small_qwen3_5()
+    reference = hf.twin(model)              # never patched
+    layers = len(hf.delta_rule_layer_names(model, family))
+    assert layers == 1
+    patch_model(model, backend="torch")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    ids = hf.input_ids(2, 70)
+    reset_dispatch_report()
+    hf.loss_of(compiled, ids, family).backward()
+    assert op_counts(hf.FAMILIES[family].op)["forward_calls"] == layers
+    assert counter.frame_count == 1
+
+    assert unpatch_model(model) == layers
+    reset_dispatch_report()
+    # Forward only: the backward of transformers' own plain-torch core fails under aot_eager on
+    # this torch (a view on a non-viewable stride, in transformers' code, unpatched), which is no
+    # property of rewy's.
+    with hf.reference_core(family):
+        loss = hf.loss_of(compiled, ids, family)
+        expected = hf.loss_of(reference, ids, family)
+    # Dynamo's guards on the swapped module global and the instance forward failed: it recompiled.
+    assert counter.frame_count == 2
+    assert op_counts(hf.FAMILIES[family].op)["forward_calls"] == 0, dispatch_report()
+    assert rel(loss, expected) <= 1e-6
+
+
+# ---------------------------------------------------------------------------
+# 7. The state dict of a compiled patched model saves as the unpatched model's
+# ---------------------------------------------------------------------------
+
+def test_compiled_patched_state_dict_saves(tmp_path):
+    model = hf.build("qwen3_5")
+    unpatched = hf.twin(model)
+    patch_model(model, backend="torch")
+    compiled = torch.compile(model, backend="aot_eager")
+    path = tmp_path / "state.pt"
+    torch.save(compiled.state_dict(), path)
+    saved = torch.load(path, weights_only=True)
+    prefix = "_orig_mod."
+    assert all(key.startswith(prefix) for key in saved)
+    saved = {key[len(prefix):]: value for key, value in saved.items()}
+    expected = unpatched.state_dict()
+    assert list(saved) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
