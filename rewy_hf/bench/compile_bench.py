@@ -20,18 +20,16 @@ compiled graph warm.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn as nn
 
 from ..patching.dispatch import dispatch_report, reset_dispatch_report, total_calls
 from ..patching.patch import unpatch_model
-from .model_bench import ModelSettings, ModelSides, Snapshot, train_step
-from .timing import sync
+from .model_bench import ModelSettings, ModelSides, Snapshot, timed_step, train_step
+from .model_profile import DELTA_RULE
 
 SIDES = ("unpatched eager", "unpatched compiled", "patched eager", "patched compiled")
-DELTA_RULE = ("chunk_", "rewy_", "recompute_w_u", "prepare_wy", "l2norm", "solve_tril", "merge_16x16")
 FAMILIES = ("core", "gemm", "elementwise", "conv", "attention", "optimizer")
 
 
@@ -106,18 +104,10 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
             ms, losses, peak = [], [], 0.0
             first_ms = None
             for i in range(s.warmup + s.steps):
-                snap.restore()
-                sync(s.device)
-                if s.device == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                t0 = time.perf_counter()
-                loss = train_step(run, opt, batch)
-                sync(s.device)
-                elapsed = (time.perf_counter() - t0) * 1e3
+                elapsed, loss, step_peak = timed_step(run, opt, batch, snap, s.device)
                 first_ms = elapsed if first_ms is None else first_ms
-                if s.device == "cuda":
-                    peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**20)
+                if step_peak is not None:
+                    peak = max(peak, step_peak)
                 losses.append(loss)
                 if i >= s.warmup:
                     ms.append(elapsed)

@@ -69,6 +69,22 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor
     return loss.item()
 
 
+def timed_step(run, opt: torch.optim.Optimizer, batch: torch.Tensor, snap: Snapshot, device: str):
+    """(ms, loss, peak MB above what was allocated before, None off CUDA) of one training step of
+    ``run`` from the snapshot's weights and optimizer state (restored outside the timing)."""
+    snap.restore()
+    sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    loss = train_step(run, opt, batch)
+    sync(device)
+    elapsed = (time.perf_counter() - t0) * 1e3
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
+    return elapsed, loss, peak
+
+
 class ModelSides:
     """Switches the one model instance between its unpatched and patched self."""
 
@@ -116,20 +132,12 @@ def run_model_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict:
         order = SIDES if i % 2 == 0 else SIDES[::-1]
         for side in order:
             with sides.enter(side):
-                snap.restore()
-                sync(s.device)
-                if s.device == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                t0 = time.perf_counter()
-                loss = train_step(model, opt, batch)
-                sync(s.device)
-                elapsed = (time.perf_counter() - t0) * 1e3
+                elapsed, loss, step_peak = timed_step(model, opt, batch, snap, s.device)
             if i >= s.warmup:
                 ms[side].append(elapsed)
                 losses[side].append(loss)
-                if s.device == "cuda":
-                    peak[side].append((torch.cuda.max_memory_allocated() - base) / 2**20)
+                if step_peak is not None:
+                    peak[side].append(step_peak)
         if progress is not None:
             progress(f"step {i + 1}/{s.warmup + s.steps}" + (" (warm-up)" if i < s.warmup else ""))
     unpatch_model(model)

@@ -25,6 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import rewy_hf
 import rewy_hf.kernels.core  # noqa: F401  (registers torch.ops.rewy.*)
 from rewy_hf import dispatch_report, patch_model, reset_dispatch_report, unpatch_model
+from rewy_hf.rel_error import rel_err
 
 import hf_tiny_models as hf
 
@@ -37,21 +38,12 @@ def _fresh_dynamo():
     level = logging.get_verbosity()
     logging.set_verbosity_error()
     # Patched models of earlier tests are collected now, not in the middle of this test's compiled
-    # runs: the traced patched forward checks its layer's membership in a WeakSet of the site's
-    # patched layers, so dynamo guards on that set's size, and a collection there would recompile.
+    # runs, so the frame counts below count only this test's compiles.
     gc.collect()
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
     logging.set_verbosity(level)
-
-
-def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
-    x, ref = x.detach().double(), ref.detach().double()
-    den = ref.norm().item()
-    num = (x - ref).norm().item()
-    return num / den if den > 0 else num
 
 
 def grads_rel(model: nn.Module, ref: nn.Module) -> float:
@@ -130,7 +122,7 @@ def test_fullgraph_compile_matches_eager_and_reaches_rewy(family):
 
     ref = hf.loss_of(twin, ids, family)
     ref.backward()
-    assert rel(loss, ref) <= 1e-6
+    assert rel_err(loss, ref) <= 1e-6
     assert grads_rel(model, twin) <= 1e-5
 
 
@@ -215,9 +207,9 @@ def test_packed_sequences_compile_once():
         out.backward()
         expected = _packed_loss(*ref, cu)
         expected.backward()
-        assert rel(out, expected) <= 1e-6, bounds
+        assert rel_err(out, expected) <= 1e-6, bounds
         for name, a, b in zip("q k v g beta".split(), mine, ref):
-            assert rel(a.grad, b.grad) <= 1e-6, (bounds, name)
+            assert rel_err(a.grad, b.grad) <= 1e-6, (bounds, name)
     assert counter.frame_count == 1
 
 
@@ -298,7 +290,7 @@ def test_unpatch_after_compile_is_followed():
     # Dynamo's guards on the swapped module global and the instance forward failed: it recompiled.
     assert counter.frame_count == 2
     assert op_counts(hf.FAMILIES[family].op)["forward_calls"] == 0, dispatch_report()
-    assert rel(loss, expected) <= 1e-6
+    assert rel_err(loss, expected) <= 1e-6
 
 
 # ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from rewy_hf import UnsupportedConfigError, dispatch_report, is_patched, patch_m
 from rewy_hf import unpatch_model
 from rewy_hf.adapters.transformers_common import torch_reference
 from rewy_hf.patching.dispatch import CoreDispatcher
+from rewy_hf.rel_error import rel_err
 
 import hf_tiny_models as H
 
@@ -40,14 +41,6 @@ def _quiet_transformers():
     logging.set_verbosity_error()
     yield
     logging.set_verbosity(level)
-
-
-def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
-    x, ref = x.detach().double(), ref.detach().double()
-    den = ref.norm().item()
-    num = (x - ref).norm().item()
-    return num / den if den > 0 else num
 
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -121,11 +114,11 @@ def _runs(family: str) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parity_float64(family):
     r = _runs(family)
-    loss_err = rel(r["loss64_rewy"], r["loss64"])
+    loss_err = rel_err(r["loss64_rewy"], r["loss64"])
     assert r["loss64"].dtype == torch.float64
     assert loss_err <= 1e-9, f"{family}: float64 loss rel err {loss_err:.2e}"
     assert set(r["g64_rewy"]) == set(r["g64"]), "the same parameters must receive gradients"
-    errs = {n: rel(r["g64_rewy"][n], g) for n, g in r["g64"].items()}
+    errs = {n: rel_err(r["g64_rewy"][n], g) for n, g in r["g64"].items()}
     worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
     print(f"\n{family}: float64 loss rel {loss_err:.2e}; worst grad rel {worst[0][1]:.2e} ({worst[0][0]})")
     assert max(errs.values()) <= 1e-9, f"{family}: float64 gradient rel errors, worst: {worst}"
@@ -137,12 +130,12 @@ def test_parity_float64(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parity_float32(family):
     r = _runs(family)
-    loss_err = rel(r["loss32_rewy"], r["loss32_hf"])
+    loss_err = rel_err(r["loss32_rewy"], r["loss32_hf"])
     assert loss_err <= 1e-5, f"{family}: float32 loss rel err vs transformers' core {loss_err:.2e}"
     assert set(r["g32_rewy"]) == set(r["g32_hf"]) == set(r["g64"])
     rows = []   # (ours vs float64 truth, transformers vs float64 truth, name)
     for n, truth in r["g64"].items():
-        rows.append((rel(r["g32_rewy"][n], truth), rel(r["g32_hf"][n], truth), n))
+        rows.append((rel_err(r["g32_rewy"][n], truth), rel_err(r["g32_hf"][n], truth), n))
     # A parameter whose true gradient nearly cancels (glm5_next's 3-element attn_hc.scale: 5e-6
     # of the model's gradient norm) has a relative float32 error set by rounding noise, which
     # moves with the CPU's arithmetic (7.5e-5 for rewy against 3.4e-5 for transformers on one
@@ -228,7 +221,7 @@ def test_instance_scoping_and_unpatch(family):
         with H.reference_core(family), torch.no_grad():
             loss_a = H.loss_of(a, ids, family)
         assert op_counts(fam.op)["forward_calls"] == n
-        assert rel(loss_a, loss_b) <= 1e-5
+        assert rel_err(loss_a, loss_b) <= 1e-5
 
         # a second patched instance keeps the dispatcher installed after the first is unpatched
         patch_model(b)
@@ -407,7 +400,7 @@ def test_peft_lora(family):
             e = op_counts(fam.op)
             assert (e["forward_calls"], e["optimized_backward_calls"]) == (2, 2), (label, e)
             assert set(g) == lora_names, f"{label}: only LoRA parameters may get gradients"
-            errs = {n: rel(g[n], g_ref[n]) for n in lora_names}
+            errs = {n: rel_err(g[n], g_ref[n]) for n in lora_names}
             assert max(errs.values()) <= 1e-5, f"{label}: LoRA grad rel errors {errs}"
             assert all(g_ref[n].norm() > 0 for n in lora_names)
     finally:
@@ -453,7 +446,7 @@ def test_save_pretrained_is_unchanged(family, tmp_path):
     with H.reference_core(family), torch.no_grad():
         expected = H.loss_of(plain, ids, family)
         got = H.loss_of(loaded, ids, family)
-    assert rel(got, expected) <= 1e-6, (got.item(), expected.item())
+    assert rel_err(got, expected) <= 1e-6, (got.item(), expected.item())
 
 
 # ---------------------------------------------------------------------------
