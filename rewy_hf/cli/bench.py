@@ -244,6 +244,9 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
     from ..bench.compile_bench import SIDES, compile_problems, format_compile_result, format_side, run_compile_bench
     from ..bench.output import progress
 
+    if s.warmup < 1:
+        return failed_to_run("--compile needs --warmup 1 or more: a compiled side's first step compiles, and "
+                             "timing it would report the compile time as a step")
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
     try:
         with progress(len(SIDES) * (s.warmup + s.steps), f"bench {args.model} --compile") as bar:
