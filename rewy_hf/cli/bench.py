@@ -250,8 +250,12 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
     try:
         with progress(len(SIDES) * (s.warmup + s.steps), f"bench {args.model} --compile") as bar:
-            res = run_compile_bench(model, s, progress=bar.step,
-                                    on_side=lambda side, row: bar.write(format_side(side, row)))
+            def on_side(side: str, row: dict) -> None:
+                bar.write(format_side(side, row))
+                data.setdefault("sides", {})[side] = row
+                report.save(data)       # a run stopped half way keeps the sides it finished
+
+            res = run_compile_bench(model, s, progress=bar.step, on_side=on_side)
     except Exception as exc:
         hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
                 "unpatched sides anyway") if "#640" in str(exc) else ""
