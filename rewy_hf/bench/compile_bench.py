@@ -29,7 +29,12 @@ from ..patching.patch import unpatch_model
 from .model_bench import ModelSettings, ModelSides, Snapshot, timed_step, train_step
 from .model_profile import DELTA_RULE
 
-SIDES = ("unpatched eager", "unpatched compiled", "patched eager", "patched compiled")
+# The unpatched compiled side comes last: its graph breaks (one or more in every delta-rule layer)
+# give it the most graphs to compile, and a run stopped on time keeps the other three.
+SIDES = ("unpatched eager", "patched eager", "patched compiled", "unpatched compiled")
+# The loss-curve steps train at this rate, high enough that 50 AdamW steps move the loss by
+# far more than the bf16 noise between the sides, so the curves can be compared step by step.
+CURVE_LR = 1e-4
 FAMILIES = ("core", "gemm", "elementwise", "conv", "attention", "optimizer")
 
 
@@ -74,17 +79,55 @@ def _dynamo_counts() -> dict:
             "break_reasons": sorted(counters["graph_break"])[:20]}
 
 
-def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None) -> dict:
+def _tokens(model: nn.Module, s: ModelSettings, seq_len: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (s.batch_size, seq_len),
+                         generator=torch.Generator().manual_seed(seed)).to(s.device)
+
+
+def loss_curve(run, opt: torch.optim.Optimizer, batches: list[torch.Tensor], snap: Snapshot) -> list[float]:
+    """The losses of ``len(batches)`` consecutive training steps from the snapshot, at CURVE_LR."""
+    snap.restore()
+    rates = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = CURVE_LR
+    try:
+        return [train_step(run, opt, b) for b in batches]
+    finally:
+        for g, lr in zip(opt.param_groups, rates):
+            g["lr"] = lr
+
+
+def compiles_at_lengths(run, opt: torch.optim.Optimizer, model: nn.Module, s: ModelSettings,
+                        lengths: tuple[int, ...], snap: Snapshot) -> dict[str, int]:
+    """How many graphs dynamo compiles on one training step at each further sequence length, in order."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for t in lengths:
+        snap.restore()
+        before = int(counters["stats"]["unique_graphs"])
+        train_step(run, opt, _tokens(model, s, t, s.seed))
+        out[str(t)] = int(counters["stats"]["unique_graphs"]) - before
+    return out
+
+
+def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None, curve_steps: int = 0,
+                      lengths: tuple[int, ...] = (), compiler: str = "inductor") -> dict:
     """Per side of SIDES, ``s.warmup`` untimed then ``s.steps`` timed training steps; see the module
-    docstring. ``on_side(side, row)`` is called as each side finishes."""
+    docstring. ``on_side(side, row)`` is called as each side finishes.
+
+    ``curve_steps``: each side then trains that many consecutive steps on the timing batch (CURVE_LR)
+    from the same weights, and its loss curve is compared with the unpatched eager one.
+    ``lengths``: each compiled side then runs one step at each of these sequence lengths and reports how
+    many graphs each one compiled (0: no recompile). ``compiler``: torch.compile's backend."""
     import torch._dynamo
 
     model.train()
-    batch = torch.randint(0, model.config.vocab_size, (s.batch_size, s.seq_len),
-                          generator=torch.Generator().manual_seed(s.seed)).to(s.device)
+    batch = _tokens(model, s, s.seq_len, s.seed)
+    curve_batches = [batch] * curve_steps
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
     sides = ModelSides(model, s)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=compiler)
     initial = Snapshot(model, opt)
     with sides.enter("unpatched"):
         train_step(model, opt, batch)           # creates AdamW's state: every timed step is a steady-state step
@@ -124,6 +167,14 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
                 snap.restore()
                 total, per, launches = gpu_time_by_family(lambda: train_step(run, opt, batch))
                 row.update(gpu_ms=total, gpu_ms_by_family=per, launches=launches)
+            if curve_batches:
+                row["curve_loss"] = loss_curve(run, opt, curve_batches, snap)
+                if progress is not None:
+                    progress(f"{side}: {curve_steps} loss-curve steps", curve_steps)
+            if is_compiled and lengths:
+                row["graphs_compiled_at_length"] = compiles_at_lengths(run, opt, model, s, lengths, snap)
+                if progress is not None:
+                    progress(f"{side}: one step at each of {len(lengths)} further lengths", len(lengths))
         out["sides"][side] = row
         if on_side is not None:
             on_side(side, row)
@@ -132,6 +183,11 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     for side, row in out["sides"].items():
         row["speedup_vs_unpatched_eager"] = base["median_step_ms"] / row["median_step_ms"]
         row["first_loss_rel_diff"] = abs(row["loss"][0] - base["loss"][0]) / max(abs(base["loss"][0]), 1e-30)
+        if curve_batches:
+            row["curve_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-30)
+                                            for a, b in zip(row["curve_loss"], base["curve_loss"]))
+    if curve_batches:
+        out["curve"] = {"steps": curve_steps, "lr": CURVE_LR, "batches": "the timing batch at every step"}
     out["speedup_vs_unpatched_compiled"] = (out["sides"]["unpatched compiled"]["median_step_ms"]
                                             / out["sides"]["patched compiled"]["median_step_ms"])
     return out
@@ -159,18 +215,70 @@ def format_side(side: str, r: dict) -> str:
             + (f"; GPU ms by family: {fams}" if fams else ""))
 
 
-def format_compile_result(res: dict, spec: str) -> str:
-    fam = "  ".join(f"{f:>11}" for f in FAMILIES)
-    lines = [f"{spec}: {res['tokens_per_step']} tokens per step",
-             f"{'side':<20} {'step ms':>8} {'tokens/s':>9} {'x eager':>8} {'peak MB':>8} {'compile s':>9} "
-             f"{'breaks':>6} {'graphs':>6}   GPU ms by family: {fam}"]
+def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
+    """The four sides as a table (plain text, or Markdown for docs/performance.md), then the curve and
+    the recompiles at further lengths when they were run."""
+    head = ["side", "step ms", "tokens/s", "x unpatched eager", "peak MB", "compile s", "graph breaks",
+            "graphs", *(f"{f} ms" for f in FAMILIES)]
+    rows = []
     for side, r in res["sides"].items():
         per = r.get("gpu_ms_by_family") or {}
-        fams = "  ".join(f"{per.get(f, 0.0):11.2f}" for f in FAMILIES) if per else ""
-        peak = f"{r['peak_mb']:8.0f}" if r["peak_mb"] is not None else f"{'-':>8}"
-        comp = f"{r['compile_s']:9.1f}" if r["compile_s"] is not None else f"{'-':>9}"
-        lines.append(f"{side:<20} {r['median_step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
-                     f"{r['speedup_vs_unpatched_eager']:8.3f} {peak} {comp} {r.get('graph_breaks', '-'):>6} "
-                     f"{r.get('graphs', '-'):>6}   {fams}")
+        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
+                     f"{r['speedup_vs_unpatched_eager']:.3f}",
+                     "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
+                     "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}",
+                     str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")),
+                     *(f"{per[f]:.1f}" if f in per else "-" for f in FAMILIES)])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+        lines = [f"{spec}: {res['tokens_per_step']} tokens per step"]
+        lines += ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
+                  for line in (head, *rows)]
+    lines.append("")
     lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
+    if "curve" in res:
+        c = res["curve"]
+        diffs = ", ".join(f"{side} {r['curve_max_rel_diff']:.2e}" for side, r in res["sides"].items()
+                          if side != "unpatched eager")
+        lines.append(f"loss over {c['steps']} training steps (AdamW lr {c['lr']:g}, {c['batches']}): "
+                     f"largest relative difference from unpatched eager at any step: {diffs}")
+    at = {side: r["graphs_compiled_at_length"] for side, r in res["sides"].items()
+          if "graphs_compiled_at_length" in r}
+    for side, counts in at.items():
+        lines.append(f"{side}: graphs compiled by one step at each further length: "
+                     + ", ".join(f"T={t}: {n}" for t, n in counts.items()))
     return "\n".join(lines)
+
+
+def plot_compile_result(res: dict, path: str, title: str) -> None:
+    """GPU time by kernel family per side (stacked bars) and, when run, the four loss curves."""
+    from .output import _pyplot
+
+    plt = _pyplot()
+    curves = "curve" in res
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(10 if curves else 5.5, 3.6))
+    ax = axes[0] if curves else axes
+    sides = list(res["sides"])
+    bottom = [0.0] * len(sides)
+    for fam in FAMILIES:
+        vals = [(res["sides"][sd].get("gpu_ms_by_family") or {}).get(fam, 0.0) for sd in sides]
+        ax.bar([sd.replace(" ", "\n") for sd in sides], vals, bottom=bottom, label=fam)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for j, sd in enumerate(sides):
+        ax.text(j, bottom[j], f"{res['sides'][sd]['median_step_ms']:.0f} ms", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("GPU ms per step (profiled step)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title, fontsize=9)
+    if curves:
+        for sd in sides:
+            axes[1].plot(res["sides"][sd]["curve_loss"], label=sd, lw=1)
+        axes[1].set_xlabel("training step")
+        axes[1].set_ylabel("loss")
+        axes[1].legend(fontsize=7)
+        axes[1].set_title(f"loss, AdamW lr {res['curve']['lr']:g}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

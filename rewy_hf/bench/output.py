@@ -32,11 +32,11 @@ class Progress:
             self._tqdm = tqdm
             self._bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
 
-    def step(self, label: str) -> None:
-        self.done += 1
+    def step(self, label: str, units: int = 1) -> None:
+        self.done += units
         if self._bar is not None:
             self._bar.set_postfix_str(label, refresh=False)
-            self._bar.update(1)
+            self._bar.update(units)
         else:
             print(f"[{self.done}/{self.total}] {self.desc}: {label}", file=sys.stderr, flush=True)
 
@@ -228,7 +228,11 @@ def markdown_report(data: dict, base: str) -> str:
     head = [f"Device: {data.get('device_name')}; " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + ".", ""]
     if data.get("error"):
         return "\n".join(head + [f"This run could not run: {data['error']}"]) + "\n"
-    if data.get("kind") == "model":
+    if data.get("kind") == "model" and "sides" in data:
+        from .compile_bench import format_compile_result
+
+        body = format_compile_result(data, st.get("model", "?"), markdown=True)
+    elif data.get("kind") == "model":
         body = format_model_result(data, st.get("model", "?"), st, markdown=True)
     else:
         head += [f"Timing: {st.get('timing')}.", ""]

@@ -88,9 +88,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype(model, MODEL_DTYPES, None, "model dtype (default bfloat16 on CUDA, float32 on CPU)")
     model.add_argument("--compile", action="store_true",
                        help="time four sides: unpatched and patched, each eager and under torch.compile")
+    model.add_argument("--curve-steps", type=at_least(1), default=None, metavar="N",
+                       help="--compile: each side also trains N consecutive steps on fresh batches from the same "
+                            "weights, and its loss curve is compared with the unpatched eager one")
+    model.add_argument("--lengths", type=parse_lengths, default=(), metavar="T,T,...",
+                       help="--compile: each compiled side also runs one step at each of these sequence lengths "
+                            "and reports how many graphs each compiled (0: no recompile)")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="let transformers run the model repository's own code")
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sequence lengths, "
+                                         "e.g. 2048,8192") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every sequence length must be 1 or more")
+    return lengths
 
 
 def could_not_run(message: str) -> int:
@@ -213,6 +230,8 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     settings["parameters"] = sum(p.numel() for p in model.parameters())
     if args.compile:
         return run_compiled_model(args, model, s, settings, data, failed_to_run, report)
+    if not args.compile and (args.curve_steps or args.lengths):
+        return failed_to_run("--curve-steps and --lengths apply to --compile runs; add --compile or drop them")
     try:
         with progress(s.warmup + s.steps, f"bench {args.model}") as bar:
             res = run_model_bench(model, s, progress=bar.step)
@@ -248,14 +267,18 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
         return failed_to_run("--compile needs --warmup 1 or more: a compiled side's first step compiles, and "
                              "timing it would report the compile time as a step")
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
+    curve = args.curve_steps or 0
+    settings.update(curve_steps=curve, lengths=list(args.lengths))
+    total = len(SIDES) * (s.warmup + s.steps + curve) + 2 * len(args.lengths)
     try:
-        with progress(len(SIDES) * (s.warmup + s.steps), f"bench {args.model} --compile") as bar:
+        with progress(total, f"bench {args.model} --compile") as bar:
             def on_side(side: str, row: dict) -> None:
                 bar.write(format_side(side, row))
                 data.setdefault("sides", {})[side] = row
                 report.save(data)       # a run stopped half way keeps the sides it finished
 
-            res = run_compile_bench(model, s, progress=bar.step, on_side=on_side)
+            res = run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,
+                                    lengths=args.lengths)
     except Exception as exc:
         hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
                 "unpatched sides anyway") if "#640" in str(exc) else ""
@@ -265,6 +288,11 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
     data.update(res)
     data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
     report.finish(data)
+    write_markdown(args, data)
+    if args.plot:
+        from ..bench.compile_bench import plot_compile_result
+
+        plot_compile_result(res, args.plot, f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {data['device_name']}")
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)
     return 1 if problems else 0
@@ -285,6 +313,14 @@ def render(args) -> int:
         return could_not_run(str(exc))
     if data.get("error"):
         print(f"that run could not run: {data['error']}")
+    elif data["kind"] == "model" and "sides" in data:
+        from ..bench.compile_bench import format_compile_result
+
+        print(format_compile_result(data, data["settings"]["model"]))
+        if args.plot:
+            from ..bench.compile_bench import plot_compile_result
+
+            plot_compile_result(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
     elif data["kind"] == "model":
         print(format_model_result(data, data["settings"]["model"], data["settings"]))
         if args.plot:
