@@ -39,12 +39,24 @@ from torch import Tensor
 
 from .core_args import FAMILIES, CoreArgs
 
-__all__ = ["CoreArgs", "delta_rule", "CoreFunction"]
+__all__ = ["CoreArgs", "delta_rule", "CoreFunction", "allow_sizes_known_at_run_time"]
 
 BACKENDS = ("torch", "triton")
 # Called as listener(event, report_as, backend, policy), event "forward" or "backward", after each
 # forward and backward of a call that has a ``report_as`` (the dispatch report counts them).
 LISTENERS: list[Callable[[str, str, str, str], None]] = []
+
+
+def allow_sizes_known_at_run_time() -> None:
+    """Let dynamo trace ``rewy::delta_rule`` whose saved tensors have sizes known only at run time
+    (the state checkpoints, the chunks of packed sequences: unbacked sizes in the fake
+    implementation). torch releases before 2.13 graph-break on such an op unless
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops`` is set; ``patch_model`` sets it
+    (docs/usage.md, torch.compile), and code that calls the ops directly under torch.compile
+    calls this first."""
+    import torch._dynamo
+
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 
 def _backend(name: str):
@@ -63,7 +75,7 @@ def _check_values(a: CoreArgs) -> None:
 
     check_cu_seqlens_values(a.cu_seqlens, a.q.shape[1])
     gates = dict(b=a.beta, w=a.w) if a.family == "gdn2" else dict(beta=a.beta)     # the op's argument names
-    check_finite(q=a.q, k=a.k, v=a.v, g=a.g, **gates, initial_state=a.h0)
+    check_finite(reset_gate="g", q=a.q, k=a.k, v=a.v, g=a.g, **gates, initial_state=a.h0)
 
 
 def _settings(a: CoreArgs) -> tuple:

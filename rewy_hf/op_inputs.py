@@ -32,6 +32,14 @@ GRAD_NAMES = {
 BOUND_OPS = ("kda", "gdn2")
 LOWER_BOUND = -5.0
 
+# Strong decay for the scalar-gated op: a log-gate of STRONG_DECAY per token
+# (plus noise of at most 0.1), as heads with a large A in GDN's
+# g = -exp(A_log) * softplus(.) produce. Within a chunk the cumulative gate
+# then reaches about -640, and the gate gradient is the sum of terms that
+# differ by e^-10 per token, the regime where cancellation would show.
+STRONG_OPS = ("gdn",)
+STRONG_DECAY = -10.0
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -51,14 +59,19 @@ class Shape:
 
 def make_inputs(op: str, s: Shape, device: str, qkv_dtype: torch.dtype, seed: int, gates: str = "logsigmoid"):
     """Op inputs in FLA's argument order, and an output gradient. ``gates``: "logsigmoid",
-    or "bound" (KDA / GDN2 only) for gates near the safe lower bound (see BOUND_OPS)."""
+    "bound" (KDA / GDN2 only) for gates near the safe lower bound (see BOUND_OPS), or "strong"
+    (GDN only) for strong decay (see STRONG_OPS)."""
     if gates == "bound" and op not in BOUND_OPS:
         raise ValueError(f"gates at the safe lower bound are a check of {', '.join(BOUND_OPS)}, not of {op}")
+    if gates == "strong" and op not in STRONG_OPS:
+        raise ValueError(f"the strong-decay gates are a check of {', '.join(STRONG_OPS)}, not of {op}")
     gen = torch.Generator(device=device).manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, device=device, generator=gen)  # noqa: E731
     u = lambda *shape: torch.rand(*shape, device=device, generator=gen)   # noqa: E731
     if gates == "bound":
         gate = lambda *shape: LOWER_BOUND * torch.sigmoid(r(*shape) + 3.0)  # noqa: E731
+    elif gates == "strong":
+        gate = lambda *shape: STRONG_DECAY + 0.1 * r(*shape).clamp(-1, 1)  # noqa: E731
     else:
         gate = lambda *shape: F.logsigmoid(r(*shape))                       # noqa: E731
     B, T, H, K, V = s.B, s.T, s.H, s.K, s.V

@@ -128,13 +128,18 @@ def check_chunk_size(chunk_size) -> None:
         raise UnsupportedConfigError(f"`chunk_size`={chunk_size} is not supported; rewy-hf uses chunk_size=64.")
 
 
-def check_finite(**tensors) -> None:
-    """Opt-in (REWY_HF_CHECK_FINITE=1): a full pass over the inputs, so off by default."""
+def check_finite(reset_gate: str | None = None, **tensors) -> None:
+    """Opt-in (REWY_HF_CHECK_FINITE=1): a full pass over the inputs, so off by default.
+
+    ``reset_gate`` names the log-gate, which may hold -inf (a hard reset of the state)."""
     if not check_finite_enabled():
         return
     for name, x in tensors.items():
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and not torch.isfinite(x).all():
-            bad = (~torch.isfinite(x)).sum().item()
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+            continue
+        ok = torch.isfinite(x) | (x == float("-inf")) if name == reset_gate else torch.isfinite(x)
+        if not ok.all():
+            bad = (~ok).sum().item()
             raise InputValidationError(
                 f"`{name}` has {bad} non-finite values (NaN or Inf); {CHECK_FINITE.name}=1 checks inputs before the op."
             )

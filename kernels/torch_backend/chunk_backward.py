@@ -74,22 +74,33 @@ def local_backward(x: ChunkInputs, gt: GateTerms, s: Saved, do: torch.Tensor, dV
     dKc = s.Vn @ dHnext.transpose(-1, -2)
 
     # Residual WY and the key Gram L, then the output Gram Aqk = scale * gram(q, k).
+    # Aqk's diagonal (decay e^0 = 1) is added apart from its strictly lower part:
+    # it carries no gate, and leaving it out of the gate gradient below keeps that
+    # gradient from being the small difference of two large terms under strong decay.
     a = b * k
     dX, dY, Ra, Rc = wy_backward(s.A, s.WU, dW, dVn, a, k, gt.G, b, decay=gt.pair_decay(False))
-    Rq, Rk = gram_backward(dAqk, q, k, gt.G, inclusive=True, decay=gt.pair_decay(True))
+    Rq, Rk = gram_backward(dAqk, q, k, gt.G, inclusive=False, decay=gt.pair_decay(False))
+    diag = dAqk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
     da = dX * eG + Ra
-    dq = (Rq + dQg * eG).mul_(x.scale)
+    dQ = Rq + dQg * eG
     dkg = Rc + Rk.mul_(x.scale)
 
-    # Gate gradient without any further product: each factor e^{+G} contributes
-    # (factor's operand) * (its gradient), each e^{-G} the negative, so the Gram
-    # terms, X = a e^G, q e^G and k e^{G_C - G} collapse to one expression
-    # (Gram Elimination). G_C also scales the carried state and every Kc row.
-    dG = a * da + q * dq - k * dkg - Kc * dKc
-    dGC = (s.Hs * dHnext).sum(-1).unsqueeze(-2) * gt.decay + (dKc * Kc).sum(-2, keepdim=True)
+    # Gate gradient without any further product (Gram Elimination): a Gram term
+    # exp(G_i - G_j) depends on g_s for j < s <= i, so it enters at its row with
+    # its operand times its gradient and leaves at its column with the negative;
+    # X = a e^G and q e^G enter at their row. Summed from the chunk's end, the
+    # terms wholly after s cancel and only those spanning s are left.
+    dG = a * da + x.scale * (q * dQ) - k * dkg
+    # k_i e^{G_C - G_i} and the carried state's e^{G_C} depend on g_s for i < s:
+    # a forward (exclusive) sum, so no term is added and then taken away again.
+    dKg = Kc * dKc
+    dGC = (s.Hs * dHnext).sum(-1).unsqueeze(-2) * gt.decay
     if gt.G.shape[-1] == 1:
-        dG, dGC = dG.sum(-1, keepdim=True), dGC.sum(-1, keepdim=True)
-    dg = dG.flip(-2).cumsum(-2).flip(-2) + dGC       # G_i = sum_{s<=i} g_s
+        dG, dKg, dGC = dG.sum(-1, keepdim=True), dKg.sum(-1, keepdim=True), dGC.sum(-1, keepdim=True)
+    before = torch.cat([torch.zeros_like(dKg[..., :1, :]), dKg[..., :-1, :].cumsum(-2)], dim=-2)
+    dg = dG.flip(-2).cumsum(-2).flip(-2) + before + dGC       # G_i = sum_{s<=i} g_s
+    dq = (dQ + diag * k).mul_(x.scale)
+    dkg = dkg + x.scale * diag * q
 
     dk = dkg + dKc * gt.eKc + da * b
     db = _reduce_to(da * k, b)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..constants import log_gate_floor
 from .gated_gram import gram, scalar_decay
 
 
@@ -56,7 +57,7 @@ class GateTerms:
 
 
 def gate_terms(g: torch.Tensor) -> GateTerms:
-    G = g.cumsum(-2)
+    G = g.clamp_min(log_gate_floor(g.dtype)).cumsum(-2)
     GC = G[..., -1:, :]
     gamma = scalar_decay(G, inclusive=False) if G.shape[-1] == 1 else None
     return GateTerms(G=G, eG=G.exp(), eKc=(GC - G).exp(), decay=GC.exp(), gamma=gamma)

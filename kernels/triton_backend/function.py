@@ -127,16 +127,23 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
     run time (the chunks of packed sequences, the number of state checkpoints)."""
     B, T, H, K = a.q.shape
     HV, V = a.v.shape[2], a.v.shape[3]
-    NT = -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size()
     state = (V, K) if _v_first_inside(family, a) else (K, V)
     f32 = torch.float32
-    shapes = dict(g2=(a.g.shape, f32) if a.g is not None else None, A=((B, T, HV, CHUNK), a.k.dtype),
-                  Aqk=((B, T, HV, CHUNK), a.k.dtype), Akk=((B, T, HV, CHUNK), a.k.dtype),
-                  q=(a.q.shape, a.q.dtype), k=(a.k.shape, a.k.dtype), q_rstd=((B, T, H), f32),
-                  k_rstd=((B, T, H), f32), w=((B, T, HV, K), a.k.dtype), qg=((B, T, HV, K), a.k.dtype),
-                  kg=((B, T, HV, K), a.k.dtype), v_new=(a.v.shape, a.v.dtype), h=((B, NT, HV, *state), a.k.dtype),
-                  checkpoints=((dynamic_size(), HV, *state), f32 if a.h0 is not None else a.k.dtype))
-    return [a.q.new_empty(shapes[n][0], dtype=shapes[n][1]) for n in saved_names(family, a)]
+    fixed = dict(g2=(a.g.shape if a.g is not None else None, f32), A=((B, T, HV, CHUNK), a.k.dtype),
+                 Aqk=((B, T, HV, CHUNK), a.k.dtype), Akk=((B, T, HV, CHUNK), a.k.dtype),
+                 q=(a.q.shape, a.q.dtype), k=(a.k.shape, a.k.dtype), q_rstd=((B, T, H), f32),
+                 k_rstd=((B, T, H), f32), w=((B, T, HV, K), a.k.dtype), qg=((B, T, HV, K), a.k.dtype),
+                 kg=((B, T, HV, K), a.k.dtype), v_new=(a.v.shape, a.v.dtype))
+
+    def shape(name: str):
+        # Sizes known only at run time are made for the tensors actually saved, no others.
+        if name == "h":
+            return (B, -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size(), HV, *state), a.k.dtype
+        if name == "checkpoints":
+            return (dynamic_size(), HV, *state), f32 if a.h0 is not None else a.k.dtype
+        return fixed[name]
+
+    return [a.q.new_empty(sz, dtype=dt) for sz, dt in map(shape, saved_names(family, a))]
 
 
 def backward(family, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | None):

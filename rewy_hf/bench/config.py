@@ -8,13 +8,16 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
-from ..op_inputs import LOWER_BOUND, Shape
+from ..op_inputs import LOWER_BOUND, STRONG_DECAY, Shape
 
 BOUNDARIES = ("B", "FB")
 
 # The second gradient check of the vector-gated ops (op_inputs.BOUND_OPS), as the tables and JSON state it.
 BOUND_CHECK = (f"KDA and GDN2 also on gates near FLA's safe lower bound ({LOWER_BOUND:g} * sigmoid(x + 3), "
                "safe_gate=True on both sides); a row passes when both checks do")
+# The second gradient check of GDN (op_inputs.STRONG_OPS).
+STRONG_CHECK = (f"GDN also under strong decay (log-gate {STRONG_DECAY:g} + at most 0.1 per token); a row passes "
+                "when both checks do")
 
 # The CPU comparison runs a token-by-token reference recurrence as its
 # baseline; at the GPU suite's sizes one call would take minutes, so CPU runs

@@ -10,25 +10,27 @@ Files from different devices, library versions or timing settings are
 refused, since their rows could not share a table, and so is a configuration
 timed twice, since the report could only silently pick one.
 
-The lower-bound gate check (BOUND_CHECK) only concerns KDA and GDN2 rows. A
-DeltaNet or GDN run from before that check existed held its rows to the same
-check as a run after it, so the two combine; KDA or GDN2 rows with and without
-the second check do not.
+The second gradient checks (BOUND_CHECK for KDA and GDN2, STRONG_CHECK for
+GDN) each concern their ops' rows only. A run from before a check existed held
+the other ops' rows to the same check as a run after it, so the two combine;
+rows of a checked op with and without its second check do not.
 """
 
 from __future__ import annotations
 
 import json
 
-from ..op_inputs import BOUND_OPS
-from .config import BOUND_CHECK
+from ..op_inputs import BOUND_OPS, STRONG_OPS
+from .config import BOUND_CHECK, STRONG_CHECK
 
 # Settings that must agree for rows of different files to be compared.
 # "check" is compared by _merged_check. The policies a run asked for are not among them:
 # each row names its own policy, so a recompute-only run (--policy recompute) and a run
 # of both combine, as long as no configuration is in both.
 _SAME = ("boundaries", "backend", "qkv_dtype", "reps", "warmup", "rep_ms", "timing", "autotune")
-_BOUND_CLAUSE = "; " + BOUND_CHECK
+# (clause appended to the check text, the ops it concerns, what a reader is told it checks)
+_CLAUSES = (("; " + BOUND_CHECK, BOUND_OPS, "the KDA / GDN2 rows", "on gates near the safe lower bound"),
+            ("; " + STRONG_CHECK, STRONG_OPS, "the GDN rows", "under strong decay"))
 
 
 class MergeError(ValueError):
@@ -89,21 +91,24 @@ def merge_runs(paths: list[str]) -> dict:
 def _merged_check(paths: list[str], runs: list[dict]) -> str:
     """The check every row of the combined report was held to, or MergeError."""
     texts = [run["settings"].get("check", "") for run in runs]
-    mains = [t.removesuffix(_BOUND_CLAUSE) for t in texts]
+    present = [[clause in t for clause, *_ in _CLAUSES] for t in texts]
+    mains = list(texts)
+    for clause, *_ in _CLAUSES:
+        mains = [m.replace(clause, "") for m in mains]
     for path, main in zip(paths[1:], mains[1:]):
         if main != mains[0]:
             raise MergeError(f"--from-json: {path} was checked differently than {paths[0]}: {main!r} vs {mains[0]!r}")
-    bound = [(path, text.endswith(_BOUND_CLAUSE)) for path, text, run in zip(paths, texts, runs)
-             if any(r["op"] in BOUND_OPS for r in run["rows"])]
-    if any(has != bound[0][1] for _, has in bound):
-        without = next(path for path, has in bound if not has)
-        with_ = next(path for path, has in bound if has)
-        raise MergeError(f"--from-json: the KDA / GDN2 rows of {without} were not checked on gates near the safe "
-                         f"lower bound, those of {with_} were; combine runs of one rewy-hf version, or rerun "
-                         f"{without}'s configurations")
-    if bound:
-        return mains[0] + (_BOUND_CLAUSE if bound[0][1] else "")
-    return texts[0]
+    merged = mains[0]
+    for n, (clause, ops, rows, what) in enumerate(_CLAUSES):
+        has = [(path, p[n]) for path, p, run in zip(paths, present, runs) if any(r["op"] in ops for r in run["rows"])]
+        if any(h != has[0][1] for _, h in has):
+            without = next(path for path, h in has if not h)
+            with_ = next(path for path, h in has if h)
+            raise MergeError(f"--from-json: {rows} of {without} were not checked {what}, those of {with_} were; "
+                             f"combine runs of one rewy-hf version, or rerun {without}'s configurations")
+        if (has and has[0][1]) or (not has and present[0][n]):
+            merged += clause
+    return merged
 
 
 def _key(row: dict) -> tuple:

@@ -62,7 +62,9 @@ class Snapshot:
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    loss = model(input_ids=batch, labels=batch).loss
+    # No cache: a training step needs none, and building one (transformers' models do when the
+    # config says use_cache) adds state writes and, under torch.compile, recompiles.
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

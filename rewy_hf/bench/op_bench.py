@@ -11,7 +11,9 @@ backend, policy full, on the same BF16 values in float32; CPU: the float64
 recurrence), as relative Frobenius errors, worst over the gradients. KDA and
 GDN2 are checked twice: on the log-sigmoid gates they are timed with, and on
 gates near FLA's safe lower bound with ``safe_gate=True`` on both sides, the
-regime where their intra-chunk decay factors span the widest range.
+regime where their intra-chunk decay factors span the widest range. GDN is
+checked twice too: on log-sigmoid gates and under strong decay (a log-gate of
+about -10 per token), where its gate gradient is the sum of very unequal terms.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Callable
 import torch
 
 from .. import ops
-from ..op_inputs import BOUND_OPS, DISPATCH_NAME, GRAD_NAMES, REWY_OPS, Shape, make_inputs
+from ..op_inputs import BOUND_OPS, DISPATCH_NAME, GRAD_NAMES, REWY_OPS, STRONG_OPS, Shape, make_inputs
 from ..patching.fault import apply_grad_fault
 from ..patching.reference_cores import fla_reference
 from ..rel_error import rel_err
@@ -227,11 +229,19 @@ def bound_check(ctx: "ShapeContext", policy: str, with_baseline: bool) -> dict:
     return {"bound_" + k: v for k, v in out.items()}
 
 
+def strong_check(ctx: "ShapeContext", base: "Impl | None", rewy: "Impl") -> dict:
+    """The strong-decay check of one GDN configuration, as ``strong_*`` row fields."""
+    inputs, do, ref = ctx.strong
+    out = check(ctx.op, base, rewy, inputs, do, ref, ctx.s.device)
+    return {"strong_" + k: v for k, v in out.items()}
+
+
 # --- one configuration --------------------------------------------------------------------------
 
 class ShapeContext:
     """Inputs and reference gradients of one (op, shape), shared by its policies; for
-    KDA / GDN2 also those of the lower-bound gate check (``bound``: inputs, do, reference)."""
+    KDA / GDN2 also those of the lower-bound gate check (``bound``: inputs, do, reference), for GDN those
+    of the strong-decay check (``strong``)."""
 
     def __init__(self, op: str, shape: Shape, s: Settings):
         self.op, self.shape, self.s = op, shape, s
@@ -239,10 +249,13 @@ class ShapeContext:
         check_shape = shape.with_T(self.check_T)
         self.check_inputs, self.check_do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed)
         self.ref = reference_grads(op, self.check_inputs, self.check_do, s.device)
-        self.bound = None
+        self.bound = self.strong = None
         if op in BOUND_OPS:
             inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 2, gates="bound")
             self.bound = (inputs, do, reference_grads(op, inputs, do, s.device))
+        if op in STRONG_OPS:
+            inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 3, gates="strong")
+            self.strong = (inputs, do, reference_grads(op, inputs, do, s.device))
 
     def timed_inputs(self):
         if self.check_T == self.shape.T:
@@ -268,6 +281,9 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     if ctx.bound is not None and not row.get("rewy_error"):
         row.update(bound_check(ctx, policy, base is not None))
         row["ok"] = bool(row["ok"] and row["bound_ok"])
+    if ctx.strong is not None and not row.get("rewy_error"):
+        row.update(strong_check(ctx, base, rewy))
+        row["ok"] = bool(row["ok"] and row["strong_ok"])
     if row.get("rewy_error"):
         row["seconds"] = round(time.perf_counter() - t_start, 2)
         return row

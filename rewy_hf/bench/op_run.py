@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..op_inputs import Shape
 from .autotune_picks import forget_picks
-from .config import BOUND_CHECK
+from .config import BOUND_CHECK, STRONG_CHECK
 from .op_bench import Settings, ShapeContext, baseline_description, load_kernel_modules, run_config
 from .output import environment, geomeans
 from .timing import free_memory
@@ -45,7 +45,7 @@ def describe_run(run: OpRun) -> dict:
                      "the configs tuned at it")
     check = ("input gradients vs " + ("rewy's torch backend (policy full) on the same BF16 values in float32"
                                       if cuda else "the float64 reference recurrence on the same values")
-             + "; relative Frobenius error, worst over the gradients; " + BOUND_CHECK)
+             + "; relative Frobenius error, worst over the gradients; " + BOUND_CHECK + "; " + STRONG_CHECK)
     dtype = str(s.qkv_dtype).removeprefix("torch.")
     return {"kind": "ops", **env, "baseline": baseline_description(s.device, env["versions"]), "settings": {
         "ops": run.ops, "policies": run.policies, "boundaries": run.boundaries, "backend": s.backend,

@@ -158,6 +158,9 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     bound = any("bound_ok" in r for r in rows)
     if bound:
         header += [f"bound err {b}", "bound err rewy"]
+    strong = any("strong_ok" in r for r in rows)
+    if strong:
+        header += [f"strong-decay err {b}", "strong-decay err rewy"]
     header += ["check T", "pass"]
     body = []
     for r in rows:
@@ -171,6 +174,9 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
         cells += [err_b, _err(r.get("err_rewy"))]
         if bound:
             cells += [_err(r.get("bound_err_baseline")), _err(r.get("bound_err_rewy"))]
+        if strong:
+            err_sb = "timing only" if r.get("baseline_timing_only") else _err(r.get("strong_err_baseline"))
+            cells += [err_sb, _err(r.get("strong_err_rewy"))]
         cells += [str(r["check_T"]) + ("*" if r["check_reduced"] else ""), "PASS" if r.get("ok") else "FAIL"]
         body.append(cells)
     gm = ["geometric mean" + (f" ({len(rows)} of {len(rows) + len(missing)} shapes)" if missing else "")]
@@ -197,6 +203,8 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     if bound:
         notes.append("bound err: the same check on gates near FLA's safe lower bound (safe_gate=True on both "
                      "sides); pass needs both")
+    if strong:
+        notes.append("strong-decay err: the same check with a log-gate of about -10 per token; pass needs both")
     if any(r["check_reduced"] for r in rows):
         notes.append("check T*: the gradient check ran at this reduced T (same B, H) to save time and memory")
     if several:
@@ -204,7 +212,7 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
                      "keeps rounds in which the host stalled either side, this line leaves them out")
     for r in rows:
         for key in ("rewy_error", "baseline_error", "baseline_check_error", "baseline_hint", "bound_rewy_error",
-                    "bound_baseline_check_error"):
+                    "bound_baseline_check_error", "strong_rewy_error", "strong_baseline_check_error"):
             if r.get(key):
                 notes.append(f"{r['B']},{r['T']},{r['H']}: {key.replace('_', ' ')}: {r[key]}")
     if markdown:

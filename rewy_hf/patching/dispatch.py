@@ -22,19 +22,26 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..kernels.core import LISTENERS
+from ..kernels.core import LISTENERS, allow_sizes_known_at_run_time
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
 
 # Per thread, the patch states of the layers whose forwards are running, innermost last. A
 # thread-local list rather than a ContextVar: torch.compile traces it (dynamo replays its
 # pushes and pops), so a compiled patched layer routes its core without a graph break.
-_ACTIVE = threading.local()
+class _Active(threading.local):
+    def __init__(self):
+        # Runs once in every thread that touches it, so the stack always exists: creating it
+        # from traced code (dict.setdefault on the thread-local) would break the graph.
+        self.stack: list = []
+
+
+_ACTIVE = _Active()
 
 
 def active_layers() -> list:
-    """This thread's stack of running patched layers (created on first use)."""
-    return _ACTIVE.__dict__.setdefault("stack", [])
+    """This thread's stack of running patched layers."""
+    return _ACTIVE.stack
 
 _LOCK = threading.Lock()
 _COUNTS: dict[str, dict[str, Any]] = {}
@@ -97,6 +104,7 @@ def prepare_fallback_count() -> None:
     global _count_fallback_eagerly
     if _count_fallback_eagerly is count_fallback:
         _count_fallback_eagerly = torch.compiler.disable(count_fallback)
+    allow_sizes_known_at_run_time()
 
 
 def report_difference(before: dict, after: dict) -> dict:

@@ -161,8 +161,8 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
 
     def older(op):      # the file as a rewy-hf without the second check wrote it
         data = json.loads(paths[op].read_text())
-        assert data["settings"]["check"].endswith("; " + BOUND_CHECK)
-        data["settings"]["check"] = data["settings"]["check"].removesuffix("; " + BOUND_CHECK)
+        assert ("; " + BOUND_CHECK) in data["settings"]["check"]
+        data["settings"]["check"] = data["settings"]["check"].replace("; " + BOUND_CHECK, "")
         for row in data["rows"]:
             for key in [k for k in row if k.startswith("bound_")]:
                 del row[key]
@@ -465,3 +465,35 @@ def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp
     assert row["baseline_timing_only"] is active
     assert (row["err_baseline"] is None) is active
     assert math.isfinite(row["speedup_B"])
+
+
+def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_new(tmp_path, capsys):
+    """GDN rows carry a second check with a log-gate of about -10 per token (the regime where a
+    gate gradient formed as a difference of large terms would fail); a GDN run from before that
+    check does not combine with one after it, while a DeltaNet run from before it does."""
+    from rewy_hf.bench.config import STRONG_CHECK
+
+    paths = {op: tmp_path / f"{op}.json" for op in ("delta_rule", "gdn")}
+    for op, path in paths.items():
+        assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
+    gdn = json.loads(paths["gdn"].read_text())
+    (row,) = gdn["rows"]
+    assert row["strong_ok"] and row["ok"] and row["strong_err_rewy"] < 1e-4, row
+    assert "strong_ok" not in json.loads(paths["delta_rule"].read_text())["rows"][0]
+
+    def older(op):
+        data = json.loads(paths[op].read_text())
+        data["settings"]["check"] = data["settings"]["check"].replace("; " + STRONG_CHECK, "")
+        for r in data["rows"]:
+            for key in [k for k in r if k.startswith("strong_")]:
+                del r[key]
+        old = tmp_path / f"old_{op}.json"
+        old.write_text(json.dumps(data))
+        return str(old)
+
+    md = tmp_path / "merged.md"
+    code, out, err = _bench(["--from-json", older("delta_rule"), str(paths["gdn"]), "--markdown", str(md)], capsys)
+    assert code == 0, err
+    assert STRONG_CHECK in md.read_text() and "strong-decay err" in md.read_text()
+    code, _, err = _bench(["--from-json", older("gdn"), str(paths["gdn"])], capsys)
+    assert code == 2 and "not checked under strong decay" in err and "old_gdn.json" in err

@@ -28,7 +28,7 @@ from __future__ import annotations
 from functools import cache
 from types import SimpleNamespace
 
-from ...constants import CHUNK, RCP_LN2
+from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
 from .. import fla_stages, state_launch
 from ..function import Tensors
 from . import prestage, reverse_walk
@@ -53,7 +53,9 @@ class ScalarGate:
 
     @staticmethod
     def gate_cumsum(g, pk):
-        return None if g is None else _fla().cumsum(g.float(), chunk_size=CHUNK, scale=RCP_LN2, **pk)
+        if g is None:
+            return None
+        return _fla().cumsum(g.float().clamp_min(LOG_GATE_FLOOR), chunk_size=CHUNK, scale=RCP_LN2, **pk)
 
     @staticmethod
     def intra(t: Tensors, call, pk):
