@@ -39,24 +39,12 @@ from torch import Tensor
 
 from .core_args import FAMILIES, CoreArgs
 
-__all__ = ["CoreArgs", "delta_rule", "CoreFunction", "allow_sizes_known_at_run_time"]
+__all__ = ["CoreArgs", "delta_rule", "CoreFunction"]
 
 BACKENDS = ("torch", "triton")
 # Called as listener(event, report_as, backend, policy), event "forward" or "backward", after each
 # forward and backward of a call that has a ``report_as`` (the dispatch report counts them).
 LISTENERS: list[Callable[[str, str, str, str], None]] = []
-
-
-def allow_sizes_known_at_run_time() -> None:
-    """Let dynamo trace ``rewy::delta_rule`` whose saved tensors have sizes known only at run time
-    (the state checkpoints, the chunks of packed sequences: unbacked sizes in the fake
-    implementation). torch releases before 2.13 graph-break on such an op unless
-    ``torch._dynamo.config.capture_dynamic_output_shape_ops`` is set; ``patch_model`` sets it
-    (docs/usage.md, torch.compile), and code that calls the ops directly under torch.compile
-    calls this first."""
-    import torch._dynamo
-
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 
 def _backend(name: str):

@@ -124,7 +124,7 @@ def forward(family, a: CoreArgs):
 
 def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
     """Empty tensors shaped as ``forward``'s saved ones. ``dynamic_size()``: a size known only at
-    run time (the chunks of packed sequences, the number of state checkpoints)."""
+    run time (with packed sequences: their chunks, the number of state checkpoints)."""
     B, T, H, K = a.q.shape
     HV, V = a.v.shape[2], a.v.shape[3]
     state = (V, K) if _v_first_inside(family, a) else (K, V)
@@ -140,7 +140,8 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
         if name == "h":
             return (B, -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size(), HV, *state), a.k.dtype
         if name == "checkpoints":
-            return (dynamic_size(), HV, *state), f32 if a.h0 is not None else a.k.dtype
+            count = state_checkpoints.dense_count(a.v) if a.cu_seqlens is None else dynamic_size()
+            return (count, HV, *state), f32 if a.h0 is not None else a.k.dtype
         return fixed[name]
 
     return [a.q.new_empty(sz, dtype=dt) for sz, dt in map(shape, saved_names(family, a))]

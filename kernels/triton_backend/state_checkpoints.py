@@ -99,6 +99,19 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     return None if L is None else _segments(bounds, L, v.device)
 
 
+def dense_count(v: torch.Tensor) -> int:
+    """How many checkpoints ``plan`` keeps for an unpacked v [B, T, HV, V] (0 for none), from its
+    shape alone: B sequences of cdiv(T, CHUNK) chunks, each cut into segments of L chunks. The
+    custom op's fake implementation gives the checkpoints this size, so a compiled call has no
+    size known only at run time (symbolic T gives a symbolic count)."""
+    if launch_fills_half(v, None):
+        return 0
+    B, T, HV, V = v.shape
+    nt = triton.cdiv(T, CHUNK)
+    L = chunks_per_segment([nt] * B, HV, V, sm_count(v))
+    return 0 if L is None else B * triton.cdiv(nt, L)
+
+
 @lru_cache(maxsize=64)
 def _segments(bounds: tuple[int, ...], L: int, device: torch.device) -> Segments:
     # Cached: a model's layers (and every step of a fixed-shape run) ask for the same

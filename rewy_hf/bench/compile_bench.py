@@ -221,10 +221,13 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
     head = ["side", "step ms", "tokens/s", "x unpatched eager", "peak MB", "compile s", "graph breaks",
             "graphs", *(f"{f} ms" for f in FAMILIES)]
     rows = []
+    # A run stopped part way (its JSON written side by side) has no summary fields: derive them.
+    base = res["sides"].get("unpatched eager")
     for side, r in res["sides"].items():
         per = r.get("gpu_ms_by_family") or {}
+        x = r.get("speedup_vs_unpatched_eager") or (base["median_step_ms"] / r["median_step_ms"] if base else None)
         rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
-                     f"{r['speedup_vs_unpatched_eager']:.3f}",
+                     "-" if x is None else f"{x:.3f}",
                      "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
                      "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}",
                      str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")),
@@ -234,17 +237,25 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
         lines += ["| " + " | ".join(r) + " |" for r in rows]
     else:
         widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        lines = [f"{spec}: {res['tokens_per_step']} tokens per step"]
+        st = res.get("settings", {})
+        tokens = res.get("tokens_per_step") or st.get("batch_size", 0) * st.get("seq_len", 0) or "?"
+        lines = [f"{spec}: {tokens} tokens per step"]
         lines += ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
                   for line in (head, *rows)]
     lines.append("")
-    lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
-    if "curve" in res:
-        c = res["curve"]
-        diffs = ", ".join(f"{side} {r['curve_max_rel_diff']:.2e}" for side, r in res["sides"].items()
-                          if side != "unpatched eager")
-        lines.append(f"loss over {c['steps']} training steps (AdamW lr {c['lr']:g}, {c['batches']}): "
-                     f"largest relative difference from unpatched eager at any step: {diffs}")
+    missing = [side for side in SIDES if side not in res["sides"]]
+    if missing:
+        lines.append(f"not measured (the run stopped before): {', '.join(missing)}")
+    if "speedup_vs_unpatched_compiled" in res:
+        lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
+    curves = {side: r["curve_loss"] for side, r in res["sides"].items() if "curve_loss" in r}
+    if base is not None and "unpatched eager" in curves and len(curves) > 1:
+        ref = curves["unpatched eager"]
+        diffs = ", ".join(f"{side} {max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(c, ref)):.2e}"
+                          for side, c in curves.items() if side != "unpatched eager")
+        lines.append(f"loss over {len(ref)} training steps on the timing batch (AdamW lr {CURVE_LR:g}, from "
+                     f"{ref[0]:.3f} to {ref[-1]:.3f} unpatched eager): largest relative difference from unpatched "
+                     f"eager at any step: {diffs}")
     at = {side: r["graphs_compiled_at_length"] for side, r in res["sides"].items()
           if "graphs_compiled_at_length" in r}
     for side, counts in at.items():
@@ -258,7 +269,7 @@ def plot_compile_result(res: dict, path: str, title: str) -> None:
     from .output import _pyplot
 
     plt = _pyplot()
-    curves = "curve" in res
+    curves = any("curve_loss" in r for r in res["sides"].values())
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(10 if curves else 5.5, 3.6))
     ax = axes[0] if curves else axes
     sides = list(res["sides"])
@@ -274,11 +285,13 @@ def plot_compile_result(res: dict, path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     if curves:
         for sd in sides:
-            axes[1].plot(res["sides"][sd]["curve_loss"], label=sd, lw=1)
+            if "curve_loss" in res["sides"][sd]:
+                axes[1].plot(res["sides"][sd]["curve_loss"], label=sd, lw=1)
         axes[1].set_xlabel("training step")
-        axes[1].set_ylabel("loss")
+        axes[1].set_ylabel("loss (log scale)")
+        axes[1].set_yscale("log")
         axes[1].legend(fontsize=7)
-        axes[1].set_title(f"loss, AdamW lr {res['curve']['lr']:g}", fontsize=9)
+        axes[1].set_title(f"loss on the timing batch, AdamW lr {CURVE_LR:g}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -275,6 +275,7 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
             def on_side(side: str, row: dict) -> None:
                 bar.write(format_side(side, row))
                 data.setdefault("sides", {})[side] = row
+                data["tokens_per_step"] = s.batch_size * s.seq_len
                 report.save(data)       # a run stopped half way keeps the sides it finished
 
             res = run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..kernels.core import LISTENERS, allow_sizes_known_at_run_time
+from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
 
@@ -104,7 +104,6 @@ def prepare_fallback_count() -> None:
     global _count_fallback_eagerly
     if _count_fallback_eagerly is count_fallback:
         _count_fallback_eagerly = torch.compiler.disable(count_fallback)
-    allow_sizes_known_at_run_time()
 
 
 def report_difference(before: dict, after: dict) -> dict:
