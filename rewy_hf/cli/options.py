@@ -46,6 +46,17 @@ def at_least(minimum: int):
     return parse
 
 
+def tolerance(text: str) -> float:
+    """argparse type: a finite number, 0 or more (0 asks for an exact match)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text}: a tolerance is a finite number, 0 or more")
+    return value
+
+
 def add_backend(parser, default: str = "auto") -> None:
     parser.add_argument("--backend", choices=BACKENDS, default=default, help=BACKEND_HELP)
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ..validation import POLICIES
-from .options import (DTYPES, NO_CUDA, JsonReport, add_backend, add_device, add_dtype, add_json, at_least,
+from .options import (DTYPES, NO_CUDA, JsonReport, add_backend, add_device, add_dtype, add_json, at_least, tolerance,
                       chosen_device)
 
 HELP = "compare loss and gradients of your model patched vs unpatched (exit 0 = parity holds)"
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="recompute",
                         help="what rewy's forward saves for backward")
     add_backend(parser)
-    parser.add_argument("--tolerance", type=float, default=None,
+    parser.add_argument("--tolerance", type=tolerance, default=None,
                         help="relative gradient tolerance (default per dtype: float32 1e-3, bfloat16 1e-1)")
-    parser.add_argument("--loss-tolerance", type=float, default=None,
+    parser.add_argument("--loss-tolerance", type=tolerance, default=None,
                         help="relative loss tolerance (default per dtype: float32 1e-5, bfloat16 2e-2)")
     parser.add_argument("--no-update", action="store_true", help="skip the optimizer-step comparison")
     parser.add_argument("--reference", choices=("auto", "original", "torch"), default="auto",
@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         enable_cpu_interpreter()
     dtype = getattr(torch, args.dtype)
     base = DEFAULT_TOLERANCES[dtype]
-    tol = Tolerance(loss_rel=args.loss_tolerance or base.loss_rel, grad_rel=args.tolerance or base.grad_rel,
+    # An explicit 0 is a request for an exact match, not "use the default".
+    tol = Tolerance(loss_rel=base.loss_rel if args.loss_tolerance is None else args.loss_tolerance,
+                    grad_rel=base.grad_rel if args.tolerance is None else args.tolerance,
                     min_cosine=base.min_cosine)
     report = JsonReport(args.json)
 

@@ -319,3 +319,16 @@ def test_json_to_stdout_is_only_json(capsys):
     data = json.loads(out)
     assert data["ok"] is True and data["model"] == "tiny-fla-gdn2" and data["dtype"] == "float32"
     assert "PARITY HOLDS" in err
+
+
+def test_tolerance_zero_is_honoured_and_negative_refused(saved_qwen, tmp_path, capsys):
+    """--tolerance 0 asks for bit-identical gradients (was silently replaced by the default): the
+    chunked core's gradients differ from the reference's in rounding, so parity is violated."""
+    report = tmp_path / "parity.json"
+    code, out, _ = _run(["--model", str(saved_qwen), "--tolerance", "0", "--json", str(report), *QUICK], capsys)
+    data = json.loads(report.read_text())
+    assert data["tolerance"]["grad_rel"] == 0.0
+    assert code == 1 and any(g["rel_err"] > 0 for g in data["gradients"]), out
+    for bad in ("-1", "nan", "inf"):
+        code, _, err = _run(["--model", str(saved_qwen), "--tolerance", bad, *QUICK], capsys)
+        assert code == 2 and "a tolerance is a finite number, 0 or more" in err, (bad, err)
