@@ -2,8 +2,9 @@
 the tensors its real forward saves: dtype, rank, every static dim, dense layout.
 
 ``watch_saved_like(monkeypatch)`` wraps ``function.forward`` so that every real forward a test
-runs (under the CPU interpreter) is checked; run-time sizes (packed chunk counts, checkpoint
-counts) are unbacked symbols on the fake side and are not compared.
+runs (under the CPU interpreter) is checked. With packed sequences the chunk and checkpoint
+counts are unbacked symbols on the fake side and are not compared; for unpacked input the
+checkpoint count comes from the shapes and is compared like every other dim.
 """
 
 from __future__ import annotations
