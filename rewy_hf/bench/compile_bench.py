@@ -262,36 +262,3 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
         lines.append(f"{side}: graphs compiled by one step at each further length: "
                      + ", ".join(f"T={t}: {n}" for t, n in counts.items()))
     return "\n".join(lines)
-
-
-def plot_compile_result(res: dict, path: str, title: str) -> None:
-    """GPU time by kernel family per side (stacked bars) and, when run, the four loss curves."""
-    from .output import _pyplot
-
-    plt = _pyplot()
-    curves = any("curve_loss" in r for r in res["sides"].values())
-    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(10 if curves else 5.5, 3.6))
-    ax = axes[0] if curves else axes
-    sides = list(res["sides"])
-    bottom = [0.0] * len(sides)
-    for fam in FAMILIES:
-        vals = [(res["sides"][sd].get("gpu_ms_by_family") or {}).get(fam, 0.0) for sd in sides]
-        ax.bar([sd.replace(" ", "\n") for sd in sides], vals, bottom=bottom, label=fam)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for j, sd in enumerate(sides):
-        ax.text(j, bottom[j], f"{res['sides'][sd]['median_step_ms']:.0f} ms", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("GPU ms per step (profiled step)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title(title, fontsize=9)
-    if curves:
-        for sd in sides:
-            if "curve_loss" in res["sides"][sd]:
-                axes[1].plot(res["sides"][sd]["curve_loss"], label=sd, lw=1)
-        axes[1].set_xlabel("training step")
-        axes[1].set_ylabel("loss (log scale)")
-        axes[1].set_yscale("log")
-        axes[1].legend(fontsize=7)
-        axes[1].set_title(f"loss on the timing batch, AdamW lr {CURVE_LR:g}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

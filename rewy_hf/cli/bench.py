@@ -291,7 +291,7 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
     report.finish(data)
     write_markdown(args, data)
     if args.plot:
-        from ..bench.compile_bench import plot_compile_result
+        from ..bench.output import plot_compile_result
 
         plot_compile_result(res, args.plot, f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {data['device_name']}")
     for p in problems:
@@ -319,7 +319,7 @@ def render(args) -> int:
 
         print(format_compile_result(data, data["settings"]["model"]))
         if args.plot:
-            from ..bench.compile_bench import plot_compile_result
+            from ..bench.output import plot_compile_result
 
             plot_compile_result(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
     elif data["kind"] == "model":
