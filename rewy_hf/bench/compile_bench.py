@@ -97,6 +97,11 @@ def loss_curve(run, opt: torch.optim.Optimizer, batches: list[torch.Tensor], sna
             g["lr"] = lr
 
 
+def curve_max_rel_diff(curve: list[float], ref: list[float]) -> float:
+    """The largest relative difference of ``curve`` from ``ref`` at any step."""
+    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(curve, ref))
+
+
 def compiles_at_lengths(run, opt: torch.optim.Optimizer, model: nn.Module, s: ModelSettings,
                         lengths: tuple[int, ...], snap: Snapshot) -> dict[str, int]:
     """How many graphs dynamo compiles on one training step at each further sequence length, in order."""
@@ -184,8 +189,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
         row["speedup_vs_unpatched_eager"] = base["median_step_ms"] / row["median_step_ms"]
         row["first_loss_rel_diff"] = abs(row["loss"][0] - base["loss"][0]) / max(abs(base["loss"][0]), 1e-30)
         if curve_batches:
-            row["curve_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-30)
-                                            for a, b in zip(row["curve_loss"], base["curve_loss"]))
+            row["curve_max_rel_diff"] = curve_max_rel_diff(row["curve_loss"], base["curve_loss"])
     if curve_batches:
         out["curve"] = {"steps": curve_steps, "lr": CURVE_LR, "batches": "the timing batch at every step"}
     out["speedup_vs_unpatched_compiled"] = (out["sides"]["unpatched compiled"]["median_step_ms"]
@@ -251,7 +255,7 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
     curves = {side: r["curve_loss"] for side, r in res["sides"].items() if "curve_loss" in r}
     if base is not None and "unpatched eager" in curves and len(curves) > 1:
         ref = curves["unpatched eager"]
-        diffs = ", ".join(f"{side} {max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(c, ref)):.2e}"
+        diffs = ", ".join(f"{side} {curve_max_rel_diff(c, ref):.2e}"
                           for side, c in curves.items() if side != "unpatched eager")
         lines.append(f"loss over {len(ref)} training steps on the timing batch (AdamW lr {CURVE_LR:g}, from "
                      f"{ref[0]:.3f} to {ref[-1]:.3f} unpatched eager): largest relative difference from unpatched "

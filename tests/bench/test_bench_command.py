@@ -20,6 +20,20 @@ from rewy_hf.op_inputs import Shape
 TINY = ["--device", "cpu", "--shapes", "1,64,1,16,16", "--reps", "1", "--warmup", "0"]
 
 
+def without_check(path, clause: str, prefix: str, tmp_path) -> str:
+    """The run at ``path`` as a rewy-hf without the second check ``clause`` wrote it (no clause in
+    its check text, no ``prefix``* row fields), saved as old_<name>; returns its path."""
+    data = json.loads(path.read_text())
+    assert ("; " + clause) in data["settings"]["check"]
+    data["settings"]["check"] = data["settings"]["check"].replace("; " + clause, "")
+    for row in data["rows"]:
+        for key in [k for k in row if k.startswith(prefix)]:
+            del row[key]
+    old = tmp_path / f"old_{path.name}"
+    old.write_text(json.dumps(data))
+    return str(old)
+
+
 def _bench(argv, capsys):
     code = cli.main(["bench", *argv])
     out = capsys.readouterr()
@@ -159,16 +173,8 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
     for op, path in paths.items():
         assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
 
-    def older(op):      # the file as a rewy-hf without the second check wrote it
-        data = json.loads(paths[op].read_text())
-        assert ("; " + BOUND_CHECK) in data["settings"]["check"]
-        data["settings"]["check"] = data["settings"]["check"].replace("; " + BOUND_CHECK, "")
-        for row in data["rows"]:
-            for key in [k for k in row if k.startswith("bound_")]:
-                del row[key]
-        old = tmp_path / f"old_{op}.json"
-        old.write_text(json.dumps(data))
-        return str(old)
+    def older(op):
+        return without_check(paths[op], BOUND_CHECK, "bound_", tmp_path)
 
     md = tmp_path / "merged.md"
     code, out, _ = _bench(["--from-json", older("delta_rule"), str(paths["kda"]), "--markdown", str(md)], capsys)
@@ -482,14 +488,7 @@ def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_
     assert "strong_ok" not in json.loads(paths["delta_rule"].read_text())["rows"][0]
 
     def older(op):
-        data = json.loads(paths[op].read_text())
-        data["settings"]["check"] = data["settings"]["check"].replace("; " + STRONG_CHECK, "")
-        for r in data["rows"]:
-            for key in [k for k in r if k.startswith("strong_")]:
-                del r[key]
-        old = tmp_path / f"old_{op}.json"
-        old.write_text(json.dumps(data))
-        return str(old)
+        return without_check(paths[op], STRONG_CHECK, "strong_", tmp_path)
 
     md = tmp_path / "merged.md"
     code, out, err = _bench(["--from-json", older("delta_rule"), str(paths["gdn"]), "--markdown", str(md)], capsys)

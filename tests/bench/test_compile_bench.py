@@ -31,12 +31,7 @@ def result():
     torch._dynamo.reset()
     level = logging.get_verbosity()
     logging.set_verbosity_error()
-    fam = hf.FAMILIES["qwen3_5"]
-    cfg = hf.make_config(fam)
-    cfg.num_hidden_layers, cfg.layer_types, cfg.use_cache = 1, ["linear_attention"], False
-    torch.manual_seed(hf.SEED)
-    model = getattr(fam.modeling, fam.model_class)(cfg)
-    hf._init_gates(model, fam, hf.SEED)
+    model = hf.one_layer_qwen3_5()
     s = ModelSettings(device="cpu", steps=1, warmup=1, batch_size=2, seq_len=80, backend="torch",
                       policy="recompute", seed=3)
     try:

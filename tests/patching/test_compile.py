@@ -80,18 +80,6 @@ def without_cache(model):
     return model
 
 
-def small_qwen3_5():
-    """The tiny Qwen3.5 with its one delta-rule layer only (less to compile than hf.build's three
-    layers, for the tests that compile it twice)."""
-    fam = hf.FAMILIES["qwen3_5"]
-    cfg = hf.make_config(fam)
-    cfg.num_hidden_layers, cfg.layer_types, cfg.use_cache = 1, ["linear_attention"], False
-    torch.manual_seed(hf.SEED)
-    model = getattr(fam.modeling, fam.model_class)(cfg)
-    hf._init_gates(model, fam, hf.SEED)
-    return model.train()
-
-
 BUILDERS = {"qwen3_5": lambda: without_cache(hf.build("qwen3_5")),
             "kimi_linear": lambda: without_cache(dense_kimi_linear())}
 
@@ -170,7 +158,7 @@ def test_no_graph_break_inside_a_delta_rule_layer():
 # ---------------------------------------------------------------------------
 
 def test_new_lengths_do_not_recompile_per_length():
-    model = small_qwen3_5()
+    model = hf.one_layer_qwen3_5()
     patch_model(model, backend="torch")
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
@@ -266,7 +254,7 @@ def test_opcheck_forward_op(family, policy, options):
 
 def test_unpatch_after_compile_is_followed():
     family = "qwen3_5"
-    model = small_qwen3_5()
+    model = hf.one_layer_qwen3_5()
     reference = hf.twin(model)              # never patched
     layers = len(hf.delta_rule_layer_names(model, family))
     assert layers == 1

@@ -153,6 +153,18 @@ def build(family, *, seed: int = SEED, dtype: torch.dtype = torch.float32, train
     return model.to(dtype).train(train)
 
 
+def one_layer_qwen3_5():
+    """The tiny Qwen3.5 with its one delta-rule layer only and no cache, in training mode: less to
+    compile than ``build``'s three layers, for the tests that compile it."""
+    fam = FAMILIES["qwen3_5"]
+    cfg = make_config(fam)
+    cfg.num_hidden_layers, cfg.layer_types, cfg.use_cache = 1, ["linear_attention"], False
+    torch.manual_seed(SEED)
+    model = getattr(fam.modeling, fam.model_class)(cfg)
+    _init_gates(model, fam, SEED)
+    return model.train()
+
+
 def twin(model):
     """A second instance of the same class and config with identical weights."""
     torch.manual_seed(SEED + 1)
