@@ -28,7 +28,10 @@ def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
     return ChunkLayout(x.shape[1], T, C, None, x.device).from_chunks(x).contiguous()
 
 
-def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int, seed: int):
+def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int, seed: int,
+            log_gate: float | None = None, dtype=torch.float32):
+    """The torch backend's stages; ``log_gate``: per-token log-gates near this value (strong decay)
+    instead of logsigmoid of a normal draw; ``dtype``: the stages' precision."""
     gen = torch.Generator().manual_seed(seed)
     shape = (NT, N, HV, C)
     r = lambda d: torch.randn(*shape, d, generator=gen)
@@ -36,13 +39,15 @@ def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int,
     qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
     q, k = qk() * valid, qk() * valid
     v = r(V) * valid
-    g = F.logsigmoid(r(1)) * valid if kind == "gdn" else torch.zeros(*shape, 1)
+    gate = F.logsigmoid(r(1)) if log_gate is None else log_gate + 0.1 * r(1).clamp(-1, 1)
+    g = gate * valid if kind == "gdn" else torch.zeros(*shape, 1)
     b = torch.rand(*shape, 1, generator=gen) * valid
-    x = ChunkInputs(q, k, v, g, b, None, scale=K ** -0.5)
-    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    x = ChunkInputs(cast(q), cast(k), cast(v), cast(g), cast(b), None, scale=K ** -0.5)
+    h0 = cast(torch.randn(N, HV, K, V, generator=gen) * 0.3)
     gt, s, _ = forward_pass(x, h0)
-    do = r(V) * valid
-    dht = torch.randn(N, HV, K, V, generator=gen) * 0.3
+    do = cast(r(V) * valid)
+    dht = cast(torch.randn(N, HV, K, V, generator=gen) * 0.3)
     dVn, dHnext, _ = reverse_state_pass(x, gt, s, do, dht)
     ref = local_backward(x, gt, s, do, dVn, dHnext)
     return x, gt, s, do, dVn, dHnext, ref
@@ -116,6 +121,27 @@ def test_kernel_packed_sequences(kind, monkeypatch):
     if kind == "gdn":
         errors["dg"] = rel_err(dg, rg[..., 0])
     assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("log_gate", [-10.0, -20.0])
+def test_gate_gradient_under_strong_decay(log_gate):
+    """A log-gate near -10 (or -20) per token spans e^-640 (e^-1280) in one chunk. The stages are
+    formed in float64 and the kernel, fed their float32 copies, must keep q, k, v and beta's
+    gradients to float32 accuracy and the gate's to the float32 cumulative gate's own rounding
+    (about 2e-5 at -20). The gate's terms are e^-10 apart, so a gate gradient formed as the
+    difference of large terms (the output Gram's diagonal entering and leaving, or the last key's
+    decay added and taken away) loses them to rounding: so formed, dg was 3.5e-2 off at -10 and
+    8e2 at -20."""
+    T, K, V, N, H, HV = 2 * C, 64, 32, 1, 1, 2
+    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, 2, K, V, T, seed=11, log_gate=log_gate,
+                                               dtype=torch.float64)
+    inputs = {n: None if t is None else t.float() for n, t in
+              _kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV).items()}
+    out = rewy_gdn_bwd_local(**inputs, scale=x.scale)
+    errors = {}
+    for name, o, r in zip(("dq", "dk", "dv", "dg", "db"), out, [_to_fla(t, T) for t in ref[:5]]):
+        errors[name] = rel_err(o, r[..., 0] if o.dim() == 3 else r)
+    assert errors["dg"] < 1e-4 and max(v for n, v in errors.items() if n != "dg") < 1e-6, errors
 
 
 def test_kernel_with_one_key_block_of_128():

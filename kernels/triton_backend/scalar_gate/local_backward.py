@@ -176,38 +176,50 @@ def rewy_gdn_bwd_local_kernel(
     lp = b_k.dtype
     off_out = (o_i * HV)[:, None] * K + o_k[None, :]
 
-    # Pairwise decays (inclusive of the diagonal), masked before exp2 so no entry can overflow.
+    # Pairwise decays of the strictly lower triangle, masked before exp2 so no entry can overflow. The
+    # output Gram's diagonal (decay e^0 = 1) is added apart: it carries no gate, and keeping it out of
+    # the gate gradient keeps that gradient from being the small difference of two large terms when
+    # the decay is strong (a log-gate of -10 per token spans e^-640 in one chunk).
     diff = b_g[:, None] - b_g[None, :]
-    causal = (o_i[:, None] >= o_i[None, :]) & (valid[:, None] & valid[None, :])
-    gam = tl.exp2(tl.where(causal, diff, float("-inf")))
+    below = (o_i[:, None] > o_i[None, :]) & (valid[:, None] & valid[None, :])
+    gam = tl.exp2(tl.where(below, diff, float("-inf")))
     b_eg = tl.where(valid, tl.exp2(b_g), 0.0)
+    b_diag = scale * tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dAqk, 0.0), axis=1)
 
-    # Output side: P2 = dAqk * Gamma (diagonal included) -> dq and q's share of dk.
+    # Output side: P2 = dAqk * Gamma -> dq and q's share of dk.
     b_P2 = (b_dAqk * gam * scale).to(lp)
     b_dq = tl.dot(b_P2, b_k) + scale * b_dqg * b_eg[:, None]
-    tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+    b_dq += b_diag[:, None] * b_k.to(tl.float32)
+    tl.store(dq + off_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     b_dkg = tl.dot(tl.trans(b_P2), b_q)
 
     # Key side: dX = A^T dW = -dY h^T (the loop's sum); P = dL * Gamma (strictly lower), dL = -dY Vn^T
     # (see the module docstring); Gram Elimination takes the key Gram's row and column
     # gradients from P, and the gate terms from the same sums.
     b_da = -b_dhw * b_eg[:, None]
-    b_P = tl.where(o_i[:, None] > o_i[None, :], -b_dyvn * gam, 0.0)
+    b_P = -b_dyvn * gam
     b_da += tl.dot(b_P.to(lp), b_k)                               # wrt a = beta * k
     b_dkg += tl.dot(tl.trans((b_P * b_beta[:, None]).to(lp)), b_k)
     b_kf = b_k.to(tl.float32)
     b_dbeta += tl.sum(b_da * b_kf, axis=1)
     tl.store(db + o_i * HV, b_dbeta, mask=valid)
     b_dkc = b_dkc * tl.where(valid, tl.exp2(b_g_last - b_g), 0.0)[:, None]
-    b_dk = b_dkg + b_dkc + b_da * b_beta[:, None]
-    tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-
     if USE_G:
-        b_dG += tl.sum(b_kf * (b_beta[:, None] * b_da - b_dkg - b_dkc), axis=1)
-        b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last) + tl.sum(b_dkc * b_kf)
+        # A Gram term e^{G_i - G_j} depends on g_s for j < s <= i: it enters at its row with its operand
+        # times its gradient and leaves at its column with the negative, so a sum from the chunk's end
+        # keeps only the terms that span s. k_i e^{G_C - G_i} and the carried state's e^{G_C} depend on
+        # g_s for s > i: their terms enter through a forward sum that excludes the row itself (a
+        # strictly lower masked sum, not an inclusive sum minus the row), so no term is added and taken
+        # away again.
+        b_dG += tl.sum(b_kf * (b_beta[:, None] * b_da - b_dkg), axis=1)
         b_dG = tl.where(valid, b_dG, 0.0)
-        tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_dGC, mask=valid)
+        b_kc = tl.where(valid, tl.sum(b_dkc * b_kf, axis=1), 0.0)
+        b_before = tl.sum(tl.where(o_i[:, None] > o_i[None, :], b_kc[None, :], 0.0), axis=1)
+        b_dGC = tl.sum(b_dgc) * tl.exp2(b_g_last)
+        tl.store(dg + o_i * HV, tl.cumsum(b_dG, axis=0, reverse=True) + b_before + b_dGC, mask=valid)
+    b_dk = b_dkg + b_diag[:, None] * b_q.to(tl.float32) + b_dkc + b_da * b_beta[:, None]
+    tl.store(dk + off_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
 def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,

@@ -52,3 +52,10 @@ def dot_prec(a, b, acc, NARROW: tl.constexpr, PREC: tl.constexpr):
         return tl.dot(a.to(NARROW), b.to(NARROW), acc)
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def add_before(total_a, before_a, total_b, before_b):
+    """Combine of a scan over (x, 0) pairs whose second part is the sum of the x strictly before each
+    row: the exclusive sum without forming an inclusive sum and taking the row away again."""
+    return total_a + total_b, total_a + before_b

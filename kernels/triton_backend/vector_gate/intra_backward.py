@@ -5,7 +5,8 @@ Grid (chunks x K blocks, batch x value heads). The gated-Gram backward of L
 four 16-row sub-blocks (last first), plus the assembly of the final dq, dk,
 db and the gate gradient with its reverse cumulative sum inside the chunk,
 carried across sub-blocks (Gram Elimination: dG = a*Ra + q*Rq - k*Rc, from
-the row/column gradients the key gradient needs anyway; L is never rebuilt).
+the row/column gradients the key gradient needs anyway, with Aqk's diagonal
+added to dq and dk apart; L is never rebuilt), added to stage 1's share.
 It updates stage 1's partials in place (wy_backward.py). KDA's db: the first
 K block folds in stage 1's slots; with one K block that is the final db, with
 several each block writes its share to its own slot of a new [.., NKI]
@@ -179,7 +180,8 @@ def rewy_kda_bwd_intra_kernel(
             off_d = r_i[:, None] * (HV * BT) + r_i[None, :]
             m_ii = m_i[:, None] & m_i[None, :]
             b_dAqd = tl.load(dAqk + off_d, mask=m_i[:, None], other=0.0).to(tl.float32)
-            b_dAqd = tl.where((o_c[:, None] >= o_c[None, :]) & m_ii, b_dAqd, 0.0)
+            # Aqk's diagonal (decay 1) is added apart from its strictly lower part, below.
+            b_dAqd = tl.where((o_c[:, None] > o_c[None, :]) & m_ii, b_dAqd, 0.0)
             b_dLd = tl.load(dL + off_d, mask=m_i[:, None], other=0.0).to(tl.float32)
             b_dLd = tl.where((o_c[:, None] > o_c[None, :]) & m_ii, b_dLd, 0.0)
             g_hi = tl.max(tl.where(m_ik, b_g, float("-inf")), axis=0)
@@ -208,25 +210,29 @@ def rewy_kda_bwd_intra_kernel(
                     col_l = tl.load(dL + r_i * (HV * BT) + r_t, mask=m_i, other=0.0).to(tl.float32)
                     row_q = tl.load(dAqk + r_t * (HV * BT) + r_i).to(tl.float32)
                     row_l = tl.load(dL + r_t * (HV * BT) + r_i).to(tl.float32)
-                    # rows i >= t: e^{G_i - G_t} <= 1
-                    m_lo = m_i & (o_c >= t)
+                    # rows i > t: e^{G_i - G_t} <= 1
+                    m_lo = m_i & (o_c > t)
                     b_x = exp2_where(m_lo[:, None] & m_k[None, :], b_g - b_gt[None, :])
                     b_Rq += tl.where(m_lo, col_q, 0.0)[:, None] * b_kt[None, :] * b_x
-                    b_Ra += tl.where(m_lo & (o_c > t), col_l, 0.0)[:, None] * b_kt[None, :] * b_x
-                    # columns j <= t: e^{G_t - G_j} <= 1
-                    m_up = m_i & (o_c <= t)
+                    b_Ra += tl.where(m_lo, col_l, 0.0)[:, None] * b_kt[None, :] * b_x
+                    # columns j < t: e^{G_t - G_j} <= 1
+                    m_up = m_i & (o_c < t)
                     b_y = exp2_where(m_up[:, None] & m_k[None, :], b_gt[None, :] - b_g)
-                    b_Rc += (tl.where(m_up & (o_c < t), row_l, 0.0)[:, None] * (b_bt * b_kt)[None, :]
+                    b_Rc += (tl.where(m_up, row_l, 0.0)[:, None] * (b_bt * b_kt)[None, :]
                              + tl.where(m_up, row_q, 0.0)[:, None] * b_qt[None, :]) * b_y
 
-            # Assemble: the inter-chunk parts from the WY kernel plus the Gram terms.
-            b_dq = tl.load(dq + off_k, mask=m_ik, other=0.0) + b_Rq
+            # Assemble: the inter-chunk parts from the WY kernel plus the Gram terms. The Gram terms'
+            # gate share leaves Aqk's diagonal out (it carries no gate: under strong decay it would be
+            # a large term entering at its row and leaving at its column, and leave only rounding);
+            # the WY kernel's share arrives already summed over the chunk.
+            b_dd = tl.load(dAqk + r_i * (HV * BT) + r_i, mask=m_i, other=0.0).to(tl.float32)
+            b_dG = tl.where(m_ik, b_b * b_k * b_Ra + b_q * b_Rq - b_k * b_Rc, 0.0)
+            b_dq = tl.load(dq + off_k, mask=m_ik, other=0.0) + b_Rq + b_dd[:, None] * b_k
             tl.store(dq_o + off_k, b_dq.to(dq_o.dtype.element_ty), mask=m_ik)
-            b_dk = tl.load(dk + off_k, mask=m_ik, other=0.0) + b_b * b_Ra + b_Rc
+            b_dk = tl.load(dk + off_k, mask=m_ik, other=0.0) + b_b * b_Ra + b_Rc + b_dd[:, None] * b_q
             tl.store(dk_o + off_k, b_dk.to(dk_o.dtype.element_ty), mask=m_ik)
-            b_dG = tl.load(dG + off_k, mask=m_ik, other=0.0) + b_b * b_k * b_Ra + b_q * b_Rq - b_k * b_Rc
-            b_dG = tl.where(m_ik, b_dG, 0.0)
             b_dg = tl.cumsum(b_dG, axis=0, reverse=True) + carry[None, :]
+            b_dg += tl.load(dG + off_k, mask=m_ik, other=0.0)
             carry += tl.sum(b_dG, axis=0)
             tl.store(dg_o + off_k, b_dg.to(dg_o.dtype.element_ty), mask=m_ik)
             if VEC:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from functools import cache
 from types import SimpleNamespace
 
-from ...constants import CHUNK, RCP_LN2
+from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
 from .. import state_launch
 from ..function import Tensors
 from .backward import rewy_kda_bwd
@@ -67,7 +67,8 @@ class VectorGate:
 
     @staticmethod
     def gate_cumsum(g, pk):
-        return _fla(False).cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **pk)
+        # floored in g's own dtype: a float32 copy of a [B, T, H, K] gate would cost memory traffic
+        return _fla(False).cumsum(g.clamp_min(LOG_GATE_FLOOR), chunk_size=CHUNK, scale=RCP_LN2, **pk)
 
     @staticmethod
     def intra(t: Tensors, call, pk):

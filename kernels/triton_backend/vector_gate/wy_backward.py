@@ -11,8 +11,8 @@ the tiles several of them read come from L2 for all but the first).
 Programs 0..NK-1 each own a block of BK key channels: over the value axis
 they form dW = -dVn h^T, d(q e^G) = dO h^T, d(k e^{G_C-G}) = Vn dh^T and the
 decay term sum_v h*dh, then Residual WY's dX = A^T dW, and write the
-inter-chunk parts of dq, dk, the gate gradient (before its cumulative sum)
-and the erase-gate gradient. Program NK owns the value side:
+inter-chunk parts of dq, dk, the gate gradient (summed over the chunk:
+stage 2 adds its own terms' sum) and the erase-gate gradient. Program NK owns the value side:
 
     dY = A^T dVn (giving dv and the write-gate gradient),   dL = -dY Vn^T.
 
@@ -187,9 +187,15 @@ def rewy_kda_bwd_wy_kernel(
         b_dkc = b_dkc * exp2_where(m_tk, b_gc[None, :] - b_g)      # d(k e^{G_C-G}) * e^{G_C-G}
         b_dk += b_dkc
         tl.store(dk + off_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        # These terms' share of the gate gradient, summed over the chunk here: q e^G and X = a e^G
+        # depend on g_s for s <= i (a sum from the chunk's end); k_i e^{G_C - G_i} on g_s for s > i
+        # (a forward sum that leaves row i out, by a scan rather than an inclusive sum minus the
+        # row, which under strong decay would keep only rounding); the carried state's e^{G_C} on
+        # every g_s of the chunk.
         b_kdkc = b_k * b_dkc
-        b_dGC = b_dgc * tl.exp2(b_gc) + tl.sum(b_kdkc, axis=0)
-        b_dG += tl.where((o_r == last)[:, None], b_dGC[None, :], 0.0) - b_kdkc
+        _, b_before = tl.associative_scan((b_kdkc, tl.zeros_like(b_kdkc)), axis=0, combine_fn=common.add_before)
+        b_dG = tl.cumsum(tl.where(m_tk, b_dG, 0.0), axis=0, reverse=True) + b_before
+        b_dG += (b_dgc * tl.exp2(b_gc))[None, :]
         tl.store(dG + off_k, b_dG.to(dG.dtype.element_ty), mask=m_tk)
     else:
         # ---- value side: dY = A^T dVn, dv, the write-gate gradient, dL = -dY Vn^T ----
@@ -231,7 +237,8 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     (KDA) or the erase gate b [B, T, HV, K] with ``w_gate`` [B, T, HV, V]
     (GDN2); A [B, T, HV, 64]; h, dh [B, NT, HV, K, V] (or [.., V, K]).
 
-    Returns the partials (dq, dk, dG) [B, T, HV, K] fp32, the final dv and dw
+    Returns the partials (dq, dk, dG) [B, T, HV, K] fp32 (dG: these terms' whole share of the gate
+    gradient, already summed over the chunk), the final dv and dw
     (None for KDA) in v's and w_gate's dtype,
     the erase-gate partials (KDA: [B, T, HV, NK + 1], slot NK from the value
     side; GDN2: [B, T, HV, K]) and dL [B, T, HV, 64] fp32 (strictly lower).
