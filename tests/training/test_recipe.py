@@ -1,9 +1,10 @@
 """recipes/finetune_gdn2.py on CPU: the tiny GDN2 preset, seq-len 80 (more than one 64-token chunk), batch 2.
 
 Training steps dominate the time (the Triton interpreter runs FLA's short convolution at several seconds a
-step), so the runs are shared: one uninterrupted 8-step run (checkpoints at 5 and 8) is the reference; a
-second run resumes from a copy of its step-5 checkpoint and must reproduce steps 6-8; one 2-step LoRA run
-goes through the script entry in a subprocess. Everything else fails before training.
+step), so the runs are shared: one uninterrupted 5-step run (checkpoints at 3 and, as the last step, 5) is
+the reference; a second run resumes from a copy of its step-3 checkpoint and must reproduce steps 4-5 (the
+second of them taken with the restored optimizer moments); one 1-step LoRA run goes through the script entry
+in a subprocess. Everything else fails before training.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def _metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """The uninterrupted reference: 8 steps, checkpoints at 5 and 8."""
+    """The uninterrupted reference: 5 steps, checkpoints at 3 and 5."""
     out = tmp_path_factory.mktemp("full")
-    rc = _recipe_main()([*COMMON, "--max-steps", "8", "--save-every", "5", "--output-dir", str(out)])
+    rc = _recipe_main()([*COMMON, "--max-steps", "5", "--save-every", "3", "--output-dir", str(out)])
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -59,7 +60,7 @@ def test_full_run_outputs(full_run):
     from rewy_hf.training.checkpoint import list_checkpoints
 
     records = _metrics(full_run)
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, 6))
     for r in records:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(r)
         assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("loss", "lr", "grad_norm"))
@@ -69,19 +70,19 @@ def test_full_run_outputs(full_run):
     assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3) and lrs[2] == pytest.approx(3e-3)
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
 
-    assert [s for s, _ in list_checkpoints(full_run)] == [5, 8]
+    assert [s for s, _ in list_checkpoints(full_run)] == [3, 5]
     assert not [p for p in full_run.iterdir() if p.name.startswith(".")]   # no partial leftovers
-    ck = full_run / "checkpoint-5"
+    ck = full_run / "checkpoint-3"
     assert (ck / "model.safetensors").is_file() and (ck / "config.json").is_file()
     assert (ck / "byte_tokenizer.json").is_file()
     assert any(p.suffix == ".safetensors" for p in (ck / "training_state").iterdir())
-    assert json.loads((ck / "trainer_state.json").read_text())["step"] == 5
+    assert json.loads((ck / "trainer_state.json").read_text())["step"] == 3
 
     assert (full_run / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((full_run / "dispatch_report.json").read_text())
     assert len(report["patch_report"]["patched"]) == 2
     gdn2 = report["dispatch"]["ops"]["gdn2"]
-    assert gdn2["optimized_backward_calls"] == 8 * 2 and gdn2["fallback_calls"] == 0
+    assert gdn2["optimized_backward_calls"] == 5 * 2 and gdn2["fallback_calls"] == 0
 
 
 def test_saved_model_reloads(full_run):
@@ -91,7 +92,7 @@ def test_saved_model_reloads(full_run):
 
     import rewy_hf
 
-    for d in (full_run / "checkpoint-8", full_run / "final"):
+    for d in (full_run / "checkpoint-5", full_run / "final"):
         model = AutoModelForCausalLM.from_pretrained(d)
         assert model.config.model_type == "gdn2"
         saved = load_file(d / "model.safetensors")
@@ -107,33 +108,34 @@ def test_saved_model_reloads(full_run):
 def test_resume_reproduces_uninterrupted_losses(full_run, tmp_path):
     out = tmp_path / "resumed"
     out.mkdir()
-    shutil.copytree(full_run / "checkpoint-5", out / "checkpoint-5")
-    # The interrupted run had logged steps 6-8 before dying: resume must drop them and re-log.
+    shutil.copytree(full_run / "checkpoint-3", out / "checkpoint-3")
+    # The interrupted run had logged steps 4-5 before dying: resume must drop them and re-log.
     shutil.copy(full_run / "metrics.jsonl", out / "metrics.jsonl")
-    (out / ".checkpoint-8.partial").mkdir()   # a half-written checkpoint must be ignored
-    rc = _recipe_main()([*COMMON, "--max-steps", "8", "--save-every", "5", "--output-dir", str(out), "--resume"])
+    (out / ".checkpoint-5.partial").mkdir()   # a half-written checkpoint must be ignored
+    rc = _recipe_main()([*COMMON, "--max-steps", "5", "--save-every", "3", "--output-dir", str(out), "--resume"])
     assert rc == 0
     ref, got = _metrics(full_run), _metrics(out)
-    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["step"] for r in got] == list(range(1, 6))
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    assert (out / "checkpoint-8" / "trainer_state.json").is_file()
+    assert (out / "checkpoint-5" / "trainer_state.json").is_file()
 
 
 def test_resume_refuses_changed_settings(full_run, tmp_path, capsys):
-    rc = _recipe_main()([*COMMON, "--seq-len", "96", "--max-steps", "8", "--output-dir", str(tmp_path),
-                         "--resume", str(full_run / "checkpoint-5")])
+    rc = _recipe_main()([*COMMON, "--seq-len", "96", "--max-steps", "5", "--output-dir", str(tmp_path),
+                         "--resume", str(full_run / "checkpoint-3")])
     assert rc == 2
     assert "seq_len: 80 vs 96" in capsys.readouterr().err
 
 
 def test_lora_script_entry(tmp_path):
-    """The script itself (subprocess), with --lora: only adapters train; the merged model reloads."""
+    """The script itself (subprocess), with --lora: only adapters train; the merged model reloads.
+    One step of one sequence is enough for that (the adapters' update changes the merged weights)."""
     out = tmp_path / "lora"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--lora", "--lora-r", "4", *COMMON, "--max-steps", "2",
-                           "--save-every", "0", "--output-dir", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--lora", "--lora-r", "4", *COMMON, "--batch-size", "1",
+                           "--max-steps", "1", "--save-every", "0", "--output-dir", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
