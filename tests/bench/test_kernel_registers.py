@@ -22,6 +22,24 @@ def _run(*args, interpret: bool = False, **extra_env):
                           timeout=600)
 
 
+# The command's main() once per argument list, in one process: FLA's kernels take seconds to import.
+_MAIN_PER_ARGV = """
+import json, sys
+from rewy_hf.bench import kernel_registers
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["kernel_registers", *argv]
+    code = kernel_registers.main()
+    if code:
+        raise SystemExit(code)
+"""
+
+
+def _run_each(*argvs):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-P", "-c", _MAIN_PER_ARGV, json.dumps(argvs)], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
 def test_stages_take_shared_memory_and_registers_stay_in_range(tmp_path):
     """Software pipelining keeps one operand buffer per stage in shared memory, so the Matrix Intra
     kernel with 3 stages needs more of it than with 2 (same warps); the WY kernel's [64, BV] tiles
@@ -69,13 +87,13 @@ def test_walk_compiles_as_lean_as_flas_walk(tmp_path):
     assert len(rows) == 18 and all(0 < x["registers"] <= 255 for x in rows)
     ops = r.stdout.splitlines()[1].split()
     assert "HGMMA" in ops or "HMMA" in ops
-    for bv in (32, 64):
-        pair = {}
-        for kernel in ("gdn-walk", "fla-dhu"):
-            out = tmp_path / f"{kernel}{bv}.json"
-            r = _run("--kernel", kernel, "--warps", "4", "--stages", "2", "--block-k", str(bv), "--json", str(out))
-            assert r.returncode == 0, r.stderr[-2000:]
-            pair[kernel] = json.loads(out.read_text())[0]
+    pairs = {bv: tmp_path / f"pair{bv}.json" for bv in (32, 64)}
+    r = _run_each(*(["--kernel", "gdn-walk", "fla-dhu", "--warps", "4", "--stages", "2", "--block-k", str(bv),
+                     "--json", str(out)] for bv, out in pairs.items()))
+    assert r.returncode == 0, r.stderr[-2000:]
+    for bv, out in pairs.items():
+        pair = {x["kernel"]: x for x in json.loads(out.read_text())}
+        assert len(pair) == 2
         walk, fla = pair["gdn-walk"], pair["fla-dhu"]
         assert walk["instructions"] / 7 <= fla["instructions"] / 6, (bv, walk, fla)
         assert walk["spill_bytes"] <= fla["spill_bytes"], (bv, walk, fla)
@@ -93,12 +111,12 @@ def test_a_register_cap_is_honoured_by_spilling(tmp_path):
     """--maxnreg caps registers per thread as a triton.Config's maxnreg does: the uncapped Matrix Intra
     kernel needs more than 168 registers, so under the cap ptxas keeps to it and moves the rest to
     local memory (more spill bytes than without the cap)."""
+    paths = {cap: tmp_path / f"cap{cap}.json" for cap in (None, 168)}
+    r = _run_each(*(["--kernel", "kda-intra", "--warps", "2", "--stages", "3", "--json", str(path),
+                     *(["--maxnreg", str(cap)] if cap else [])] for cap, path in paths.items()))
+    assert r.returncode == 0, r.stderr[-2000:]
     out = {}
-    for cap in (None, 168):
-        path = tmp_path / f"cap{cap}.json"
-        args = ["--kernel", "kda-intra", "--warps", "2", "--stages", "3", "--json", str(path)]
-        r = _run(*args, *(["--maxnreg", str(cap)] if cap else []))
-        assert r.returncode == 0, r.stderr[-2000:]
+    for cap, path in paths.items():
         (out[cap],) = json.loads(path.read_text())
     assert out[None]["registers"] > 168 >= out[168]["registers"]
     assert out[168]["maxnreg"] == 168 and "maxnreg" not in out[None]
@@ -111,11 +129,12 @@ def test_a_chosen_value_tile_is_compiled(tmp_path):
     """--bv sets the value tile of a kernel that tunes it (with --warps / --stages, the autotune
     list is replaced and would otherwise leave BV unset): wider tiles of the GDN local kernel's
     software-pipelined loop take more shared memory."""
+    paths = {bv: tmp_path / f"bv{bv}.json" for bv in (32, 128)}
+    r = _run_each(*(["--kernel", "gdn-local", "--warps", "4", "--stages", "2", "--bv", str(bv), "--json", str(path)]
+                    for bv, path in paths.items()))
+    assert r.returncode == 0, r.stderr[-2000:]
     rows = {}
-    for bv in (32, 128):
-        path = tmp_path / f"bv{bv}.json"
-        r = _run("--kernel", "gdn-local", "--warps", "4", "--stages", "2", "--bv", str(bv), "--json", str(path))
-        assert r.returncode == 0, r.stderr[-2000:]
+    for bv, path in paths.items():
         (rows[bv],) = json.loads(path.read_text())
     assert rows[32]["BV"] == 32 and rows[128]["BV"] == 128
     assert rows[128]["shared_bytes"] > rows[32]["shared_bytes"] > 0
