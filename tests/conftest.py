@@ -22,26 +22,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _widest_conv_tile_first():
-    """FLA's short convolution runs one interpreted program per tile of BD channels, and an
-    interpreted program costs about the same whatever its tile's width: the widest listed tile
-    (BD = 128, which covers every channel count of the tiny models here) does the same arithmetic,
-    value for value, in a quarter or less of the programs of the first one (BD = 16). Listed first,
-    it is the one the interpreter's cut to one config keeps."""
+# FLA kernels whose programs each cover a tile of channels (BD) or of heads (BH), by that tile's name.
+_WIDEST_TILE = {"causal_conv1d_fwd_kernel": "BD", "causal_conv1d_bwd_kernel": "BD",
+                "chunk_kda_fwd_kernel_intra_token_parallel": "BH"}
+
+
+def _widest_tile_first():
+    """An interpreted Triton program costs about the same whatever its tile's width, so FLA's short
+    convolution (one program per 16 channels at its first config) and KDA's token-parallel intra
+    kernel (one per token and head) spend most of an interpreted training step in program overhead.
+    Their widest listed tile (128 channels, 8 heads: all of them in the tiny models and cases here)
+    does the same arithmetic in a quarter of the programs or fewer; listed first, it is the one the
+    interpreter's cut to one config keeps."""
     import triton.runtime.autotuner as autotuner
 
     cut = autotuner.Autotuner.__init__
 
     def init(self, fn, arg_names, configs, *args, **kwargs):
-        if getattr(fn, "__name__", None) in ("causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel"):
-            configs = sorted(configs, key=lambda c: -c.kwargs["BD"])
+        tile = _WIDEST_TILE.get(getattr(fn, "__name__", None))
+        if tile is not None:
+            configs = sorted(configs, key=lambda c: -c.kwargs[tile])
         cut(self, fn, arg_names, configs, *args, **kwargs)
 
     autotuner.Autotuner.__init__ = init
 
 
 if enable_cpu_interpreter():
-    _widest_conv_tile_first()
+    _widest_tile_first()
 if HAS_CUDA:
     # The GPU tests check values, not speed: one config per autotuned kernel (as
     # `rewy-hf verify` does) keeps a cold run's compile time to minutes.
