@@ -36,7 +36,7 @@ def test_configs_agree_on_the_same_inputs(kernel, capsys):
     else:
         assert os.environ.get("TRITON_INTERPRET") == "1"    # conftest switches the interpreter on
         device = ["--device", "cpu"]
-    status = module.main([*device, "--kernel", kernel, "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+    status = module.main([*device, "--kernel", kernel, "--B", "1", "--T", "128", "--H", "1", "--K", "64",
                           "--V", "64", "--pick", *map(str, picks), "--repeat", "2", "--tolerance", "1e-5"])
     out = capsys.readouterr().out
     assert status == 0, out
@@ -51,7 +51,7 @@ def test_wy_key_blocks_of_another_width_agree(capsys):
     sweep = module.sweeps("kda-wy")
     other = next(i for i, (kw, _) in enumerate(sweep) if kw.get("block_k") == 32)
     device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu"]
-    status = module.main([*device, "--kernel", "kda-wy", "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+    status = module.main([*device, "--kernel", "kda-wy", "--B", "1", "--T", "128", "--H", "1", "--K", "64",
                           "--V", "64", "--pick", "0", str(other), "--tolerance", "1e-5"])
     out = capsys.readouterr().out
     assert status == 0, out
@@ -72,7 +72,7 @@ def test_baseline_version_runs_on_the_same_inputs(kernel, tmp_path, capsys):
         shutil.copy(mod.__file__, tmp_path)
     module = _load()
     device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu"]
-    status = module.main([*device, "--kernel", kernel, "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+    status = module.main([*device, "--kernel", kernel, "--B", "1", "--T", "64", "--H", "1", "--K", "64",
                           "--V", "64", "--pick", "0", "--tolerance", "1e-6", "--baseline", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
@@ -96,7 +96,7 @@ def test_baseline_that_computes_otherwise_is_reported(tmp_path, capsys):
     assert src.count(old) == 1
     (tmp_path / "intra_backward.py").write_text(src.replace(old, old + " * 2.0"))
     device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu"]
-    status = _load().main([*device, "--kernel", "kda-intra", "--B", "1", "--T", "128", "--H", "2", "--K", "64",
+    status = _load().main([*device, "--kernel", "kda-intra", "--B", "1", "--T", "64", "--H", "1", "--K", "64",
                            "--V", "64", "--pick", "0", "--baseline", str(tmp_path)])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "baseline" in x)
