@@ -13,8 +13,11 @@ class Adapter:
     """One model family's delta-rule layers.
 
     ``site`` is ``"<module>:<attribute>"``: the module-level core function the
-    layer's forward calls for the chunked path (the decode path calls another
-    name and is left alone). ``call(args, kwargs, *, backend, policy)`` receives
+    layer's forward calls for the chunked path. ``decode_site``, where set, is
+    the one its one-token decode step calls: it keeps its implementation, except
+    that on CPU tensors the plain-torch function behind it runs (transformers
+    picks FLA's recurrent kernel whenever FLA is importable, and that kernel
+    needs CUDA). ``call(args, kwargs, *, backend, policy)`` receives
     the arguments the layer passed to that function and returns ``(o, state)``
     from a rewy op. ``check(layer)`` returns a reason when a layer instance
     cannot be served, else None.
@@ -26,9 +29,15 @@ class Adapter:
     site: str
     call: Callable
     check: Callable[[nn.Module], str | None] = field(default=None)
+    decode_site: str | None = None
 
     def unsupported_reason(self, layer: nn.Module) -> str | None:
         return None if self.check is None else self.check(layer)
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The chunked-path site, then the decode site where there is one."""
+        return (self.site,) if self.decode_site is None else (self.site, self.decode_site)
 
     @property
     def site_module(self) -> str:

@@ -51,9 +51,10 @@ def torch_reference(module, attr: str) -> Callable:
     return getattr(fn, "__wrapped__", fn)
 
 
-def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, rewy_op: Callable) -> tuple[Adapter, ...]:
+def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, rewy_op: Callable,
+                decode_attr: str) -> tuple[Adapter, ...]:
     """One adapter per (model folder, layer class) pair whose modeling module
-    defines the core ``site_attr``."""
+    defines the core ``site_attr`` and the decode-step core ``decode_attr``."""
     return tuple(
         Adapter(
             family=model,
@@ -61,6 +62,7 @@ def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, re
             layer_classes=(f"transformers.models.{model}.modeling_{model}.{cls}",),
             site=f"transformers.models.{model}.modeling_{model}:{site_attr}",
             call=hf_core_call(rewy_op),
+            decode_site=f"transformers.models.{model}.modeling_{model}:{decode_attr}",
         )
         for model, cls in models
     )

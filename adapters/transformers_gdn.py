@@ -1,7 +1,8 @@
 """transformers models whose linear-attention layer is Gated DeltaNet.
 
 Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid, LaRA-mini and Qwen4-exp all
-call ``torch_chunk_gated_delta_rule`` in their modeling module; see
+call ``torch_chunk_gated_delta_rule`` in their modeling module (and
+``torch_recurrent_gated_delta_rule`` for a decode step); see
 transformers_common for the call convention.
 """
 
@@ -20,4 +21,5 @@ _MODELS = (
     ("qwen4_exp", "Qwen4ExpTextGatedDeltaNet"),
 )
 
-ADAPTERS = hf_adapters(_MODELS, "gated_delta_rule", "torch_chunk_gated_delta_rule", ops.chunk_gated_delta_rule)
+ADAPTERS = hf_adapters(_MODELS, "gated_delta_rule", "torch_chunk_gated_delta_rule", ops.chunk_gated_delta_rule,
+                       decode_attr="torch_recurrent_gated_delta_rule")

@@ -1,7 +1,8 @@
 """transformers models whose linear-attention layer is Kimi Delta Attention.
 
 Kimi-Linear, Bailing-hybrid and GLM-5-Next call ``chunk_kimi_delta_attention``
-in their modeling module with the gate already activated by the layer (its
+in their modeling module (``recurrent_kimi_delta_attention`` for a decode
+step) with the gate already activated by the layer (its
 forget-gate module applies ``-exp(A_log) * softplus(. + dt_bias)``), so the
 call maps to ``chunk_kda`` without ``use_gate_in_kernel``.
 """
@@ -18,4 +19,5 @@ _MODELS = (
     ("glm5_next", "Glm5NextTextLinearAttention"),
 )
 
-ADAPTERS = hf_adapters(_MODELS, "kda", "chunk_kimi_delta_attention", ops.chunk_kda)
+ADAPTERS = hf_adapters(_MODELS, "kda", "chunk_kimi_delta_attention", ops.chunk_kda,
+                       decode_attr="recurrent_kimi_delta_attention")

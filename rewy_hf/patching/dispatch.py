@@ -135,16 +135,19 @@ def total_calls(report: dict, key: str) -> int:
 class CoreDispatcher:
     """Stands in for a module-level core function; see the module docstring."""
 
-    def __init__(self, original: Callable, site: str):
+    def __init__(self, original: Callable, site: str, decode: bool = False):
         self.original = original
         self.site = site
+        self.decode = decode
         functools.update_wrapper(self, original)
 
     def __call__(self, *args, **kwargs):
         stack = active_layers()
         state = stack[-1] if stack else None
-        if state is None or state.adapter.site != self.site:
+        if state is None or self.site not in state.adapter.sites:
             return self.original(*args, **kwargs)
+        if self.decode:
+            return route_decode(self.original, args, kwargs)
         return state.call_core(self.original, args, kwargs)
 
     def __repr__(self) -> str:
@@ -161,6 +164,16 @@ def _count_core_event(event: str, op: str, backend: str, policy: str) -> None:
 # The core announces each forward and backward of a routed call (kernels/core.py): eager or
 # compiled, the count is taken where the core runs, never in traced code.
 LISTENERS.append(_count_core_event)
+
+
+def route_decode(original: Callable, args: tuple, kwargs: dict):
+    """A patched layer's decode step: its own implementation, except on CPU, where transformers'
+    choice (FLA's recurrent kernel whenever FLA is importable) cannot run; the plain-torch function
+    behind transformers' wrapper computes the same recurrence there."""
+    query = args[0] if args else kwargs.get("query")
+    if isinstance(query, torch.Tensor) and query.device.type == "cpu":
+        return getattr(original, "__wrapped__", original)(*args, **kwargs)
+    return original(*args, **kwargs)
 
 
 def route(state, original: Callable, args: tuple, kwargs: dict):

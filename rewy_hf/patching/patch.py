@@ -128,16 +128,22 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
 
 
 def _site_dispatches(adapter: Adapter) -> bool:
-    module = sys.modules.get(adapter.site_module)
-    return module is not None and isinstance(getattr(module, adapter.site_attr, None), CoreDispatcher)
+    for site in adapter.sites:
+        module_name, attr = site.split(":")
+        module = sys.modules.get(module_name)
+        if module is None or not isinstance(getattr(module, attr, None), CoreDispatcher):
+            return False
+    return True
 
 
 def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
     with _SITES_LOCK:
-        module = importlib.import_module(adapter.site_module)
-        current = getattr(module, adapter.site_attr)
-        if not isinstance(current, CoreDispatcher):
-            setattr(module, adapter.site_attr, CoreDispatcher(current, adapter.site))
+        for site in adapter.sites:
+            module_name, attr = site.split(":")
+            module = importlib.import_module(module_name)
+            current = getattr(module, attr)
+            if not isinstance(current, CoreDispatcher):
+                setattr(module, attr, CoreDispatcher(current, site, decode=site != adapter.site))
         _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
         # A patched model dropped without unpatch_model must not leave the dispatcher behind.
         # One finalizer per layer, however often it is patched and unpatched.
@@ -154,10 +160,12 @@ def _restore_site_if_unused(adapter: Adapter) -> None:
         # Iterate rather than len(): the dying layer's entry may not be purged yet.
         if layers is not None and next(iter(layers), None) is not None:
             return
-        module = sys.modules.get(adapter.site_module)
-        current = None if module is None else getattr(module, adapter.site_attr, None)
-        if isinstance(current, CoreDispatcher):
-            setattr(module, adapter.site_attr, current.original)
+        for site in adapter.sites:
+            module_name, attr = site.split(":")
+            module = sys.modules.get(module_name)
+            current = None if module is None else getattr(module, attr, None)
+            if isinstance(current, CoreDispatcher):
+                setattr(module, attr, current.original)
 
 
 def _release_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
