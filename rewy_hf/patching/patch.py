@@ -1,7 +1,8 @@
 """patch_model / unpatch_model / patched: swap only the delta-rule core, per instance.
 
-For each supported layer, the module-level core name its forward calls is
-replaced (once per process) by a ``CoreDispatcher``, and a small wrapper is
+For each supported layer, the module-level core name its forward calls (and,
+where the adapter names one, its decode-step core) is replaced (once per
+process) by a ``CoreDispatcher``, and a small wrapper is
 bound into the layer instance's ``__dict__['forward']`` that marks the layer as
 active while its forward runs. Only marked layers reach rewy; every other
 model keeps its original core. Parameters, buffers, the state dict and the
