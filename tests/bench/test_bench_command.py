@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +40,23 @@ def _bench(argv, capsys):
     code = cli.main(["bench", *argv])
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def full_policy_run(tmp_path_factory):
+    """(op, tmp_path, capsys) -> a copy in tmp_path, named <op>.json, of the one TINY run of op under
+    policy full that the tests combining or rewriting such runs share (made on first use)."""
+    made = {}
+    d = tmp_path_factory.mktemp("full_policy_runs")
+
+    def copy(op, tmp_path, capsys):
+        if op not in made:
+            path = d / f"{op}.json"
+            assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
+            made[op] = path
+        return Path(shutil.copy(made[op], tmp_path / f"{op}.json"))
+
+    return copy
 
 
 # --- options and shapes -------------------------------------------------------------------------
@@ -143,14 +162,10 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     assert f"| {r0['B']},{r0['T']},{r0['H']}," in text and f"{r0['speedup_B']:.2f}x" in text
 
 
-def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
+def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys, full_policy_run):
     """One run per op: --from-json takes every file and reports them as one
     run; files from another setup are refused by name."""
-    files = []
-    for op in ("delta_rule", "kda"):
-        files.append(tmp_path / f"{op}.json")
-        code, _, _ = _bench([*TINY, "--op", op, "--policy", "full", "--json", str(files[-1])], capsys)
-        assert code == 0
+    files = [full_policy_run(op, tmp_path, capsys) for op in ("delta_rule", "kda")]
     md = tmp_path / "all.md"
     code, out, _ = _bench(["--from-json", *map(str, files), "--markdown", str(md)], capsys)
     assert code == 0
@@ -163,15 +178,13 @@ def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys):
     assert code == 2 and "different device_name" in err and str(files[1]) in err
 
 
-def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tmp_path, capsys):
+def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tmp_path, capsys, full_policy_run):
     """The lower-bound check concerns KDA / GDN2 rows only: a DeltaNet run written before it
     existed (its check text has no such clause) combines with a KDA run that has it, while
     KDA rows with and without the second check, or runs checked differently, are refused."""
     from rewy_hf.bench.config import BOUND_CHECK
 
-    paths = {op: tmp_path / f"{op}.json" for op in ("delta_rule", "kda", "gdn2")}
-    for op, path in paths.items():
-        assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
+    paths = {op: full_policy_run(op, tmp_path, capsys) for op in ("delta_rule", "kda", "gdn2")}
 
     def older(op):
         return without_check(paths[op], BOUND_CHECK, "bound_", tmp_path)
@@ -191,7 +204,7 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
     assert code == 2 and "checked differently" in err
 
 
-def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
+def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys, full_policy_run):
     """FLA runs GDN through FlashQLA when flash-qla is installed: a GPU run's tables must
     not call that baseline plain FLA (the run's versions say which it was)."""
     from rewy_hf.bench.op_bench import baseline_description, baseline_label
@@ -200,9 +213,7 @@ def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
     assert baseline_label("cuda", {"flash-qla": "0.1.3"}) == "FLA+QLA"
     assert "FlashQLA" in baseline_description("cuda", {"flash-qla": "0.1.3"})
     assert "FlashQLA" not in baseline_description("cuda", {"flash-qla": None})
-    path = tmp_path / "gdn.json"
-    code, _, _ = _bench([*TINY, "--op", "gdn", "--policy", "full", "--json", str(path)], capsys)
-    assert code == 0
+    path = full_policy_run("gdn", tmp_path, capsys)
     data = json.loads(path.read_text())
     data["device"], data["versions"]["flash-qla"] = "cuda", "0.1.3"      # as a GPU run with flash-qla records it
     path.write_text(json.dumps(data))
@@ -210,13 +221,12 @@ def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys):
     assert code == 0 and "B: FLA+QLA ms" in out and "B: ref ms" not in out
 
 
-def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, capsys):
+def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, capsys, full_policy_run):
     """A device time limit can stop a run mid-suite; a later run of the missing
     (op, shape) rows makes the combined report whole, and a row timed in both
     files is refused rather than silently picked."""
-    cut, rest = tmp_path / "cut.json", tmp_path / "rest.json"
+    cut, rest = tmp_path / "cut.json", full_policy_run("kda", tmp_path, capsys)
     assert _bench([*TINY, "--op", "delta_rule", "kda", "--policy", "full", "--json", str(cut)], capsys)[0] == 0
-    assert _bench([*TINY, "--op", "kda", "--policy", "full", "--json", str(rest)], capsys)[0] == 0
     whole = json.loads(cut.read_text())
     short = {**whole, "rows": [r for r in whole["rows"] if r["op"] == "delta_rule"], "complete": False}
     short.pop("exit_code")
@@ -473,15 +483,14 @@ def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp
     assert math.isfinite(row["speedup_B"])
 
 
-def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_new(tmp_path, capsys):
+def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_new(tmp_path, capsys,
+                                                                                     full_policy_run):
     """GDN rows carry a second check with a log-gate of about -10 per token (the regime where a
     gate gradient formed as a difference of large terms would fail); a GDN run from before that
     check does not combine with one after it, while a DeltaNet run from before it does."""
     from rewy_hf.bench.config import STRONG_CHECK
 
-    paths = {op: tmp_path / f"{op}.json" for op in ("delta_rule", "gdn")}
-    for op, path in paths.items():
-        assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
+    paths = {op: full_policy_run(op, tmp_path, capsys) for op in ("delta_rule", "gdn")}
     gdn = json.loads(paths["gdn"].read_text())
     (row,) = gdn["rows"]
     assert row["strong_ok"] and row["ok"] and row["strong_err_rewy"] < 1e-4, row
