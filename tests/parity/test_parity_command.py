@@ -239,6 +239,9 @@ def test_crash_of_the_original_core_suggests_reference_torch(capsys, monkeypatch
     module = importlib.import_module(adapter.site_module)
     site = getattr(module, adapter.site_attr)
     if isinstance(site, CoreDispatcher):
+        # The module's core is put back too: should the patched model behind this dispatcher be
+        # collected meanwhile, the dispatcher's original (the refusing core) becomes the module's core.
+        monkeypatch.setattr(module, adapter.site_attr, site)
         monkeypatch.setattr(site, "original", _refusing)
     else:
         monkeypatch.setattr(module, adapter.site_attr, _refusing)
