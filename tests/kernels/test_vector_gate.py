@@ -20,6 +20,7 @@ cannot pass. bfloat16 is not used: the interpreter's tl.dot is wrong for it.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from types import SimpleNamespace
@@ -344,6 +345,15 @@ def _wy_config(bv, warps, stages):
                        triton.Config({"BV": bv}, num_warps=warps, num_stages=stages))
 
 
+@functools.cache
+def _wy_128(kind):
+    """Kernel inputs at K = V = 128 and the WY kernel's outputs on them with 64-channel key blocks
+    (the sweep's reference), made once per kind for the configs compared with it."""
+    inp = Case(kind, [64], 1, 1, 128, 128, seed=11).kernel_inputs()
+    with _wy_config(128, 4, 1):
+        return inp, tuple(wy_backward.rewy_kda_bwd_wy(**inp, block_k=64))
+
+
 @pytest.mark.parametrize("kind", ["kda", "gdn2"])
 @pytest.mark.parametrize("bv, warps, stages", [(64, 4, 1), (64, 8, 3), (128, 4, 1)])
 def test_wy_32_channel_key_blocks_under_each_value_tile(kind, bv, warps, stages):
@@ -351,10 +361,8 @@ def test_wy_32_channel_key_blocks_under_each_value_tile(kind, bv, warps, stages)
     tiles of 64). With 4 warps and BV = 64, triton 3.6 miscompiled the key side on the H200 (wrong dk
     / dG / db, or an illegal memory access that also failed the next config): the wrapper must refuse
     that config by name instead of launching it. The others must match 64-channel key blocks."""
-    case = Case(kind, [128], 1, 1, 128, 128, seed=11)
-    inp = case.kernel_inputs()
-    with _wy_config(128, 4, 1):
-        ref = list(wy_backward.rewy_kda_bwd_wy(**inp, block_k=64))
+    inp, ref = _wy_128(kind)
+    ref = list(ref)
     with _wy_config(bv, warps, stages):
         if (bv, warps) == (64, 4):
             with pytest.raises(ValueError, match="4 warps with BV = 64 need block_k >= 64"):
