@@ -41,11 +41,17 @@ class Adapter:
 
     @property
     def site_module(self) -> str:
-        return self.site.split(":")[0]
+        return split_site(self.site)[0]
 
     @property
     def site_attr(self) -> str:
-        return self.site.split(":")[1]
+        return split_site(self.site)[1]
+
+
+def split_site(site: str) -> tuple[str, str]:
+    """``"<module>:<attribute>"`` -> (module, attribute)."""
+    module, attr = site.split(":")
+    return module, attr
 
 
 def qualified_class_names(layer: nn.Module) -> list[str]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from ..adapters import find_adapter, looks_like_delta_rule
-from ..adapters.base import Adapter
+from ..adapters.base import Adapter, split_site
 from ..errors import UnsupportedConfigError
 from ..validation import BACKENDS, POLICIES
 from .dispatch import CoreDispatcher, active_layers, prepare_fallback_count, route
@@ -130,7 +130,7 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
 
 def _site_dispatches(adapter: Adapter) -> bool:
     for site in adapter.sites:
-        module_name, attr = site.split(":")
+        module_name, attr = split_site(site)
         module = sys.modules.get(module_name)
         if module is None or not isinstance(getattr(module, attr, None), CoreDispatcher):
             return False
@@ -140,7 +140,7 @@ def _site_dispatches(adapter: Adapter) -> bool:
 def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
     with _SITES_LOCK:
         for site in adapter.sites:
-            module_name, attr = site.split(":")
+            module_name, attr = split_site(site)
             module = importlib.import_module(module_name)
             current = getattr(module, attr)
             if not isinstance(current, CoreDispatcher):
@@ -162,7 +162,7 @@ def _restore_site_if_unused(adapter: Adapter) -> None:
         if layers is not None and next(iter(layers), None) is not None:
             return
         for site in adapter.sites:
-            module_name, attr = site.split(":")
+            module_name, attr = split_site(site)
             module = sys.modules.get(module_name)
             current = None if module is None else getattr(module, attr, None)
             if isinstance(current, CoreDispatcher):
