@@ -47,7 +47,11 @@ hf_core_call = HFCoreCall
 def torch_reference(module, attr: str) -> Callable:
     """The plain-torch core behind a transformers site (skipping FLA)."""
     fn = getattr(module, attr)
-    fn = getattr(fn, "original", fn)          # under a rewy CoreDispatcher
+    return plain_torch(getattr(fn, "original", fn))          # under a rewy CoreDispatcher
+
+
+def plain_torch(fn: Callable) -> Callable:
+    """The torch function behind transformers' kernel-or-fallback wrapper (itself if unwrapped)."""
     return getattr(fn, "__wrapped__", fn)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
+from ..adapters.transformers_common import plain_torch
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
@@ -172,7 +173,7 @@ def route_decode(original: Callable, args: tuple, kwargs: dict):
     behind transformers' wrapper computes the same recurrence there."""
     query = args[0] if args else kwargs.get("query")
     if isinstance(query, torch.Tensor) and query.device.type == "cpu":
-        return getattr(original, "__wrapped__", original)(*args, **kwargs)
+        return plain_torch(original)(*args, **kwargs)
     return original(*args, **kwargs)
 
 
