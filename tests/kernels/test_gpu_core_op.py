@@ -64,6 +64,17 @@ def test_compiled_call_matches_eager(op, policy, variant):
         assert err <= 1e-5, (op, policy, variant, err)
 
 
+# FLA's KDA/GDN2 intra stage allocates the saved Aqk empty and fills its causal half only (the backward
+# reads no other entry), so two calls differ above the diagonal and opcheck's eager-vs-AOTAutograd
+# value comparison cannot hold for these families. The compiled path's values for the same cases,
+# outputs and every gradient, are compared with eager in test_compiled_call_matches_eager.
+_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _checks(op: str) -> tuple[str, ...]:
+    return _OPCHECKS if op not in ("kda", "gdn2") else _OPCHECKS[:-1]
+
+
 @pytest.mark.parametrize("op,policy,variant", CASES)
 def test_fake_implementation_matches_the_kernels(op, policy, variant):
     args, kwargs = _case(op, variant)
@@ -75,4 +86,4 @@ def test_fake_implementation_matches_the_kernels(op, policy, variant):
                  policy, kwargs.get("state_v_first", False), kwargs.get("use_qk_l2norm_in_kernel", False), False)
     op_args = (a.q, a.k, a.v, a.g, a.beta, a.w, a.h0, a.cu_seqlens, a.scale, a.family, a.policy,
                a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as, "triton")
-    torch.library.opcheck(torch.ops.rewy.delta_rule.default, op_args)
+    torch.library.opcheck(torch.ops.rewy.delta_rule.default, op_args, test_utils=_checks(op))
