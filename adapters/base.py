@@ -17,7 +17,10 @@ class Adapter:
     the one its one-token decode step calls: it keeps its implementation, except
     that on CPU tensors the plain-torch function behind it runs (transformers
     picks FLA's recurrent kernel whenever FLA is importable, and that kernel
-    needs CUDA). ``call(args, kwargs, *, backend, policy)`` receives
+    needs CUDA). ``conv_site``, where set, is the layer's short causal convolution: under
+    torch.compile, where it would run transformers' ``F.conv1d`` fallback, rewy runs the same
+    convolution as shifted multiply-adds that inductor fuses (kernels/short_conv.py); otherwise
+    it keeps its implementation. ``call(args, kwargs, *, backend, policy)`` receives
     the arguments the layer passed to that function and returns ``(o, state)``
     from a rewy op. ``check(layer)`` returns a reason when a layer instance
     cannot be served, else None.
@@ -30,14 +33,19 @@ class Adapter:
     call: Callable
     check: Callable[[nn.Module], str | None] = field(default=None)
     decode_site: str | None = None
+    conv_site: str | None = None
 
     def unsupported_reason(self, layer: nn.Module) -> str | None:
         return None if self.check is None else self.check(layer)
 
     @property
     def sites(self) -> tuple[str, ...]:
-        """The chunked-path site, then the decode site where there is one."""
-        return (self.site,) if self.decode_site is None else (self.site, self.decode_site)
+        """The chunked-path site, then the decode and convolution sites where there are some."""
+        return tuple(s for s in (self.site, self.decode_site, self.conv_site) if s is not None)
+
+    def role(self, site: str) -> str:
+        """What the layer calls at ``site``: ``"core"``, ``"decode"`` or ``"conv"``."""
+        return {self.site: "core", self.decode_site: "decode", self.conv_site: "conv"}[site]
 
     @property
     def site_module(self) -> str:

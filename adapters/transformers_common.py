@@ -55,10 +55,25 @@ def plain_torch(fn: Callable) -> Callable:
     return getattr(fn, "__wrapped__", fn)
 
 
+def runs_torch_fallback(fn: Callable) -> bool:
+    """Whether ``fn`` is transformers' kernel-or-fallback wrapper that found no kernel package at
+    import, and so runs the plain-torch function it wraps. False for anything else (a hub kernel,
+    the package's kernel, a function of the user's), which is then left to run as it is."""
+    import inspect
+
+    if not hasattr(fn, "__wrapped__"):
+        return False
+    try:
+        return inspect.getclosurevars(fn).nonlocals.get("is_new_implementation") is False
+    except (TypeError, ValueError):
+        return False
+
+
 def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, rewy_op: Callable,
-                decode_attr: str) -> tuple[Adapter, ...]:
+                decode_attr: str, conv_attr: str = "causal_conv1d_fn") -> tuple[Adapter, ...]:
     """One adapter per (model folder, layer class) pair whose modeling module
-    defines the core ``site_attr`` and the decode-step core ``decode_attr``."""
+    defines the core ``site_attr``, the decode-step core ``decode_attr`` and the short
+    convolution ``conv_attr``."""
     return tuple(
         Adapter(
             family=model,
@@ -67,6 +82,7 @@ def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, re
             site=f"transformers.models.{model}.modeling_{model}:{site_attr}",
             call=hf_core_call(rewy_op),
             decode_site=f"transformers.models.{model}.modeling_{model}:{decode_attr}",
+            conv_site=f"transformers.models.{model}.modeling_{model}:{conv_attr}",
         )
         for model, cls in models
     )

@@ -2,7 +2,7 @@
 
 Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid, LaRA-mini and Qwen4-exp all
 call ``torch_chunk_gated_delta_rule`` in their modeling module (and
-``torch_recurrent_gated_delta_rule`` for a decode step); see
+``torch_recurrent_gated_delta_rule`` for a decode step, ``causal_conv1d_fn`` for the short convolution); see
 transformers_common for the call convention.
 """
 

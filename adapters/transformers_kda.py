@@ -2,7 +2,7 @@
 
 Kimi-Linear, Bailing-hybrid and GLM-5-Next call ``chunk_kimi_delta_attention``
 in their modeling module (``recurrent_kimi_delta_attention`` for a decode
-step) with the gate already activated by the layer (its
+step, ``causal_conv1d_fn`` for the short convolution) with the gate already activated by the layer (its
 forget-gate module applies ``-exp(A_log) * softplus(. + dt_bias)``), so the
 call maps to ``chunk_kda`` without ``use_gate_in_kernel``.
 """

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..adapters.transformers_common import plain_torch
+from ..adapters.transformers_common import plain_torch, runs_torch_fallback
+from ..kernels.short_conv import causal_short_conv
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
@@ -136,10 +137,12 @@ def total_calls(report: dict, key: str) -> int:
 class CoreDispatcher:
     """Stands in for a module-level core function; see the module docstring."""
 
-    def __init__(self, original: Callable, site: str, decode: bool = False):
+    def __init__(self, original: Callable, site: str, role: str = "core"):
         self.original = original
         self.site = site
-        self.decode = decode
+        self.role = role
+        # Decided once: whether a compiled patched layer's convolution may run rewy's fused form.
+        self.torch_fallback = role == "conv" and runs_torch_fallback(original)
         functools.update_wrapper(self, original)
 
     def __call__(self, *args, **kwargs):
@@ -147,8 +150,10 @@ class CoreDispatcher:
         state = stack[-1] if stack else None
         if state is None or self.site not in state.adapter.sites:
             return self.original(*args, **kwargs)
-        if self.decode:
+        if self.role == "decode":
             return route_decode(self.original, args, kwargs)
+        if self.role == "conv":
+            return route_conv(self.original, self.torch_fallback, args, kwargs)
         return state.call_core(self.original, args, kwargs)
 
     def __repr__(self) -> str:
@@ -175,6 +180,23 @@ def route_decode(original: Callable, args: tuple, kwargs: dict):
     if isinstance(query, torch.Tensor) and query.device.type == "cpu":
         return plain_torch(original)(*args, **kwargs)
     return original(*args, **kwargs)
+
+
+# Packed-sequence arguments: with them transformers' torch convolution refuses (it cannot keep
+# sequences apart), and rewy's fused form, which cannot either, leaves the call to it.
+_PACKING = ("cu_seqlens", "seq_idx", "cu_seq_lens_q")
+
+
+def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: dict):
+    """A patched layer's short convolution: under torch.compile, where transformers would run its
+    ``F.conv1d`` fallback, the same convolution in the form inductor fuses (kernels/short_conv.py);
+    otherwise, and eagerly, transformers' own choice."""
+    if not (torch_fallback and torch.compiler.is_compiling()) or any(kwargs.get(k) is not None for k in _PACKING):
+        return original(*args, **kwargs)
+    names = ("hidden_states", "weight", "bias", "activation")
+    bound = dict(zip(names, args))
+    bound.update((k, kwargs[k]) for k in names if k in kwargs)
+    return causal_short_conv(bound["hidden_states"], bound["weight"], bound.get("bias"), bound.get("activation"))
 
 
 def route(state, original: Callable, args: tuple, kwargs: dict):

@@ -1,8 +1,8 @@
 """patch_model / unpatch_model / patched: swap only the delta-rule core, per instance.
 
 For each supported layer, the module-level core name its forward calls (and,
-where the adapter names one, its decode-step core) is replaced (once per
-process) by a ``CoreDispatcher``, and a small wrapper is
+where the adapter names them, its decode-step core and its short convolution)
+is replaced (once per process) by a ``CoreDispatcher``, and a small wrapper is
 bound into the layer instance's ``__dict__['forward']`` that marks the layer as
 active while its forward runs. Only marked layers reach rewy; every other
 model keeps its original core. Parameters, buffers, the state dict and the
@@ -144,7 +144,7 @@ def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
             module = importlib.import_module(module_name)
             current = getattr(module, attr)
             if not isinstance(current, CoreDispatcher):
-                setattr(module, attr, CoreDispatcher(current, site, decode=site != adapter.site))
+                setattr(module, attr, CoreDispatcher(current, site, adapter.role(site)))
         _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
         # A patched model dropped without unpatch_model must not leave the dispatcher behind.
         # One finalizer per layer, however often it is patched and unpatched.

@@ -312,3 +312,54 @@ def test_compiled_patched_state_dict_saves(tmp_path):
     assert list(saved) == list(expected)
     for key, value in expected.items():
         assert torch.equal(saved[key], value), key
+
+
+# ---------------------------------------------------------------------------
+# The short convolution: fused inside a compiled patched layer
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_compiled_patched_layer_runs_the_fused_short_convolution(family):
+    """Compiled, a patched layer's convolution is the shifted multiply-add form (kernels/short_conv.py,
+    no ``conv1d`` left for inductor to hand to cuDNN), with the eager model's values; eagerly the
+    layer's own ``F.conv1d`` runs."""
+    model = BUILDERS[family]()
+    twin = hf.twin(model)
+    patch_model(model, backend="torch")
+    patch_model(twin, backend="torch")
+    cnt = CompileCounterWithBackend("aot_eager")
+    ids = hf.input_ids(2, 50)
+    loss = hf.loss_of(torch.compile(model, backend=cnt, fullgraph=True), ids, family)
+    loss.backward()
+    calls = [str(n.target) for gm in cnt.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [c for c in calls if "conv1d" in c], "the compiled patched layer still calls conv1d"
+
+    seen = []
+    real = F.conv1d
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    F.conv1d = counting
+    try:
+        ref = hf.loss_of(twin, ids, family)
+    finally:
+        F.conv1d = real
+    assert len(seen) == 2, "eagerly, each delta-rule layer runs transformers' own F.conv1d"
+    ref.backward()
+    assert rel_err(loss, ref) <= 1e-6
+    assert grads_rel(model, twin) <= 1e-5
+
+
+def test_the_fused_convolution_stands_in_only_for_transformers_torch_fallback():
+    import importlib.util
+
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+
+    from rewy_hf.adapters.transformers_common import runs_torch_fallback
+
+    site = qwen3_5.causal_conv1d_fn
+    site = getattr(site, "original", site)                 # under a rewy CoreDispatcher
+    assert runs_torch_fallback(site) is (importlib.util.find_spec("causal_conv1d") is None)
+    assert not runs_torch_fallback(lambda hidden_states, weight: hidden_states)

@@ -1,0 +1,43 @@
+"""The short causal convolution of a delta-rule layer, written so torch.compile fuses it.
+
+transformers' layers mix q, k and v over the last few tokens with a depthwise
+causal ``nn.Conv1d`` (width 4) and an activation; without the ``causal-conv1d``
+package they run it as ``F.conv1d``. Inductor hands every convolution to an
+external library kernel, so a compiled layer still spends a full cuDNN depthwise
+convolution forward and three backward kernels on it. Written as one
+multiply-add per tap on shifted views, in float32 with the activation applied
+before the single rounding, the same sum becomes one fused elementwise kernel
+forward and one elementwise plus one reduction kernel backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      activation: str | None = None) -> torch.Tensor:
+    """``out[b, c, t] = act(bias[c] + sum_j weight[c, j] * x[b, c, t - W + 1 + j])`` with x zero
+    before t = 0; x ``[B, C, T]``, weight ``[C, W]``; the result in x's dtype.
+
+    The value of transformers' ``causal_conv1d_fn`` torch path (``F.conv1d`` with
+    ``padding=W - 1``, cut to T), except that the activation sees the float32 sum rather than its
+    rounding to the weight's dtype. Summed in float32 (float64 for float64 weights)."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"causal_short_conv takes x [B, C, T] and weight [C, W]; got x {tuple(x.shape)} and "
+                         f"weight {tuple(weight.shape)}")
+    T, W = x.shape[-1], weight.shape[-1]
+    acc = torch.promote_types(weight.dtype, torch.float32)      # float32, or float64 for float64 weights
+    xf = F.pad(x.to(weight.dtype).to(acc), (W - 1, 0))
+    wf = weight.to(acc)
+    out = xf[..., 0:T] * wf[:, 0, None]
+    for j in range(1, W):
+        out = out + xf[..., j:j + T] * wf[:, j, None]
+    if bias is not None:
+        out = out + bias.to(acc)[:, None]
+    if activation is not None:
+        from transformers.activations import ACT2FN
+
+        out = ACT2FN[activation](out)
+    return out.to(x.dtype)

@@ -1,0 +1,57 @@
+"""The fused form of the layers' short causal convolution (kernels/short_conv.py) against
+transformers' ``F.conv1d`` statement of it, in float64: values and the gradients of input,
+weight and bias, with and without the activation; and the shapes it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from rewy_hf.kernels.short_conv import causal_short_conv
+from rewy_hf.rel_error import rel_err
+
+
+def conv1d_statement(x, weight, bias, activation):
+    """transformers' torch path of ``causal_conv1d_fn``."""
+    T, W = x.shape[-1], weight.shape[-1]
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=W - 1, groups=x.shape[1])[..., :T]
+    return out if activation is None else ACT2FN[activation](out)
+
+
+@pytest.mark.parametrize("activation,with_bias,T", [("silu", False, 37), (None, True, 5), ("silu", True, 2)])
+def test_matches_the_conv1d_statement_in_float64(activation, with_bias, T):
+    gen = torch.Generator().manual_seed(7)
+    B, C, W = 2, 6, 4
+    x = torch.randn(B, C, T, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(C, W, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(C, generator=gen, dtype=torch.float64, requires_grad=True) if with_bias else None
+    leaves = [x, weight] + ([bias] if with_bias else [])
+    dy = torch.randn(B, C, T, generator=gen, dtype=torch.float64)
+
+    ref = conv1d_statement(x, weight, bias, activation)
+    ref_grads = torch.autograd.grad((ref * dy).sum(), leaves)
+    out = causal_short_conv(x, weight, bias, activation)
+    grads = torch.autograd.grad((out * dy).sum(), leaves)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    assert rel_err(out, ref) <= 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= 1e-12
+
+
+def test_bfloat16_input_rounds_once():
+    """On 16-bit inputs the sum and the activation run in float32 and round once at the end, so the
+    result is within one rounding of the float64 value (the conv1d statement rounds twice)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 8, 50, generator=gen).bfloat16()
+    weight = torch.randn(8, 4, generator=gen).bfloat16()
+    out = causal_short_conv(x, weight, None, "silu")
+    exact = conv1d_statement(x.double(), weight.double(), None, "silu")
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()
+
+
+def test_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"x \[B, C, T\] and weight \[C, W\]"):
+        causal_short_conv(torch.zeros(2, 6, 10), torch.zeros(5, 4))
