@@ -132,7 +132,10 @@ class CoreFunction(torch.autograd.Function):
                 "double backward (a gradient with create_graph=True) through rewy's delta-rule core is not "
                 "supported: its backward is written by hand and is not itself differentiable. Take first-order "
                 "gradients, or unpatch the model for this computation.")
-        inputs, saved = ctx.saved_tensors[:8], list(ctx.saved_tensors[8:])
+        # Read once: under non-reentrant activation checkpointing every read of saved_tensors
+        # unpacks (recomputes) them, and a second read is refused.
+        stored = ctx.saved_tensors
+        inputs, saved = stored[:8], list(stored[8:])
         a = CoreArgs(*_restored(inputs, ctx.settings, ctx.backend, saved), *ctx.settings)
         do = torch.zeros_like(a.v) if do is None else do
         grads = _backend(ctx.backend).backward(a, saved, do, dht)
@@ -197,7 +200,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    inputs, saved = ctx.saved_tensors[:8], list(ctx.saved_tensors[8:])
+    stored = ctx.saved_tensors                 # read once, as in CoreFunction.backward
+    inputs, saved = stored[:8], list(stored[8:])
     q, k, v, g, beta, w, h0, cu_seqlens = _restored(inputs, ctx.settings[:-1], ctx.settings[-1], saved)
     do, dht = grads[0], grads[1]
     do = torch.zeros_like(v) if do is None else do

@@ -363,3 +363,56 @@ def test_the_fused_convolution_stands_in_only_for_transformers_torch_fallback():
     site = getattr(site, "original", site)                 # under a rewy CoreDispatcher
     assert runs_torch_fallback(site) is (importlib.util.find_spec("causal_conv1d") is None)
     assert not runs_torch_fallback(lambda hidden_states, weight: hidden_states)
+
+
+# ---------------------------------------------------------------------------
+# What users compile together with it: PEFT LoRA, gradient checkpointing, bf16 autocast
+# ---------------------------------------------------------------------------
+
+# (dynamo's checkpoint side-effect setting, bf16 autocast, gradient tolerance): in float32 the two
+# sides agree to rounding; under bf16 autocast the recompute inside checkpoint's compiled region
+# rounds in another order than the eager one, a few bf16 steps (2^-8) apart.
+@pytest.mark.parametrize("skip_side_effects,autocast,tol", [(False, False, 1e-5), (True, True, 3e-2)])
+def test_compiled_lora_with_checkpointing_and_autocast_matches_eager(skip_side_effects, autocast, tol):
+    """A LoRA-wrapped, gradient-checkpointed patched model compiled under bf16 autocast gives the
+    eager model's loss and LoRA gradients (both sides run the same bf16 ops; aot_eager fuses none),
+    and its delta-rule layer's recomputed forward and backward reach rewy. By default dynamo breaks
+    the graph at checkpoint's region (the patched layer's push onto the active-layer stack is a side
+    effect there); with ``skip_fwd_side_effects_in_bwd_under_checkpoint`` it compiles through."""
+    from torch._dynamo.utils import counters
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        model = hf.one_layer_qwen3_5()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(
+            hf.FAMILIES["qwen3_5"].lora_targets), init_lora_weights=False))
+        patch_model(model, backend="torch")
+        return model
+
+    torch.manual_seed(5)
+    model = build()
+    torch.manual_seed(5)
+    twin = build()
+    ids = hf.input_ids(2, 70)
+    compiled = torch.compile(model, backend="aot_eager")
+    reset_dispatch_report()
+    counters.clear()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=skip_side_effects):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = hf.loss_of(compiled, ids, "qwen3_5")
+    loss.backward()
+    counts = op_counts("gated_delta_rule")
+    assert counts["optimized_backward_calls"] == 1 and counts["fallback_calls"] == 0, counts
+    checkpoint_breaks = [r for r in counters["graph_break"] if "Unsafe side effect" in r]
+    assert bool(checkpoint_breaks) is not skip_side_effects, dict(counters["graph_break"])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref = hf.loss_of(twin, ids, "qwen3_5")
+    ref.backward()
+    assert rel_err(loss, ref) <= tol / 10
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    ref_lora = dict(twin.named_parameters())
+    num = sum((p.grad.double() - ref_lora[n].grad.double()).square().sum().item() for n, p in lora.items())
+    den = sum(ref_lora[n].grad.double().square().sum().item() for n in lora)
+    assert den > 0 and (num / den) ** 0.5 <= tol

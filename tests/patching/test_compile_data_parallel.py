@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rewy_hf import dispatch_report, patch_model
+from rewy_hf import dispatch_report, patch_model, unpatch_model
 
 import hf_tiny_models as hf
 
@@ -91,3 +91,4 @@ def test_compiled_data_parallel_gradients_equal_the_mean_of_eager_gradients(tmp_
             num += (g.double() - p.grad.double()).square().sum().item()
             den += p.grad.double().square().sum().item()
         assert (num / den) ** 0.5 <= 1e-5, (r, (num / den) ** 0.5)
+    unpatch_model(model)
