@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from rewy_hf import dispatch_report, patch_model, unpatch_model
 
 import hf_tiny_models as hf
+from test_compile import grad_dicts_rel
 
 WORLD = 2
 
@@ -84,11 +85,6 @@ def test_compiled_data_parallel_gradients_equal_the_mean_of_eager_gradients(tmp_
         (hf.loss_of(model, _batch(r), "qwen3_5") / WORLD).backward()
     for r, got in enumerate(ranks):
         assert got["backward_calls"] == 1, (r, got["backward_calls"])   # the delta-rule layer ran rewy's backward
-        num = den = 0.0
-        for name, p in model.named_parameters():
-            g = got["grads"][name]
-            assert g is not None, name
-            num += (g.double() - p.grad.double()).square().sum().item()
-            den += p.grad.double().square().sum().item()
-        assert (num / den) ** 0.5 <= 1e-5, (r, (num / den) ** 0.5)
+        err = grad_dicts_rel(got["grads"], {n: p.grad for n, p in model.named_parameters()})
+        assert err <= 1e-5, (r, err)
     unpatch_model(model)
