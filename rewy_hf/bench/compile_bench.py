@@ -117,20 +117,27 @@ def compiles_at_lengths(run, opt: torch.optim.Optimizer, model: nn.Module, s: Mo
 
 
 def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None, curve_steps: int = 0,
-                      lengths: tuple[int, ...] = (), compiler: str = "inductor") -> dict:
-    """Per side of SIDES, ``s.warmup`` untimed then ``s.steps`` timed training steps; see the module
-    docstring. ``on_side(side, row)`` is called as each side finishes.
+                      lengths: tuple[int, ...] = (), compiler: str = "inductor", sides: tuple[str, ...] = SIDES) -> dict:
+    """Per side of ``sides`` (some of SIDES, run in SIDES' order), ``s.warmup`` untimed then ``s.steps``
+    timed training steps; see the module docstring. ``on_side(side, row)`` is called as each side finishes.
 
     ``curve_steps``: each side then trains that many consecutive steps on the timing batch (CURVE_LR)
     from the same weights, and its loss curve is compared with the unpatched eager one.
     ``lengths``: each compiled side then runs one step at each of these sequence lengths and reports how
-    many graphs each one compiled (0: no recompile). ``compiler``: torch.compile's backend."""
+    many graphs each one compiled (0: no recompile). ``compiler``: torch.compile's backend. The summary
+    fields relative to a side (speed-ups, curve differences) are there when that side ran; `--from-json`
+    of several runs on the same settings joins their sides (merge.py)."""
     import torch._dynamo
+
+    unknown = [x for x in sides if x not in SIDES]
+    if unknown or not sides:
+        raise ValueError(f"sides {unknown or '(none)'}: choose one or more of {', '.join(SIDES)}")
 
     model.train()
     batch = _tokens(model, s, s.seq_len, s.seed)
     curve_batches = [batch] * curve_steps
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
+    chosen = [x for x in SIDES if x in sides]
     sides = ModelSides(model, s)
     compiled = torch.compile(model, backend=compiler)
     initial = Snapshot(model, opt)
@@ -141,7 +148,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     del initial
 
     out: dict = {"tokens_per_step": s.batch_size * s.seq_len, "sides": {}}
-    for side in SIDES:
+    for side in chosen:
         patched, is_compiled = side.startswith("patched"), side.endswith("compiled")
         run = compiled if is_compiled else model
         if is_compiled:
@@ -184,24 +191,36 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
         if on_side is not None:
             on_side(side, row)
     unpatch_model(model)
-    base = out["sides"]["unpatched eager"]
-    for side, row in out["sides"].items():
-        row["speedup_vs_unpatched_eager"] = base["median_step_ms"] / row["median_step_ms"]
-        row["first_loss_rel_diff"] = abs(row["loss"][0] - base["loss"][0]) / max(abs(base["loss"][0]), 1e-30)
-        if curve_batches:
-            row["curve_max_rel_diff"] = curve_max_rel_diff(row["curve_loss"], base["curve_loss"])
     if curve_batches:
         out["curve"] = {"steps": curve_steps, "lr": CURVE_LR, "batches": "the timing batch at every step"}
-    out["speedup_vs_unpatched_compiled"] = (out["sides"]["unpatched compiled"]["median_step_ms"]
-                                            / out["sides"]["patched compiled"]["median_step_ms"])
+    summarize(out)
     return out
+
+
+def summarize(out: dict) -> None:
+    """Each side's speed-up and loss differences against unpatched eager, and patched compiled against
+    unpatched compiled, where those sides are in ``out["sides"]``."""
+    base = out["sides"].get("unpatched eager")
+    for row in out["sides"].values():
+        for key in ("speedup_vs_unpatched_eager", "first_loss_rel_diff", "curve_max_rel_diff"):
+            row.pop(key, None)
+        if base is None:
+            continue
+        row["speedup_vs_unpatched_eager"] = base["median_step_ms"] / row["median_step_ms"]
+        row["first_loss_rel_diff"] = abs(row["loss"][0] - base["loss"][0]) / max(abs(base["loss"][0]), 1e-30)
+        if "curve_loss" in row and "curve_loss" in base:
+            row["curve_max_rel_diff"] = curve_max_rel_diff(row["curve_loss"], base["curve_loss"])
+    out.pop("speedup_vs_unpatched_compiled", None)
+    if "unpatched compiled" in out["sides"] and "patched compiled" in out["sides"]:
+        out["speedup_vs_unpatched_compiled"] = (out["sides"]["unpatched compiled"]["median_step_ms"]
+                                                / out["sides"]["patched compiled"]["median_step_ms"])
 
 
 def compile_problems(res: dict) -> list[str]:
     """Why a four-sided result does not show rewy at work, if it does not (empty: it does)."""
     problems = []
     for side in ("patched eager", "patched compiled"):
-        if total_calls(res["sides"][side]["dispatch"], "optimized_backward_calls") == 0:
+        if side in res["sides"] and total_calls(res["sides"][side]["dispatch"], "optimized_backward_calls") == 0:
             problems.append(f"the {side} side ran no optimized backward")
     if any(not all(x == x and abs(x) != float("inf") for x in r["loss"]) for r in res["sides"].values()):
         problems.append("a loss was not finite")
@@ -247,9 +266,16 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
         lines += ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
                   for line in (head, *rows)]
     lines.append("")
-    missing = [side for side in SIDES if side not in res["sides"]]
-    if missing:
-        lines.append(f"not measured (the run stopped before): {', '.join(missing)}")
+    asked = res.get("settings", {}).get("sides", SIDES)
+    stopped = [side for side in SIDES if side in asked and side not in res["sides"]]
+    if stopped:
+        lines.append(f"not measured (the run stopped before): {', '.join(stopped)}")
+    left_out = [side for side in SIDES if side not in asked]
+    if left_out:
+        lines.append(f"not asked for (--sides): {', '.join(left_out)}")
+    if res.get("sources"):
+        lines.append("sides from separate runs on the same settings and weights: "
+                     + "; ".join(f"{src}: {', '.join(names)}" for src, names in res["sources"].items()))
     if "speedup_vs_unpatched_compiled" in res:
         lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
     curves = {side: r["curve_loss"] for side, r in res["sides"].items() if "curve_loss" in r}

@@ -6,6 +6,9 @@ union of their ops. The result is "complete" if every file is, or if the
 rows together cover every (op, policy, shape) any of the runs asked for: a run
 cut short by a time limit is completed by a later run of its missing
 configurations.
+Four-sided model runs (`--model X --compile`) split with `--sides` combine
+the same way: the sides of every file, each at most once, if the files agree
+on the device, the versions and every setting but the sides.
 Files from different devices, library versions or timing settings are
 refused, since their rows could not share a table, and so is a configuration
 timed twice, since the report could only silently pick one.
@@ -53,9 +56,12 @@ def merge_runs(paths: list[str]) -> dict:
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
+    if all(run["kind"] == "model" and "sides" in run for run in runs):
+        return _merge_sided(paths, runs)
     for path, run in zip(paths[1:], runs[1:]):
         if run["kind"] != "ops" or first["kind"] != "ops":
-            raise MergeError(f"--from-json: only op-level runs can be combined ({path} is a {run['kind']} run)")
+            raise MergeError(f"--from-json: only op-level runs, or four-sided model runs (--compile), can be combined ({path} is a "
+                             f"{run['kind']} run)")
         if run.get("error") or first.get("error"):
             raise MergeError(f"--from-json: a run that could not run has no rows to combine ({path})")
         for key in ("device_name", "versions"):
@@ -85,6 +91,43 @@ def merge_runs(paths: list[str]) -> dict:
     else:
         merged["complete"] = _covers_requests(runs, merged["rows"])
         merged["exit_code"] = 0 if merged["complete"] and merged["ok"] else 1
+    return merged
+
+
+def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
+    """Several `--model X --compile --sides ...` runs as one four-sided result."""
+    from .compile_bench import SIDES, summarize
+
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        if run.get("error") or first.get("error"):
+            raise MergeError(f"--from-json: a run that could not run has no sides to combine ({path})")
+        for key in ("device_name", "versions"):
+            if run.get(key) != first.get(key):
+                raise MergeError(f"--from-json: {path} has a different {key} than {paths[0]}: "
+                                 f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
+        for key in sorted(set(run["settings"]) | set(first["settings"])):
+            if key != "sides" and run["settings"].get(key) != first["settings"].get(key):
+                raise MergeError(f"--from-json: {path} ran with a different {key} than {paths[0]}: "
+                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}; only runs that "
+                                 "differ in --sides combine")
+    seen: dict[str, str] = {}
+    for path, run in zip(paths, runs):
+        for side in run["sides"]:
+            if side in seen:
+                raise MergeError(f"--from-json: the {side} side is in both {seen[side]} and {path}; pass only one "
+                                 "run of each side")
+            seen[side] = path
+    asked = [side for side in SIDES if any(side in run["settings"].get("sides", SIDES) for run in runs)]
+    merged = {**first, "settings": {**first["settings"], "sides": asked},
+              "sides": {side: next(run["sides"][side] for run in runs if side in run["sides"])
+                        for side in SIDES if side in seen},
+              "sources": {path: list(run["sides"]) for path, run in zip(paths, runs)},
+              "complete": all(run.get("complete", False) for run in runs),
+              "problems": [p for run in runs for p in run.get("problems", [])]}
+    merged["ok"] = all(run.get("ok", False) for run in runs)
+    merged["exit_code"] = max(int(run.get("exit_code", 1)) for run in runs)
+    summarize(merged)
     return merged
 
 

@@ -87,13 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="timed steps per side (default 10 on CUDA, 2 on CPU)")
     add_dtype(model, MODEL_DTYPES, None, "model dtype (default bfloat16 on CUDA, float32 on CPU)")
     model.add_argument("--compile", action="store_true",
-                       help="time four sides: unpatched and patched, each eager and under torch.compile")
+                       help="time four sides: unpatched and patched, each eager and under torch.compile (or some: --sides)")
     model.add_argument("--curve-steps", type=at_least(1), default=None, metavar="N",
                        help="--compile: each side also trains N consecutive steps on fresh batches from the same "
                             "weights, and its loss curve is compared with the unpatched eager one")
     model.add_argument("--lengths", type=parse_lengths, default=(), metavar="T,T,...",
                        help="--compile: each compiled side also runs one step at each of these sequence lengths "
                             "and reports how many graphs each compiled (0: no recompile)")
+    model.add_argument("--sides", type=parse_sides, default=None, metavar="SIDE,SIDE,...",
+                       help="--compile: run only these of the four sides (unpatched-eager, patched-eager, "
+                            "patched-compiled, unpatched-compiled), e.g. to time the slow-to-compile unpatched "
+                            "compiled side in a run of its own; `--from-json` of runs on the same settings joins "
+                            "their sides into one table (default: all four)")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="let transformers run the model repository's own code")
@@ -108,6 +113,17 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every sequence length must be 1 or more")
     return lengths
+
+
+def parse_sides(text: str) -> tuple[str, ...]:
+    from ..bench.compile_bench import SIDES
+
+    names = {side.replace(" ", "-"): side for side in SIDES}
+    picked = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in picked if x not in names]
+    if unknown or not picked:
+        raise argparse.ArgumentTypeError(f"{text!r}: sides are {', '.join(names)} (comma-separated)")
+    return tuple(side for name, side in names.items() if name in picked)
 
 
 def could_not_run(message: str) -> int:
@@ -230,8 +246,9 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     settings["parameters"] = sum(p.numel() for p in model.parameters())
     if args.compile:
         return run_compiled_model(args, model, s, settings, data, failed_to_run, report)
-    if not args.compile and (args.curve_steps or args.lengths):
-        return failed_to_run("--curve-steps and --lengths apply to --compile runs; add --compile or drop them")
+    if not args.compile and (args.curve_steps or args.lengths or args.sides):
+        return failed_to_run("--curve-steps, --lengths and --sides apply to --compile runs; add --compile or drop "
+                             "them")
     try:
         with progress(s.warmup + s.steps, f"bench {args.model}") as bar:
             res = run_model_bench(model, s, progress=bar.step)
@@ -268,8 +285,9 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
                              "timing it would report the compile time as a step")
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
     curve = args.curve_steps or 0
-    settings.update(curve_steps=curve, lengths=list(args.lengths))
-    total = len(SIDES) * (s.warmup + s.steps + curve) + 2 * len(args.lengths)
+    sides = args.sides or SIDES
+    settings.update(curve_steps=curve, lengths=list(args.lengths), sides=list(sides))
+    total = len(sides) * (s.warmup + s.steps + curve) + sum(x.endswith("compiled") for x in sides) * len(args.lengths)
     try:
         with progress(total, f"bench {args.model} --compile") as bar:
             def on_side(side: str, row: dict) -> None:
@@ -279,14 +297,14 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
                 report.save(data)       # a run stopped half way keeps the sides it finished
 
             res = run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,
-                                    lengths=args.lengths)
+                                    lengths=args.lengths, sides=sides)
     except Exception as exc:
         hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
                 "unpatched sides anyway") if "#640" in str(exc) else ""
         return failed_to_run(f"{type(exc).__name__}: {exc}{hint}")
-    print(format_compile_result(res, args.model))
-    problems = compile_problems(res)
     data.update(res)
+    print(format_compile_result(data, args.model))
+    problems = compile_problems(res)
     data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
     report.finish(data)
     write_markdown(args, data)

@@ -97,3 +97,68 @@ def test_tables_and_json_round_trip(result, tmp_path):
 ])
 def test_kernel_family(name, family):
     assert kernel_family(name) == family
+
+
+def test_a_subset_of_sides_runs_only_those_and_summarizes_what_it_can():
+    torch._dynamo.reset()
+    model = hf.one_layer_qwen3_5()
+    s = ModelSettings(device="cpu", steps=1, warmup=1, batch_size=1, seq_len=64, backend="torch",
+                      policy="recompute", seed=5)
+    res = run_compile_bench(model, s, sides=("patched eager", "unpatched eager"))
+    assert list(res["sides"]) == ["unpatched eager", "patched eager"]      # SIDES' order, whatever was asked
+    assert "speedup_vs_unpatched_compiled" not in res
+    assert res["sides"]["patched eager"]["first_loss_rel_diff"] < 1e-5
+    with pytest.raises(ValueError, match="choose one or more of"):
+        run_compile_bench(model, s, sides=("patched",))
+
+
+def _run_file(tmp_path, name: str, result: dict, sides: list[str], **settings) -> str:
+    data = {"kind": "model", "device_name": "CPU", "versions": {"torch": torch.__version__},
+            "settings": {"model": "tiny", "seed": 3, "sides": sides, **settings}, "complete": True, "ok": True,
+            "exit_code": 0, "tokens_per_step": result["tokens_per_step"],
+            "sides": {side: result["sides"][side] for side in sides}}
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_split_runs_join_into_the_four_sided_result(result, tmp_path):
+    from rewy_hf.bench.merge import MergeError, merge_runs
+
+    a = _run_file(tmp_path, "a.json", result, ["unpatched eager", "patched eager", "patched compiled"])
+    b = _run_file(tmp_path, "b.json", result, ["unpatched compiled"])
+    merged = merge_runs([b, a])
+    assert list(merged["sides"]) == list(SIDES) and merged["complete"] and merged["settings"]["sides"] == list(SIDES)
+    assert merged["speedup_vs_unpatched_compiled"] == pytest.approx(result["speedup_vs_unpatched_compiled"], rel=1e-12)
+    for side in SIDES:
+        assert merged["sides"][side]["curve_max_rel_diff"] == pytest.approx(result["sides"][side]["curve_max_rel_diff"])
+    text = format_compile_result(merged, "tiny")
+    assert "not measured" not in text and "b.json: unpatched compiled" in text
+
+    with pytest.raises(MergeError, match="unpatched compiled side is in both"):
+        merge_runs([a, b, b])
+    other = _run_file(tmp_path, "c.json", result, ["unpatched compiled"], seed=4)
+    with pytest.raises(MergeError, match="different seed"):
+        merge_runs([a, other])
+
+
+def test_a_run_of_some_sides_says_which_were_left_out(result, tmp_path):
+    from rewy_hf.bench.merge import load_run
+
+    data = load_run(_run_file(tmp_path, "a.json", result, ["unpatched eager", "patched compiled"]))
+    text = format_compile_result(data, "tiny")
+    assert "not asked for (--sides): patched eager, unpatched compiled" in text and "not measured" not in text
+
+
+@pytest.mark.parametrize("text,ok", [("patched-compiled,unpatched-eager", ("unpatched eager", "patched compiled")),
+                                     ("patched", None), ("", None)])
+def test_sides_option(text, ok):
+    import argparse
+
+    from rewy_hf.cli.bench import parse_sides
+
+    if ok is None:
+        with pytest.raises(argparse.ArgumentTypeError, match="sides are unpatched-eager"):
+            parse_sides(text)
+    else:
+        assert parse_sides(text) == ok
