@@ -41,10 +41,10 @@ from .core_args import FAMILIES, CoreArgs
 
 __all__ = ["CoreArgs", "delta_rule", "CoreFunction"]
 
-BACKENDS = ("torch", "triton")
-# Called as listener(event, report_as, backend, policy), event "forward" or "backward", after each
-# forward and backward of a call that has a ``report_as`` (the dispatch report counts them).
-LISTENERS: list[Callable[[str, str, str, str], None]] = []
+BACKENDS = ("torch", "triton", "flash_qla")
+# Called as listener(event, report_as, backend, policy, why), event "forward" or "backward", after
+# each forward and backward of a call that has a ``report_as`` (the dispatch report counts them).
+LISTENERS: list[Callable[[str, str, str, str, str], None]] = []
 
 
 def _backend(name: str):
@@ -53,6 +53,8 @@ def _backend(name: str):
         from . import torch_backend as module
     elif name == "triton":
         from . import triton_backend as module
+    elif name == "flash_qla":
+        from . import flash_qla_backend as module
     else:
         raise ValueError(f"unknown core backend {name!r}; expected one of {BACKENDS}")
     return module
@@ -67,13 +69,13 @@ def _check_values(a: CoreArgs) -> None:
 
 
 def _settings(a: CoreArgs) -> tuple:
-    return a.scale, a.family, a.policy, a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as
+    return a.scale, a.family, a.policy, a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as, a.why
 
 
 def _announce(event: str, a: CoreArgs, backend: str) -> None:
     if a.report_as:
         for listener in LISTENERS:
-            listener(event, a.report_as, backend, a.policy)
+            listener(event, a.report_as, backend, a.policy, a.why)
 
 
 def _tensors(a: CoreArgs) -> tuple:
@@ -148,10 +150,10 @@ class CoreFunction(torch.autograd.Function):
 @torch.library.custom_op("rewy::delta_rule", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
                 h0: Tensor | None, cu_seqlens: Tensor | None, scale: float, family: str, policy: str,
-                state_v_first: bool, qk_l2norm: bool, safe_gate: bool, report_as: str,
+                state_v_first: bool, qk_l2norm: bool, safe_gate: bool, report_as: str, why: str,
                 backend: str) -> list[Tensor]:
     a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
-                 report_as)
+                 report_as, why)
     _check_values(a)
     o, ht, saved = _backend(backend).forward(a)
     _announce("forward", a, backend)
@@ -160,7 +162,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor,
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
-                  report_as, backend):
+                  report_as, why, backend):
     a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate)
     ctx = torch.library.get_ctx()
     state_dtype = torch.float64 if backend == "torch" and q.dtype == torch.float64 else torch.float32
@@ -173,9 +175,9 @@ def _forward_fake(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, st
 def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
                  h0: Tensor | None, cu_seqlens: Tensor | None, saved: list[Tensor], do: Tensor, dht: Tensor | None,
                  scale: float, family: str, policy: str, state_v_first: bool, qk_l2norm: bool, safe_gate: bool,
-                 report_as: str, backend: str) -> list[Tensor]:
+                 report_as: str, why: str, backend: str) -> list[Tensor]:
     a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
-                 report_as)
+                 report_as, why)
     grads = _backend(backend).backward(a, list(saved), do, dht)
     _announce("backward", a, backend)
     return [_own(x) for x in grads if x is not None]

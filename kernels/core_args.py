@@ -38,6 +38,7 @@ class CoreArgs:
     qk_l2norm: bool          # q and k are normalised inside the core (the Triton backend only)
     safe_gate: bool          # FLA's faster KDA/GDN2 intra kernel for gates >= -5; same math
     report_as: str = ""      # the dispatch report's op name when a patched layer made the call
+    why: str = ""            # why ``backend="auto"`` chose this call's backend, where it weighed a peer
 
     @property
     def sequences(self) -> int:

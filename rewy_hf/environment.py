@@ -132,7 +132,15 @@ def _backends(fla_ok: bool) -> dict[str, dict[str, Any]]:
         triton = {"usable": True, "reason": "all four ops (DeltaNet, GDN, KDA, GDN2), packed sequences included: "
                                             "FLA forward + ReWY backward kernels; float64 inputs and key head dims "
                                             "over 256 go to the torch backend under auto"}
-    return {"torch": {"usable": True, "reason": "pure PyTorch, runs on any device"}, "triton": triton}
+    from .kernels.flash_qla_route import _probe
+
+    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    why_not = _probe("cuda" if torch.cuda.is_available() else "cpu", index)
+    flash_qla = ({"usable": False, "reason": why_not} if why_not else
+                 {"usable": True, "reason": "GDN calls with K = V = 128 in bf16/fp16 go to FlashQLA's kernels under "
+                                            "auto where it is faster (kernels/flash_qla_route.py)"})
+    return {"torch": {"usable": True, "reason": "pure PyTorch, runs on any device"}, "triton": triton,
+            "flash_qla": flash_qla}
 
 
 def collect_env(import_fla: bool = True) -> dict[str, Any]:
@@ -201,5 +209,5 @@ def format_env(d: dict[str, Any]) -> str:
     lines += ["", "backends:"]
     for name, backend in d["backends"].items():
         state = "usable" if backend["usable"] else "not usable"
-        lines.append(f"  {name:<8}{state}: {backend['reason']}")
+        lines.append(f"  {name:<10}{state}: {backend['reason']}")
     return "\n".join(lines)

@@ -86,7 +86,7 @@ def _state_layout(state_v_first: bool, extras: dict) -> bool:
 
 
 def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final_state, cu_seqlens,
-         state_v_first, policy, qk_l2norm, safe_gate=False):
+         state_v_first, policy, qk_l2norm, safe_gate=False, why=""):
     """The core on the chosen backend. The torch backend takes q and k normalised (in float32,
     float64 staying float64, as plain torch ops autograd chains through); the Triton backend
     normalises inside the core (kernels/triton_backend/qk_l2norm.py)."""
@@ -94,7 +94,7 @@ def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final
         dt = compute_dtype(q)
         q, k, qk_l2norm = l2norm(q.to(dt)), l2norm(k.to(dt)), False
     o, ht = delta_rule(CoreArgs(q, k, v, g, beta, w, initial_state, cu_seqlens, scale, family, policy,
-                                state_v_first, qk_l2norm, safe_gate, _LAST.report_as), chosen)
+                                state_v_first, qk_l2norm, safe_gate, _LAST.report_as, why), chosen)
     return o, (ht if output_final_state else None)
 
 
@@ -236,8 +236,15 @@ def chunk_gated_delta_rule(
         dt = compute_dtype(g)
         g = gdn_gate(g.to(dt), A_log.reshape(-1).to(dt), None if dt_bias is None else dt_bias.reshape(-1).to(dt))
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    why = ""
+    if backend == "auto" and chosen == "triton":
+        # A peer may be faster for this call: FlashQLA, where it is installed and serves it.
+        from .kernels.flash_qla_route import choose
+
+        chosen, why = choose(q, k, v, cu_seqlens, policy, allow_neg_eigval)
+        _LAST.backend = chosen
     return _run("gdn", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
-                state_v_first, policy, use_qk_l2norm_in_kernel)
+                state_v_first, policy, use_qk_l2norm_in_kernel, why=why)
 
 
 def chunk_kda(

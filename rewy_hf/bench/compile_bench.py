@@ -35,6 +35,8 @@ SIDES = ("unpatched eager", "patched eager", "patched compiled", "unpatched comp
 # The loss-curve steps train at this rate, high enough that 50 AdamW steps move the loss by
 # far more than the bf16 noise between the sides, so the curves can be compared step by step.
 CURVE_LR = 1e-4
+CURVE_BATCHES = ("a fresh batch each step: windows at seeded random offsets into the corpus shipped with rewy-hf "
+                 "(rewy_hf/training/corpus.txt), bytes as token ids")
 FAMILIES = ("core", "gemm", "elementwise", "conv", "attention", "optimizer")
 
 
@@ -82,6 +84,19 @@ def _dynamo_counts() -> dict:
 def _tokens(model: nn.Module, s: ModelSettings, seq_len: int, seed: int) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (s.batch_size, seq_len),
                          generator=torch.Generator().manual_seed(seed)).to(s.device)
+
+
+def corpus_batches(model: nn.Module, s: ModelSettings, steps: int) -> list[torch.Tensor]:
+    """``steps`` batches of real text, each new: a curve on text stays in the range of a training run's
+    losses, where one repeated batch is learned by heart within a few steps and the curves would then
+    be compared on losses near zero."""
+    from ..training.options import BUNDLED_CORPUS
+
+    ids = torch.tensor(list(BUNDLED_CORPUS.read_bytes()), dtype=torch.long) % model.config.vocab_size
+    ids = ids.repeat(-(-(s.seq_len + 1) // ids.numel()) + 1)
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    starts = torch.randint(0, ids.numel() - s.seq_len, (steps, s.batch_size), generator=gen)
+    return [torch.stack([ids[int(a):int(a) + s.seq_len] for a in row]).to(s.device) for row in starts]
 
 
 def loss_curve(run, opt: torch.optim.Optimizer, batches: list[torch.Tensor], snap: Snapshot) -> list[float]:
@@ -135,7 +150,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
 
     model.train()
     batch = _tokens(model, s, s.seq_len, s.seed)
-    curve_batches = [batch] * curve_steps
+    curve_batches = corpus_batches(model, s, curve_steps) if curve_steps else []
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
     chosen = [x for x in SIDES if x in sides]
     sides = ModelSides(model, s)
@@ -192,7 +207,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
             on_side(side, row)
     unpatch_model(model)
     if curve_batches:
-        out["curve"] = {"steps": curve_steps, "lr": CURVE_LR, "batches": "the timing batch at every step"}
+        out["curve"] = {"steps": curve_steps, "lr": CURVE_LR, "batches": CURVE_BATCHES}
     summarize(out)
     return out
 
@@ -283,7 +298,8 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
         ref = curves["unpatched eager"]
         diffs = ", ".join(f"{side} {curve_max_rel_diff(c, ref):.2e}"
                           for side, c in curves.items() if side != "unpatched eager")
-        lines.append(f"loss over {len(ref)} training steps on the timing batch (AdamW lr {CURVE_LR:g}, from "
+        batches = "the timing batch" if "timing batch" in res.get("curve", {}).get("batches", "") else "corpus batches"
+        lines.append(f"loss over {len(ref)} training steps on {batches} (AdamW lr {CURVE_LR:g}, from "
                      f"{ref[0]:.3f} to {ref[-1]:.3f} unpatched eager): largest relative difference from unpatched "
                      f"eager at any step: {diffs}")
     at = {side: r["graphs_compiled_at_length"] for side, r in res["sides"].items()

@@ -18,6 +18,8 @@ about -10 per token), where its gate gradient is the sum of very unequal terms.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import inspect
 import math
 import statistics
@@ -34,7 +36,8 @@ from ..patching.fault import apply_grad_fault
 from ..patching.reference_cores import fla_reference
 from ..rel_error import rel_err
 from .config import check_T
-from .timing import describe, free_memory, leaves, measure, peak_mb, runner
+from . import fla_backends
+from .timing import Scope, describe, free_memory, leaves, measure, peak_mb, runner
 
 # Pass rule. rewy may be at most 10 % less accurate than the baseline, plus a
 # floor far below the rounding error of the dtype under test (BF16 gradients
@@ -56,6 +59,7 @@ class Settings:
     check_max_tokens: int
     seed: int
     gdn_guard: dict          # {"requested": bool, "was_active": bool | None}
+    peers: tuple[str, ...] = ()     # further baselines timed beside FLA as installed (PEERS)
 
     @property
     def qkv_dtype(self) -> torch.dtype:
@@ -69,6 +73,7 @@ class Impl:
     policy: str               # what it saves for backward, as far as it has a say
     trusted: bool = True      # may its gradients be compared
     note: str = ""
+    scope: Scope = contextlib.nullcontext     # the context its forward and backward run in
 
 
 def baseline_label(device: str, versions: dict | None = None) -> str:
@@ -147,11 +152,48 @@ def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> 
     if safe_gate:
         kw["safe_gate"] = True
     impl = Impl(lambda *x: f(*x, **kw)[0], fla_policy)
-    if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active"):
+    if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active") and not gdn_guard_bypassed():
         impl.trusted = False
         impl.note = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue "
                      "#640), so its gradients are not compared")
     return impl
+
+
+def gdn_guard_bypassed() -> bool:
+    """Whether FLA as installed runs GDN's backward without the kernel its guard is about: FlashQLA
+    serves the whole op, or TileLang serves ``chunk_bwd_dqkwg`` (FLA turns that on for Hopper with
+    triton >= 3.4 precisely for #640)."""
+    on = fla_backends.active_backends()
+    return "flash_qla" in on.get("gated_delta_rule", []) or "tilelang" in on.get("common", [])
+
+
+# --- peers: the other baselines a run can time beside FLA as installed ----------------------------
+
+PEERS = ("fla-triton", "flash-qla")
+PEER_TEXT = {"fla-triton": "FLA's Triton path (its backend dispatch off: FlashQLA and TileLang not used)",
+             "flash-qla": "FlashQLA's own entry (flash_qla.chunk_gated_delta_rule)"}
+
+
+def peer_impl(op: str, name: str, policy: str, gdn_guard: dict) -> Impl | str:
+    """The peer side ``name`` of ``op``, or why it does not apply on this machine."""
+    if name == "fla-triton":
+        if not fla_backends.active_backends():
+            return "no FLA backend is on here: FLA as installed already is its Triton path"
+        impl = fla_impl(op, policy, gdn_guard)
+        impl.scope = fla_backends.dispatch_off
+        if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active"):
+            impl.trusted = False
+            impl.note = "timing only: FLA's GDN backward guard was lifted (FLA issue #640)"
+        return impl
+    if name == "flash-qla":
+        if op != "gdn":
+            return "FlashQLA has Gated DeltaNet only"
+        if importlib.util.find_spec("flash_qla") is None:
+            return "flash-qla is not installed"
+        import flash_qla
+
+        return Impl(lambda *x: flash_qla.chunk_gated_delta_rule(*x)[0], "saves A and the gate cumsum, recomputes states")
+    raise ValueError(f"unknown peer {name!r}; expected one of {PEERS}")
 
 
 def cpu_baseline_impl(op: str) -> Impl:
@@ -181,9 +223,17 @@ def lift_gdn_guard() -> dict:
 
 # --- correctness --------------------------------------------------------------------------------
 
-def grads(fn: Callable, inputs, do) -> list[torch.Tensor]:
+def grads(fn: Callable, inputs, do, scope: Scope = contextlib.nullcontext) -> list[torch.Tensor]:
     xs = leaves(inputs)
-    return list(torch.autograd.grad(fn(*xs), xs, do))
+    with scope():
+        return list(torch.autograd.grad(fn(*xs), xs, do))
+
+
+def served_grads(impl: Impl, inputs, do) -> tuple[list[torch.Tensor], list[str]]:
+    """The gradients of one side, and which FLA backends served it (FLA's dispatch, recorded)."""
+    with fla_backends.recording_served() as served:
+        out = grads(impl.fn, inputs, do, impl.scope)
+    return out, sorted(served)
 
 
 def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) -> dict:
@@ -200,8 +250,10 @@ def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) 
         return out
     if base is not None and base.trusted:
         try:
-            per = {n: rel_err(g, r) for n, g, r in zip(names, grads(base.fn, inputs, do), ref)}
+            got, served = served_grads(base, inputs, do)
+            per = {n: rel_err(g, r) for n, g, r in zip(names, got, ref)}
             out["err_baseline"], out["err_baseline_per_grad"] = max(per.values()), per
+            out["baseline_served_by"] = served
         except Exception as exc:
             out["baseline_check_error"] = describe(exc)
     err_r, err_b = out["err_rewy"], out["err_baseline"]
@@ -263,6 +315,30 @@ class ShapeContext:
         return make_inputs(self.op, self.shape, self.s.device, self.s.qkv_dtype, self.s.seed + 1)
 
 
+def check_peers(ctx: ShapeContext, policy: str, row: dict) -> dict[str, Impl]:
+    """Each asked-for peer's gradient check, in ``row["peers"]``; the peers that will be timed."""
+    timed: dict[str, Impl] = {}
+    for name in ctx.s.peers:
+        made = peer_impl(ctx.op, name, policy, ctx.s.gdn_guard) if ctx.s.device == "cuda" else \
+            "peers are FLA's and FlashQLA's GPU kernels; a CPU run has none"
+        entry = row.setdefault("peers", {})[name] = {}
+        if isinstance(made, str):
+            entry["skipped"] = made
+            continue
+        entry.update(policy=made.policy, timing_only=not made.trusted, note=made.note)
+        try:
+            got, served = served_grads(made, ctx.check_inputs, ctx.check_do)
+            entry["served_by"] = served
+            if made.trusted:
+                per = {n: rel_err(g, r) for n, g, r in zip(GRAD_NAMES[ctx.op], got, ctx.ref)}
+                entry.update(err=max(per.values()), err_per_grad=per)
+        except Exception as exc:
+            entry["error"] = describe(exc)
+            continue
+        timed[name] = made
+    return timed
+
+
 def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     op, shape, s = ctx.op, ctx.shape, ctx.s
     t_start = time.perf_counter()
@@ -287,13 +363,15 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     if row.get("rewy_error"):
         row["seconds"] = round(time.perf_counter() - t_start, 2)
         return row
+    peers = check_peers(ctx, policy, row)
     inputs, do = ctx.timed_inputs()
     sides = {"baseline": base, "rewy": rewy} if base is not None else {"rewy": rewy}
+    sides.update({f"peer:{name}": impl for name, impl in peers.items()})
     for boundary in boundaries:
         runners, errors = {}, {}
         for name, impl in sides.items():
             try:
-                runners[name] = runner(boundary, impl.fn, inputs, do)
+                runners[name] = runner(boundary, impl.fn, inputs, do, impl.scope)
             except Exception as exc:
                 errors[name] = describe(exc)
         samples, timing_errors = measure(runners, s.device, s.warmup, s.reps, s.rep_ms)
@@ -306,17 +384,30 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
                 row.setdefault(f"{name}_error", errors[name])
         b, r = row["baseline_" + boundary + "_ms"], row["rewy_" + boundary + "_ms"]
         row[f"speedup_{boundary}"] = b / r if b and r else None
+        for name in peers:
+            entry, ms = row["peers"][name], samples.get(f"peer:{name}")
+            entry[f"{boundary}_ms"] = statistics.median(ms) if ms else None
+            entry[f"{boundary}_rounds"] = ms or []
+            entry[f"speedup_{boundary}"] = entry[f"{boundary}_ms"] / r if ms and r else None
+            if f"peer:{name}" in errors:
+                entry.setdefault("error", errors[f"peer:{name}"])
         del runners
         free_memory(s.device)
     if s.device == "cuda":
         # After the timing: first calls at a new shape autotune, and Triton's
         # autotuner allocates an L2-flush buffer that would count as peak memory.
         for name, impl in sides.items():
+            peer = row["peers"][name[5:]] if name.startswith("peer:") else None
             try:
-                row[f"{name}_peak_mb"] = peak_mb(impl.fn, inputs, do)
+                mb = peak_mb(impl.fn, inputs, do, impl.scope)
             except Exception as exc:
-                row[f"{name}_peak_mb"] = None
-                row.setdefault(f"{name}_error", describe(exc))
+                mb = None
+                (peer if peer is not None else row).setdefault("error" if peer is not None else f"{name}_error",
+                                                               describe(exc))
+            if peer is not None:
+                peer["peak_mb"] = mb
+            else:
+                row[f"{name}_peak_mb"] = mb
             free_memory(s.device)
     if row.get("rewy_error"):
         row["ok"] = False

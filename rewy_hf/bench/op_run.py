@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..op_inputs import Shape
+from . import fla_backends
 from .autotune_picks import forget_picks
 from .config import BOUND_CHECK, STRONG_CHECK
 from .op_bench import Settings, ShapeContext, baseline_description, load_kernel_modules, run_config
@@ -53,7 +54,9 @@ def describe_run(run: OpRun) -> dict:
         "qkv_dtype": dtype, "gates_dtype": "float32", "beta_b_w_dtype": dtype,
         "reps": s.reps, "warmup": s.warmup, "rep_ms": s.rep_ms if cuda else None, "timing": timing,
         "autotune": autotune if cuda else None,
-        "check": check, "check_max_tokens": s.check_max_tokens, "gdn_guard": s.gdn_guard, "seed": s.seed},
+        "check": check, "check_max_tokens": s.check_max_tokens, "gdn_guard": s.gdn_guard, "seed": s.seed,
+        "peers": list(s.peers)},
+        "fla_backends_on": fla_backends.active_backends() if cuda else {},
         "rows": [], "complete": False}
 
 

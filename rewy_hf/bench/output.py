@@ -78,7 +78,8 @@ def environment(device: str) -> dict:
                          "fla-core": package_version("fla-core"), "rewy-hf": rewy_hf_version(),
                          "transformers": package_version("transformers"),
                          # FLA dispatches GDN to FlashQLA when it is installed: the baseline then is FlashQLA.
-                         "flash-qla": package_version("flash-qla"), "python": platform.python_version()},
+                         "flash-qla": package_version("flash-qla"),
+                         "tilelang": package_version("tilelang"), "python": platform.python_version()},
             # a fault or the finite check changes what is timed
             "rewy_env": settings.current()}
 
@@ -222,11 +223,62 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
 
 def format_op_tables(rows: list[dict], boundaries: list[str], base: str, device: str,
                      markdown: bool = False) -> list[str]:
-    """One table per (op, policy), in the order the rows first name them."""
+    """One table per (op, policy), in the order the rows first name them, each followed by its peers'
+    table where the run timed peers (--peers)."""
     shapes = list(dict.fromkeys(_shape(r) for r in rows))
-    return [format_op_table([r for r in rows if (r["op"], r["policy"]) == key], boundaries, base, device,
-                            markdown=markdown, report_shapes=shapes)
-            for key in dict.fromkeys((r["op"], r["policy"]) for r in rows)]
+    out = []
+    for key in dict.fromkeys((r["op"], r["policy"]) for r in rows):
+        group = [r for r in rows if (r["op"], r["policy"]) == key]
+        out.append(format_op_table(group, boundaries, base, device, markdown=markdown, report_shapes=shapes))
+        if any(r.get("peers") for r in group):
+            out.append(format_peer_table(group, boundaries, base, markdown=markdown))
+    return out
+
+
+def format_peer_table(rows: list[dict], boundaries: list[str], base: str, markdown: bool = False) -> str:
+    """The peers of one (op, policy) beside FLA as installed and rewy: per shape and peer its time, rewy's
+    speedup over it, its peak memory, its gradient error and the FLA backends that served it."""
+    from .op_bench import PEER_TEXT
+
+    r0 = rows[0]
+    names = list(dict.fromkeys(n for r in rows for n in r.get("peers", {})))
+    header = ["B,T,H", "peer"] + [c for bd in boundaries for c in (f"{bd}: peer ms", f"{bd}: rewy ms",
+                                                                     f"{bd}: rewy speedup")]
+    header += ["peak MB peer", "err peer", "served by"]
+    body, notes = [], []
+    for r in rows:
+        for n in names:
+            p = r.get("peers", {}).get(n)
+            if p is None:
+                continue
+            cells = [f"{r['B']},{r['T']},{r['H']}", n]
+            if "skipped" in p:
+                body.append(cells + ["-"] * (len(header) - 2))
+                if p["skipped"] not in notes:
+                    notes.append(f"{n}: not timed: {p['skipped']}")
+                continue
+            for bd in boundaries:
+                cells += [_ms(p.get(f"{bd}_ms")), _ms(r.get(f"rewy_{bd}_ms")), _x(p.get(f"speedup_{bd}"))]
+            err = "timing only" if p.get("timing_only") else _err(p.get("err"))
+            cells += [_mb(p.get("peak_mb")), err, ", ".join(p.get("served_by") or []) or "its own kernels"]
+            body.append(cells)
+            if p.get("error"):
+                notes.append(f"{r['B']},{r['T']},{r['H']} {n}: {p['error']}")
+    for n in names:
+        timed = [r["peers"][n] for r in rows if n in r.get("peers", {}) and "skipped" not in r["peers"][n]]
+        if timed:
+            gm = ["geometric mean", n]
+            for bd in boundaries:
+                gm += ["", "", _x(geomean([p.get(f"speedup_{bd}") for p in timed]))]
+            body.append(gm + [""] * (len(header) - len(gm)))
+    served = sorted({x for r in rows for x in (r.get("baseline_served_by") or [])})
+    title = (f"{r0['op']}, rewy policy {r0['policy']}: peers beside {base} "
+             f"({base} as installed was served by: {', '.join(served) or 'its own Triton kernels'})")
+    notes += [f"{n}: {PEER_TEXT.get(n, n)}" for n in names]
+    lines = [f"#### {title}\n" if markdown else title, *_table(header, body, markdown)]
+    if markdown:
+        return "\n".join(lines + [""] + [f"- {x}" for x in notes])
+    return "\n".join(lines + [f"  {x}" for x in notes])
 
 
 def markdown_report(data: dict, base: str) -> str:
@@ -265,6 +317,11 @@ def format_row_line(r: dict, boundaries: list[str], base: str) -> str:
     if "bound_ok" in r:
         errs += f"; bound err {base} {_err(r.get('bound_err_baseline'))} rewy {_err(r.get('bound_err_rewy'))}"
     parts.append(f"{errs} -> {'PASS' if r.get('ok') else 'FAIL'}")
+    for name, p in (r.get("peers") or {}).items():
+        if "skipped" in p:
+            continue
+        times = ", ".join(f"{bd} {_ms(p.get(f'{bd}_ms'))} ms ({_x(p.get(f'speedup_{bd}'))})" for bd in boundaries)
+        parts.append(f"{name} {times}, err {'timing only' if p.get('timing_only') else _err(p.get('err'))}")
     return "; ".join(parts)
 
 

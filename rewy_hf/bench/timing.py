@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -24,15 +25,27 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def runner(boundary: str, fn: Callable, inputs, do) -> Callable[[], None]:
+Scope = Callable[[], ContextManager]
+
+
+def runner(boundary: str, fn: Callable, inputs, do, scope: Scope = contextlib.nullcontext) -> Callable[[], None]:
     """One timed unit. FB: a forward and its backward. B: one backward through a
     forward graph built here, outside the timing (retain_graph keeps its saved
-    tensors for the next run; a recompute policy recomputes inside each run)."""
+    tensors for the next run; a recompute policy recomputes inside each run).
+    ``scope``: a context that every forward and backward of the side runs in."""
     xs = leaves(inputs)
     if boundary == "FB":
-        return lambda: torch.autograd.grad(fn(*xs), xs, do)
-    o = fn(*xs)
-    return lambda: torch.autograd.grad(o, xs, do, retain_graph=True)
+        def run():
+            with scope():
+                torch.autograd.grad(fn(*xs), xs, do)
+        return run
+    with scope():
+        o = fn(*xs)
+
+    def run_backward():
+        with scope():
+            torch.autograd.grad(o, xs, do, retain_graph=True)
+    return run_backward
 
 
 def time_once(run: Callable[[], None], device: str, rep_ms: float) -> float:
@@ -67,13 +80,14 @@ def measure(runners: dict[str, Callable[[], None]], device: str, warmup: int, re
     return {n: v for n, v in samples.items() if n in alive}, errors
 
 
-def peak_mb(fn: Callable, inputs, do) -> float:
+def peak_mb(fn: Callable, inputs, do, scope: Scope = contextlib.nullcontext) -> float:
     """Memory one forward + backward adds on top of what is allocated before it."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     xs = leaves(inputs)
-    torch.autograd.grad(fn(*xs), xs, do)
+    with scope():
+        torch.autograd.grad(fn(*xs), xs, do)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 

@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="CUDA: keep Triton's autotune picks from one shape to the next (default: forget them "
                           "before each shape, so each is timed with the configs tuned at it, as a run at that "
                           "shape alone would be; FLA's keys leave out B and T)")
+    ops.add_argument("--peers", nargs="+", action="extend", choices=("fla-triton", "flash-qla", "all"), default=None,
+                     help="CUDA: also time these baselines beside FLA as installed, alternating with it and rewy "
+                          "on the same inputs, each gradient-checked: fla-triton (FLA with its backend dispatch "
+                          "off, so no FlashQLA or TileLang kernels: what FLA_DISABLE_BACKEND_DISPATCH=1 gives), "
+                          "flash-qla (FlashQLA's own entry, GDN only); all: both. A peer that does not apply here "
+                          "(not installed, another op) is listed with the reason")
     ops.add_argument("--rep-ms", type=float, default=50.0, help="CUDA: milliseconds of runs per round")
     ops.add_argument("--check-max-tokens", type=at_least(64), default=2**19, metavar="N",
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "
@@ -89,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--compile", action="store_true",
                        help="time four sides: unpatched and patched, each eager and under torch.compile (or some: --sides)")
     model.add_argument("--curve-steps", type=at_least(1), default=None, metavar="N",
-                       help="--compile: each side also trains N consecutive steps on fresh batches from the same "
-                            "weights, and its loss curve is compared with the unpatched eager one")
+                       help="--compile: each side also trains N consecutive steps on fresh batches of the bundled "
+                            "corpus from the same weights, and its loss curve is compared with the unpatched eager one")
     model.add_argument("--lengths", type=parse_lengths, default=(), metavar="T,T,...",
                        help="--compile: each compiled side also runs one step at each of these sequence lengths "
                             "and reports how many graphs each compiled (0: no recompile)")
@@ -160,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
     from ..bench.config import BOUNDARIES, OP_REPS, OP_WARMUP, expand, on_cpu, resolve_shapes
-    from ..bench.op_bench import Settings, baseline_label
+    from ..bench.op_bench import PEERS, Settings, baseline_label
     from ..bench.op_run import OpRun, conclude, describe_run, run_rows
     from ..bench.output import format_op_tables, format_row_line, plot_op_speedups, progress
     from ..op_inputs import OPS
@@ -169,7 +175,8 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
     shapes, origin = resolve_shapes(args.shapes, device)
     s = Settings(device=device, backend=args.backend, reps=args.reps or OP_REPS[on_cpu(device)],
                  warmup=OP_WARMUP[on_cpu(device)] if args.warmup is None else args.warmup, rep_ms=args.rep_ms,
-                 check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard)
+                 check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard,
+                 peers=tuple(expand(args.peers, PEERS, "all", ())))
     plan = OpRun(ops=expand(args.op, OPS, "all", OPS), policies=expand(args.policy, POLICIES, "both", POLICIES),
                  boundaries=expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), shapes=shapes,
                  shapes_origin=origin, settings=s, keep_autotune_picks=args.keep_autotune_picks)
@@ -215,7 +222,7 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     from ..models.loading import ModelLoadError, load_causal_lm
 
     op_only = [flag for flag, value in (("--op", args.op), ("--shapes", args.shapes), ("--boundary", args.boundary),
-                                        ("--reps", args.reps)) if value]
+                                        ("--reps", args.reps), ("--peers", args.peers)) if value]
     if op_only:
         return could_not_run(f"{', '.join(op_only)} apply to the op-level bench; drop them, or drop --model "
                              "(the model level times --steps training steps)")

@@ -53,16 +53,18 @@ def _entry(op: str) -> dict[str, Any]:
     if op not in _COUNTS:
         _COUNTS[op] = {"forward_calls": 0, "optimized_backward_calls": 0, "fallback_calls": 0,
                        "fallback_reasons": defaultdict(int), "backends": defaultdict(int),
-                       "policies": defaultdict(int)}
+                       "policies": defaultdict(int), "routes": defaultdict(int)}
     return _COUNTS[op]
 
 
-def count_forward(op: str, backend: str, policy: str) -> None:
+def count_forward(op: str, backend: str, policy: str, why: str = "") -> None:
     with _LOCK:
         e = _entry(op)
         e["forward_calls"] += 1
         e["backends"][backend] += 1
         e["policies"][policy] += 1
+        if why:
+            e["routes"][f"{backend}: {why}"] += 1
 
 
 def count_backward(op: str) -> None:
@@ -79,12 +81,13 @@ def count_fallback(op: str, reason: str) -> None:
 
 def dispatch_report() -> dict[str, Any]:
     """Per op: forward calls routed to rewy, optimized backward calls, fallbacks
-    to the original core (with reasons), and the backends/policies used.
+    to the original core (with reasons), the backends/policies used, and where ``backend="auto"``
+    weighed a peer (FlashQLA for GDN), why each call went where it went ("routes").
     A plain dict of ints and strings, ready for ``json.dump``."""
     with _LOCK:
         out = copy.deepcopy(_COUNTS)
     for e in out.values():
-        for key in ("fallback_reasons", "backends", "policies"):
+        for key in ("fallback_reasons", "backends", "policies", "routes"):
             e[key] = dict(e[key])
     return {"ops": out}
 
@@ -160,9 +163,9 @@ class CoreDispatcher:
         return f"<rewy CoreDispatcher for {self.site} wrapping {self.original!r}>"
 
 
-def _count_core_event(event: str, op: str, backend: str, policy: str) -> None:
+def _count_core_event(event: str, op: str, backend: str, policy: str, why: str) -> None:
     if event == "forward":
-        count_forward(op, backend, policy)
+        count_forward(op, backend, policy, why)
     else:
         count_backward(op)
 

@@ -34,7 +34,7 @@ from ..adapters.base import Adapter, split_site
 from ..errors import UnsupportedConfigError
 from ..validation import BACKENDS, POLICIES
 from .dispatch import CoreDispatcher, active_layers, prepare_fallback_count, route
-from .flash_qla import GDN_OP, WARNING as FLASH_QLA_WARNING, flash_qla_serves_gdn
+from . import flash_qla
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
 FALLBACKS = ("error", "original")
@@ -247,10 +247,12 @@ def patch_model(
                if report.skipped else "")
             + f". Supported layer classes: {', '.join(supported_layer_classes())}."
         )
-    gdn = sum(1 for p in report.patched if p.op == GDN_OP and not p.already)
-    if gdn and flash_qla_serves_gdn():
-        report.notes.append(FLASH_QLA_WARNING.format(n=gdn))
-        warnings.warn(report.notes[-1], RuntimeWarning, stacklevel=2)
+    gdn = sum(1 for p in report.patched if p.op == flash_qla.GDN_OP and not p.already)
+    said = flash_qla.gdn_note(gdn, backend) if gdn else None
+    if said is not None:
+        report.notes.append(said[0])
+        if said[1]:
+            warnings.warn(said[0], RuntimeWarning, stacklevel=2)
     return report
 
 

@@ -341,6 +341,24 @@ def test_reduced_check_is_stated(tmp_path, capsys):
     assert "reduced T" in out
 
 
+def test_peers_that_do_not_apply_are_listed_with_the_reason(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench([*TINY, "--op", "gdn", "--policy", "recompute", "--peers", "all", "--json", str(report)],
+                          capsys)
+    assert code == 0, out
+    data = json.loads(report.read_text())
+    assert data["settings"]["peers"] == ["fla-triton", "flash-qla"] and data["fla_backends_on"] == {}
+    (row,) = data["rows"]
+    assert set(row["peers"]) == {"fla-triton", "flash-qla"}
+    assert all("a CPU run has none" in p["skipped"] for p in row["peers"].values())
+    assert "peers beside ref" in out and "fla-triton: not timed: peers are FLA's" in out
+
+
+def test_peers_are_an_op_level_option(capsys):
+    code, _, err = _bench(["--model", "tiny-qwen3.5", "--peers", "all", "--device", "cpu"], capsys)
+    assert code == 2 and "--peers apply to the op-level bench" in err
+
+
 def test_fastest_rounds_leave_out_a_stalled_round(tmp_path, capsys):
     """With several rounds per side the tables add a geometric mean over each side's fastest
     round: a round in which the host stalled one side moves the median, not that line."""
@@ -477,10 +495,33 @@ def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp
     data = json.loads(report.read_text())
     assert code == 0, out
     (row,) = data["rows"]
-    active = data["settings"]["gdn_guard"]["was_active"]
+    # with flash-qla or tilelang installed FLA serves GDN's backward without the guarded kernel
+    on = data["fla_backends_on"]
+    bypassed = "flash_qla" in on.get("gated_delta_rule", []) or "tilelang" in on.get("common", [])
+    active = data["settings"]["gdn_guard"]["was_active"] and not bypassed
     assert row["baseline_timing_only"] is active
     assert (row["err_baseline"] is None) is active
     assert math.isfinite(row["speedup_B"])
+
+
+@pytest.mark.gpu
+def test_gpu_peers_are_timed_and_checked_where_they_apply(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
+                           "kda", "--policy", "recompute", "--lift-gdn-guard", "--peers", "all", "--json",
+                           str(report)], capsys)
+    data = json.loads(report.read_text())
+    assert code == 0, out
+    for row in data["rows"]:
+        for name, p in row["peers"].items():
+            if "skipped" in p:
+                assert (name, row["op"]) != ("flash-qla", "gdn") or "not installed" in p["skipped"]
+                continue
+            assert "error" not in p, p
+            assert p["B_ms"] > 0 and p["FB_ms"] > 0 and p["peak_mb"] > 0
+            assert p["timing_only"] or p["err"] < 2e-2
+            if name == "fla-triton":
+                assert p["served_by"] == []         # no FLA backend ran with the dispatch off
 
 
 def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_new(tmp_path, capsys,

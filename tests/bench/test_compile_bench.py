@@ -12,6 +12,7 @@ curves track the unpatched eager one, and a further length is reported.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -66,7 +67,9 @@ def test_compiled_sides_have_no_graph_break_and_a_second_length_does_not_recompi
 
 def test_loss_curves_train_and_track_unpatched_eager(result):
     base = result["sides"]["unpatched eager"]["curve_loss"]
-    assert len(base) == 3 and base[-1] < base[0]       # the curve steps really train
+    # fresh corpus batches: three different losses, all of them finite
+    assert len(base) == 3 and len(set(base)) == 3 and all(math.isfinite(x) for x in base)
+    assert result["curve"]["batches"].startswith("a fresh batch each step")
     for side in SIDES[1:]:
         assert result["sides"][side]["curve_max_rel_diff"] < 1e-5, side
 
@@ -162,3 +165,18 @@ def test_sides_option(text, ok):
             parse_sides(text)
     else:
         assert parse_sides(text) == ok
+
+
+def test_curve_batches_are_fresh_text_windows_and_repeat_with_the_seed():
+    from types import SimpleNamespace
+
+    from rewy_hf.bench.compile_bench import corpus_batches
+
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=200))
+    s = ModelSettings(device="cpu", steps=1, warmup=1, batch_size=2, seq_len=5000, backend="torch",
+                      policy="recompute", seed=3)
+    batches = corpus_batches(model, s, 4)          # longer windows than the corpus holds bytes: it repeats
+    assert [tuple(b.shape) for b in batches] == [(2, 5000)] * 4
+    assert all(int(b.max()) < 200 and int(b.min()) >= 0 for b in batches)
+    assert len({tuple(b[0, :50].tolist()) for b in batches}) == 4
+    assert all(torch.equal(a, b) for a, b in zip(batches, corpus_batches(model, s, 4)))

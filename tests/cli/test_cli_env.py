@@ -4,6 +4,7 @@ package (it would shadow Hugging Face's)."""
 
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -46,6 +47,10 @@ def test_env_json(capsys):
         assert triton["usable"] is True and "all four ops" in triton["reason"]
     else:
         assert triton["usable"] is False and "needs a CUDA device" in triton["reason"]
+    qla = report["backends"]["flash_qla"]
+    assert qla["reason"]
+    if importlib.util.find_spec("flash_qla") is None:
+        assert qla == {"usable": False, "reason": "flash-qla is not installed"}
     assert report["fla_pin"]["required"] == "0.6.0"
     assert isinstance(report["cuda"]["available"], bool)
 
@@ -54,7 +59,8 @@ def test_env_text(capsys):
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
     assert "backends:" in out
-    assert "torch   usable" in out
+    assert re.search(r"^  torch +usable: pure PyTorch", out, re.M)
+    assert re.search(r"^  flash_qla +(not )?usable: ", out, re.M)
 
 
 def test_env_lists_both_settings_with_their_values(capsys, monkeypatch, tmp_path):

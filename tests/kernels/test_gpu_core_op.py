@@ -85,5 +85,5 @@ def test_fake_implementation_matches_the_kernels(op, policy, variant):
     a = CoreArgs(q, k, v, g, beta, w, kwargs.get("initial_state"), kwargs.get("cu_seqlens"), 128 ** -0.5, op,
                  policy, kwargs.get("state_v_first", False), kwargs.get("use_qk_l2norm_in_kernel", False), False)
     op_args = (a.q, a.k, a.v, a.g, a.beta, a.w, a.h0, a.cu_seqlens, a.scale, a.family, a.policy,
-               a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as, "triton")
+               a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as, a.why, "triton")
     torch.library.opcheck(torch.ops.rewy.delta_rule.default, op_args, test_utils=_checks(op))

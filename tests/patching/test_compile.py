@@ -225,7 +225,7 @@ def test_packed_sequences_compile_once():
 def _op_args(family, policy, *, T=70, B=2, H=2, HV=None, K=16, V=16, cu=None, h0=False, v_first=False):
     """torch.ops.rewy.delta_rule's positional arguments, as kernels/core.py's delta_rule builds them:
     q, k, v, g, beta, w, h0, cu_seqlens, then scale, family, policy, state_v_first, qk_l2norm,
-    safe_gate, report_as, backend. Activated inputs: q and k l2-normalised, log-decay gates, gates
+    safe_gate, report_as, why, backend. Activated inputs: q and k l2-normalised, log-decay gates, gates
     and betas in (0, 1)."""
     gen = torch.Generator().manual_seed(T + 31 * len(family))
     HV = HV or H
@@ -247,7 +247,7 @@ def _op_args(family, policy, *, T=70, B=2, H=2, HV=None, K=16, V=16, cu=None, h0
     state = None if not h0 else 0.5 * r(*((N, HV, V, K) if v_first else (N, HV, K, V)))
     tensors = [None if t is None else t.requires_grad_() for t in (q, k, v, g, beta, w, state)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long)
-    return (*tensors, cu_t, K ** -0.5, family, policy, v_first, False, False, "", "torch")
+    return (*tensors, cu_t, K ** -0.5, family, policy, v_first, False, False, "", "", "torch")
 
 
 OPCHECK_CASES = [pytest.param(f, p, {}, id=f"{f}-{p}") for f in ("delta_rule", "gdn", "kda", "gdn2")

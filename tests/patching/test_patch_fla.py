@@ -228,11 +228,14 @@ def test_deltanet_short_sequences_never_reach_the_chunk_core():
 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "kda"])
-def test_patching_gdn_where_flash_qla_serves_it_warns(kind, monkeypatch):
-    """Where FLA would run GDN through FlashQLA (faster than rewy's GDN backward
-    there), patch_model warns and notes it in the report, naming the way back;
-    other ops, and GDN without FlashQLA, patch silently."""
+def test_patching_gdn_beside_flash_qla_says_what_runs(kind, monkeypatch):
+    """Where FlashQLA is installed and runs: under backend='auto' patch_model notes that GDN calls
+    route to FlashQLA (no warning: nothing trains slower); with a backend that keeps rewy's
+    kernels, where FLA would run FlashQLA, it warns and names the ways out. Other ops, and GDN
+    without FlashQLA, patch silently."""
     import warnings
+
+    import rewy_hf.patching.flash_qla as fq
 
     model = build(kind, torch.float32)
     with warnings.catch_warnings():
@@ -240,18 +243,26 @@ def test_patching_gdn_where_flash_qla_serves_it_warns(kind, monkeypatch):
         report = rewy_hf.patch_model(model)
     assert report.notes == []
     rewy_hf.unpatch_model(model)
-    monkeypatch.setattr(rewy_hf.patching.patch, "flash_qla_serves_gdn", lambda: True)
-    if kind == "gated_deltanet":
-        with pytest.warns(RuntimeWarning, match=r"FlashQLA.*2 patched GDN layer\(s\).*unpatch_model.*FLA_FLASH_QLA=0"):
-            report = rewy_hf.patch_model(model)
-        assert len(report.notes) == 1 and "FlashQLA" in str(report) and report.to_dict()["notes"] == report.notes
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")               # patching again changes nothing and says nothing new
-            assert rewy_hf.patch_model(model).notes == []
-    else:
+    monkeypatch.setattr(fq, "flash_qla_serves_gdn", lambda: True)
+    monkeypatch.setattr(fq, "rewy_routes_gdn_to_flash_qla", lambda: True)
+    if kind != "gated_deltanet":
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert rewy_hf.patch_model(model).notes == []
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # a note, not a warning
+        report = rewy_hf.patch_model(model)
+    assert len(report.notes) == 1 and "2 patched GDN layer(s) run FlashQLA's kernels" in report.notes[0]
+    assert "'routes'" in report.notes[0] and report.to_dict()["notes"] == report.notes
+    rewy_hf.unpatch_model(model)
+    with pytest.warns(RuntimeWarning, match=r"FlashQLA.*backend='torch' the 2 patched GDN layer\(s\) stay on rewy's "
+                                            r"kernels.*unpatch_model.*FLA_FLASH_QLA=0"):
+        report = rewy_hf.patch_model(model, backend="torch")
+    assert len(report.notes) == 1 and "FlashQLA" in str(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # patching again changes nothing and says nothing new
+        assert rewy_hf.patch_model(model, backend="torch").notes == []
     rewy_hf.unpatch_model(model)
 
 

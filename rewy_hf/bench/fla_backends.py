@@ -1,0 +1,83 @@
+"""FLA's optional backends, as the bench sees them: which are on, which served a call, and FLA without them.
+
+FLA 0.6.0 routes some of its functions to other implementations when their
+packages are installed (``fla/backends.py``): ``chunk_gated_delta_rule`` to
+FlashQLA (``flash-qla``), GDN's ``chunk_bwd_dqkwg`` and KDA's fused backward to
+TileLang kernels (``tilelang`` and nvcc present), each behind a registry of
+backends that it asks, in priority order, before running its own Triton code.
+So "FLA" on a machine with those packages is not FLA's Triton path. The bench
+times both:
+
+- FLA as installed (its dispatch on), and says which backends served it;
+- FLA's Triton path (``dispatch_off``): every registry empty while the call and
+  its backward run, which is what ``FLA_DISABLE_BACKEND_DISPATCH=1`` gives a
+  process started with it (FLA reads that variable once, at import).
+
+Both reach into FLA's registries (``fla.backends._operation_registries`` and
+``_function_registries``), found by feature detection: an FLA without them has
+no dispatch to turn off, and ``registries()`` is then empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+
+def registries() -> list:
+    """FLA's backend registries (each with its ``_backends`` by type), or [] where FLA has none."""
+    try:
+        import fla.backends as fb
+    except ImportError:
+        return []
+    found = list(getattr(fb, "_operation_registries", {}).values()) + list(getattr(fb, "_function_registries",
+                                                                               {}).values())
+    return [r for r in found if isinstance(getattr(r, "_backends", None), dict)]
+
+
+def active_backends() -> dict[str, list[str]]:
+    """Per registry (FLA's operation name), the backends that are installed and switched on."""
+    out: dict[str, list[str]] = {}
+    for reg in registries():
+        on = [name for name, b in reg._backends.items() if b.is_available() and b.is_enabled()]
+        if on:
+            out.setdefault(reg.operation_name, []).extend(on)
+    return out
+
+
+@contextlib.contextmanager
+def dispatch_off() -> Iterator[None]:
+    """FLA's Triton path: no registry offers a backend inside this block."""
+    saved = [(reg, reg._backends) for reg in registries()]
+    for reg, _ in saved:
+        reg._backends = {}
+    try:
+        yield
+    finally:
+        for reg, backends in saved:
+            reg._backends = backends
+
+
+@contextlib.contextmanager
+def recording_served() -> Iterator[set[str]]:
+    """The set of "operation.function -> backend" that FLA's dispatch sent to a backend inside
+    this block (empty: FLA's own Triton code ran everything)."""
+    served: set[str] = set()
+    patched = []
+    for reg in registries():
+        for name, b in reg._backends.items():
+            original = b.get_implementation
+
+            def spy(function_name, _original=original, _op=reg.operation_name, _name=name):
+                impl = _original(function_name)
+                if impl is not None:
+                    served.add(f"{_op}.{function_name} -> {_name}")
+                return impl
+
+            b.get_implementation = spy
+            patched.append(b)
+    try:
+        yield served
+    finally:
+        for b in patched:
+            del b.get_implementation        # the instance attribute: the class's method shows again
