@@ -136,7 +136,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     """Per side of ``sides`` (some of SIDES, run in SIDES' order), ``s.warmup`` untimed then ``s.steps``
     timed training steps; see the module docstring. ``on_side(side, row)`` is called as each side finishes.
 
-    ``curve_steps``: each side then trains that many consecutive steps on the timing batch (CURVE_LR)
+    ``curve_steps``: each side then trains that many consecutive steps on fresh corpus batches (CURVE_LR)
     from the same weights, and its loss curve is compared with the unpatched eager one.
     ``lengths``: each compiled side then runs one step at each of these sequence lengths and reports how
     many graphs each one compiled (0: no recompile). ``compiler``: torch.compile's backend. The summary

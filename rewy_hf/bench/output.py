@@ -444,7 +444,8 @@ def plot_compile_result(res: dict, path: str, title: str) -> None:
         axes[1].set_ylabel("loss (log scale)")
         axes[1].set_yscale("log")
         axes[1].legend(fontsize=7)
-        axes[1].set_title(f"loss on the timing batch, AdamW lr {CURVE_LR:g}", fontsize=9)
+        on = "the timing batch" if "timing batch" in res.get("curve", {}).get("batches", "") else "corpus batches"
+        axes[1].set_title(f"loss on {on}, AdamW lr {CURVE_LR:g}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
