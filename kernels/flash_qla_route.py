@@ -43,7 +43,7 @@ def _probe(device_type: str, index: int) -> str | None:
 _PROBED: dict[tuple[str, int], str | None] = {}
 
 
-def _environment_reason(device_type: str, index: int) -> str | None:
+def environment_reason(device_type: str, index: int) -> str | None:
     """Why FlashQLA cannot run on this device of this process at all, or None. A constant of the
     process (probed once per device): dynamo calls it while tracing and keeps the result, since
     traced code may not call find_spec or read the device's capability."""
@@ -52,13 +52,13 @@ def _environment_reason(device_type: str, index: int) -> str | None:
     return _PROBED[device_type, index]
 
 
-_environment_reason = torch.compiler.assume_constant_result(_environment_reason)
+environment_reason = torch.compiler.assume_constant_result(environment_reason)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_eigval: bool) -> str | None:
     """Why FlashQLA cannot serve this GDN call, or None if it can."""
     index = -1 if q.device.index is None else q.device.index
-    if (reason := _environment_reason(q.device.type, index)) is not None:
+    if (reason := environment_reason(q.device.type, index)) is not None:
         return reason
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return f"FlashQLA needs q, k, v in one of bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}"

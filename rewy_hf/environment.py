@@ -132,10 +132,10 @@ def _backends(fla_ok: bool) -> dict[str, dict[str, Any]]:
         triton = {"usable": True, "reason": "all four ops (DeltaNet, GDN, KDA, GDN2), packed sequences included: "
                                             "FLA forward + ReWY backward kernels; float64 inputs and key head dims "
                                             "over 256 go to the torch backend under auto"}
-    from .kernels.flash_qla_route import _probe
+    from .kernels.flash_qla_route import environment_reason
 
     index = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    why_not = _probe("cuda" if torch.cuda.is_available() else "cpu", index)
+    why_not = environment_reason("cuda" if torch.cuda.is_available() else "cpu", index)
     flash_qla = ({"usable": False, "reason": why_not} if why_not else
                  {"usable": True, "reason": "GDN calls with K = V = 128 in bf16/fp16 go to FlashQLA's kernels under "
                                             "auto where it is faster (kernels/flash_qla_route.py)"})

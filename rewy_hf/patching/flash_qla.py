@@ -56,9 +56,9 @@ def rewy_routes_gdn_to_flash_qla() -> bool:
 
     if importlib.util.find_spec("flash_qla") is None or not torch.cuda.is_available():
         return False
-    from ..kernels.flash_qla_route import _environment_reason
+    from ..kernels.flash_qla_route import environment_reason
 
-    return _environment_reason("cuda", torch.cuda.current_device()) is None
+    return environment_reason("cuda", torch.cuda.current_device()) is None
 
 
 def gdn_note(n: int, backend: str) -> tuple[str, bool] | None:

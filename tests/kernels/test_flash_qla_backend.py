@@ -127,7 +127,7 @@ def _meta(B=1, T=4096, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, vdtype=N
 
 
 def test_no_package_no_route():
-    if route._probe("meta", -1) != "flash-qla is not installed":
+    if route.environment_reason("meta", -1) != "flash-qla is not installed":
         pytest.skip("flash-qla is installed here")      # the GPU test covers the installed case
     q, k, v = _meta()
     assert route.choose(q, k, v, None, "recompute", False) == ("triton", "flash-qla is not installed")
