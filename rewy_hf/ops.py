@@ -219,6 +219,8 @@ def chunk_gated_delta_rule(
     q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H: GVA); g, beta:
     [B, T, HV]. With ``use_gate_in_kernel=True``, g is raw and the gate is
     ``-exp(A_log) * softplus(g + dt_bias)`` (A_log, dt_bias: [HV]).
+    Under ``backend="auto"`` on a GPU with ``flash-qla`` installed, a call FlashQLA serves runs on
+    its kernels where the measured rule says it is faster (kernels/flash_qla_route.py).
     """
     refuse_if_set("chunk_gated_delta_rule", "cp_context", cp_context, None)
     extras = pop_fla_extras("chunk_gated_delta_rule", kwargs, _PLUMBING + ("use_gate_in_kernel", "A_log", "dt_bias"))

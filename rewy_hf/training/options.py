@@ -144,7 +144,9 @@ def compile_choice(choice: str) -> tuple[bool, str]:
     if choice != "auto":
         return choice == "on", f"--compile {choice}"
     if torch.cuda.is_available():
-        return True, "--compile auto: on with CUDA"
+        return True, ("--compile auto: on with CUDA, where a compiled patched ~1 B hybrid trained 1.47-1.50x as "
+                      "fast per step as unpatched eager on an H200 (docs/performance.md); --compile off to skip "
+                      "the first step's compile")
     return False, "--compile auto: off on CPU"
 
 

@@ -290,3 +290,14 @@ def test_schedule_and_checkpoint_discovery(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-9" and not part.exists()
     ckpt.prune(tmp_path, keep=1)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [9]
+
+
+def test_compile_choice_says_why(monkeypatch):
+    from rewy_hf.training.options import compile_choice
+
+    assert compile_choice("on") == (True, "--compile on") and compile_choice("off") == (False, "--compile off")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compile_choice("auto") == (False, "--compile auto: off on CPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on, why = compile_choice("auto")
+    assert on and "1.47-1.50x" in why and "--compile off" in why
