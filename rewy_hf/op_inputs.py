@@ -43,18 +43,30 @@ STRONG_DECAY = -10.0
 
 @dataclass(frozen=True)
 class Shape:
+    """B, T, H, K, V; ``N`` > 0: one row (B = 1) of T tokens packed from N sequences, passed as
+    ``cu_seqlens`` (sequence n has a length proportional to n + 1, so the lengths differ)."""
     B: int
     T: int
     H: int
     K: int
     V: int
+    N: int = 0
 
     @property
     def label(self) -> str:
-        return f"{self.B},{self.T},{self.H}" + ("" if self.K == self.V == 128 else f",{self.K},{self.V}")
+        return (f"{self.B},{self.T},{self.H}" + ("" if self.K == self.V == 128 else f",{self.K},{self.V}")
+                + (f",packed={self.N}" if self.N else ""))
 
     def with_T(self, T: int) -> "Shape":
-        return Shape(self.B, T, self.H, self.K, self.V)
+        return Shape(self.B, T, self.H, self.K, self.V, self.N)
+
+    def packing(self, device) -> dict:
+        """The ops' packing keyword (``cu_seqlens``), or {} for dense rows."""
+        if not self.N:
+            return {}
+        total = self.N * (self.N + 1) // 2
+        bounds = [self.T * (n * (n + 1) // 2) // total for n in range(self.N + 1)]
+        return {"cu_seqlens": torch.tensor(bounds, dtype=torch.long, device=device)}
 
 
 def make_inputs(op: str, s: Shape, device: str, qkv_dtype: torch.dtype, seed: int, gates: str = "logsigmoid"):

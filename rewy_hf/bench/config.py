@@ -45,20 +45,29 @@ class CustomShape:
     H: int
     K: int | None = None
     V: int | None = None
+    N: int = 0
 
     def resolve(self, head_dim: int) -> Shape:
-        return Shape(self.B, self.T, self.H, self.K or head_dim, self.V or head_dim)
+        return Shape(self.B, self.T, self.H, self.K or head_dim, self.V or head_dim, self.N)
 
 
 SUITE = "suite"
 
 
 def parse_shape(text: str) -> CustomShape | str:
-    """argparse type for --shapes: 'suite' or B,T,H[,K,V] (positive integers)."""
+    """argparse type for --shapes: 'suite' or B,T,H[,K,V][,packed=N] (positive integers; packed: one
+    row of T tokens from N sequences, B = 1)."""
     if text.strip().lower() == SUITE:
         return SUITE
     parts = [p.strip() for p in text.split(",")]
-    example = "e.g. --shapes 2,4096,16 or --shapes 2,4096,16,128,128 (or --shapes suite)"
+    example = ("e.g. --shapes 2,4096,16 or --shapes 2,4096,16,128,128 or --shapes 1,32768,32,packed=8 "
+               "(or --shapes suite)")
+    packed = 0
+    if parts and parts[-1].startswith("packed="):
+        try:
+            packed = int(parts.pop()[len("packed="):])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"shape {text!r}: packed=N needs an integer N, {example}") from None
     if len(parts) not in (3, 5):
         raise argparse.ArgumentTypeError(
             f"shape {text!r} has {len(parts)} value(s); give B,T,H or B,T,H,K,V, {example}")
@@ -68,12 +77,18 @@ def parse_shape(text: str) -> CustomShape | str:
         raise argparse.ArgumentTypeError(
             f"shape {text!r} is not a list of integers; give B,T,H or B,T,H,K,V, {example}") from None
     names = ("B", "T", "H", "K", "V")
-    bad = [f"{n}={v}" for n, v in zip(names, values) if v <= 0]
+    bad = [f"{n}={v}" for n, v in zip(names, values) if v <= 0] + ([f"packed={packed}"] if packed < 0 else [])
     if bad:
         raise argparse.ArgumentTypeError(
             f"shape {text!r}: {', '.join(bad)} must be positive; give B,T,H or B,T,H,K,V as positive integers, "
             f"{example}")
-    return CustomShape(*values)
+    if packed and (values[0] != 1 or packed > values[1]):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: packed sequences come in one row of at least one token each: give B = 1 and "
+            f"packed <= T, {example}")
+    if len(values) == 3:
+        values += [None, None]
+    return CustomShape(*values, N=packed)
 
 
 def suite_file() -> dict:
@@ -117,4 +132,4 @@ def check_T(shape: Shape, max_tokens: int) -> int:
     the largest multiple of the 64-token chunk that fits (at least one chunk)."""
     if shape.B * shape.T * shape.H <= max_tokens:
         return shape.T
-    return min(shape.T, max(64, (max_tokens // (shape.B * shape.H)) // 64 * 64))
+    return min(shape.T, max(64, shape.N, (max_tokens // (shape.B * shape.H)) // 64 * 64))

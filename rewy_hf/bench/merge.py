@@ -155,7 +155,7 @@ def _merged_check(paths: list[str], runs: list[dict]) -> str:
 
 
 def _key(row: dict) -> tuple:
-    return row["op"], row["policy"], row["B"], row["T"], row["H"], row["K"], row["V"]
+    return row["op"], row["policy"], row["B"], row["T"], row["H"], row["K"], row["V"], row.get("N", 0)
 
 
 def _refuse_repeats(rows: list[dict]) -> None:
@@ -170,6 +170,6 @@ def _refuse_repeats(rows: list[dict]) -> None:
 
 def _covers_requests(runs: list[dict], rows: list[dict]) -> bool:
     have = {_key(r) for r in rows}
-    return all((op, policy, s["B"], s["T"], s["H"], s["K"], s["V"]) in have
+    return all((op, policy, s["B"], s["T"], s["H"], s["K"], s["V"], s.get("N", 0)) in have
                for run in runs for op in run["settings"]["ops"] for policy in run["settings"]["policies"]
                for s in run["settings"]["shapes"])

@@ -25,6 +25,7 @@ import math
 import statistics
 import time
 import warnings
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -100,8 +101,8 @@ def rewy_impl(op: str, backend: str, policy: str, safe_gate: bool = False) -> Im
     f, name = REWY_OPS[op], DISPATCH_NAME[op]
     kw = {"safe_gate": True} if safe_gate else {}
 
-    def fn(*x):
-        o, _ = f(*x, backend=backend, policy=policy, **kw)
+    def fn(*x, **packing):
+        o, _ = f(*x, backend=backend, policy=policy, **kw, **packing)
         apply_grad_fault(o, name)   # REWY_HF_TEST_FAULT: lets the tests prove that the check can fail
         return o
 
@@ -151,7 +152,7 @@ def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> 
         kw, fla_policy = {}, "recomputes (FLA's only mode for this op)"
     if safe_gate:
         kw["safe_gate"] = True
-    impl = Impl(lambda *x: f(*x, **kw)[0], fla_policy)
+    impl = Impl(lambda *x, **packing: f(*x, **kw, **packing)[0], fla_policy)
     if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active") and not gdn_guard_bypassed():
         impl.trusted = False
         impl.note = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue "
@@ -192,24 +193,33 @@ def peer_impl(op: str, name: str, policy: str, gdn_guard: dict) -> Impl | str:
             return "flash-qla is not installed"
         import flash_qla
 
-        return Impl(lambda *x: flash_qla.chunk_gated_delta_rule(*x)[0], "saves A and the gate cumsum, recomputes states")
+        return Impl(lambda *x, **packing: flash_qla.chunk_gated_delta_rule(*x, **packing)[0],
+                    "saves A and the gate cumsum, recomputes states")
     raise ValueError(f"unknown peer {name!r}; expected one of {PEERS}")
+
+
+def packed(impl: Impl | None, packing: dict) -> Impl | None:
+    """``impl`` with the packing keyword (``cu_seqlens``) of a packed shape bound into its calls."""
+    if impl is None or not packing:
+        return impl
+    return dataclasses.replace(impl, fn=lambda *x: impl.fn(*x, **packing))
 
 
 def cpu_baseline_impl(op: str) -> Impl:
     ref = fla_reference(DISPATCH_NAME[op])
-    return Impl(lambda *x: ref(*x)[0], "autograd keeps every intermediate")
+    return Impl(lambda *x, **packing: ref(*x, **packing)[0], "autograd keeps every intermediate")
 
 
-def reference_grads(op: str, inputs, do, device: str) -> list[torch.Tensor]:
+def reference_grads(op: str, inputs, do, device: str, packing: dict | None = None) -> list[torch.Tensor]:
+    packing = packing or {}
     if device == "cuda":
         f = REWY_OPS[op]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # "torch backend on GPU is slower": known here
-            return grads(lambda *x: f(*x, backend="torch", policy="full")[0],
+            return grads(lambda *x: f(*x, backend="torch", policy="full", **packing)[0],
                          [x.float() for x in inputs], do.float())
     ref = fla_reference(DISPATCH_NAME[op])
-    return grads(lambda *x: ref(*x)[0], [x.double() for x in inputs], do.double())
+    return grads(lambda *x: ref(*x, **packing)[0], [x.double() for x in inputs], do.double())
 
 
 def lift_gdn_guard() -> dict:
@@ -277,14 +287,15 @@ def bound_check(ctx: "ShapeContext", policy: str, with_baseline: bool) -> dict:
         base = fla_impl(ctx.op, policy, s.gdn_guard, safe_gate=True) if s.device == "cuda" else \
             cpu_baseline_impl(ctx.op)
     inputs, do, ref = ctx.bound
-    out = check(ctx.op, base, rewy, inputs, do, ref, s.device)
+    out = check(ctx.op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), inputs, do, ref, s.device)
     return {"bound_" + k: v for k, v in out.items()}
 
 
 def strong_check(ctx: "ShapeContext", base: "Impl | None", rewy: "Impl") -> dict:
     """The strong-decay check of one GDN configuration, as ``strong_*`` row fields."""
     inputs, do, ref = ctx.strong
-    out = check(ctx.op, base, rewy, inputs, do, ref, ctx.s.device)
+    out = check(ctx.op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), inputs, do, ref,
+                ctx.s.device)
     return {"strong_" + k: v for k, v in out.items()}
 
 
@@ -300,14 +311,15 @@ class ShapeContext:
         self.check_T = check_T(shape, s.check_max_tokens)
         check_shape = shape.with_T(self.check_T)
         self.check_inputs, self.check_do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed)
-        self.ref = reference_grads(op, self.check_inputs, self.check_do, s.device)
+        self.check_packing = check_shape.packing(s.device)
+        self.ref = reference_grads(op, self.check_inputs, self.check_do, s.device, self.check_packing)
         self.bound = self.strong = None
         if op in BOUND_OPS:
             inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 2, gates="bound")
-            self.bound = (inputs, do, reference_grads(op, inputs, do, s.device))
+            self.bound = (inputs, do, reference_grads(op, inputs, do, s.device, self.check_packing))
         if op in STRONG_OPS:
             inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 3, gates="strong")
-            self.strong = (inputs, do, reference_grads(op, inputs, do, s.device))
+            self.strong = (inputs, do, reference_grads(op, inputs, do, s.device, self.check_packing))
 
     def timed_inputs(self):
         if self.check_T == self.shape.T:
@@ -327,7 +339,7 @@ def check_peers(ctx: ShapeContext, policy: str, row: dict) -> dict[str, Impl]:
             continue
         entry.update(policy=made.policy, timing_only=not made.trusted, note=made.note)
         try:
-            got, served = served_grads(made, ctx.check_inputs, ctx.check_do)
+            got, served = served_grads(packed(made, ctx.check_packing), ctx.check_inputs, ctx.check_do)
             entry["served_by"] = served
             if made.trusted:
                 per = {n: rel_err(g, r) for n, g, r in zip(GRAD_NAMES[ctx.op], got, ctx.ref)}
@@ -353,7 +365,8 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     row["baseline_policy"] = base.policy if base else None
     row["baseline_timing_only"] = bool(base is not None and not base.trusted)
     row["baseline_note"] = base.note if base else ""
-    row.update(check(op, base, rewy, ctx.check_inputs, ctx.check_do, ctx.ref, s.device))
+    row.update(check(op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), ctx.check_inputs,
+                     ctx.check_do, ctx.ref, s.device))
     if ctx.bound is not None and not row.get("rewy_error"):
         row.update(bound_check(ctx, policy, base is not None))
         row["ok"] = bool(row["ok"] and row["bound_ok"])
@@ -367,6 +380,8 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     inputs, do = ctx.timed_inputs()
     sides = {"baseline": base, "rewy": rewy} if base is not None else {"rewy": rewy}
     sides.update({f"peer:{name}": impl for name, impl in peers.items()})
+    timed_packing = shape.packing(s.device)
+    sides = {name: packed(impl, timed_packing) for name, impl in sides.items()}
     for boundary in boundaries:
         runners, errors = {}, {}
         for name, impl in sides.items():

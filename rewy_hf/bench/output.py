@@ -137,7 +137,13 @@ def _table(header: list[str], rows: list[list[str]], markdown: bool = False) -> 
 
 
 def _shape(r: dict) -> tuple:
-    return r["B"], r["T"], r["H"], r["K"], r["V"]
+    return r["B"], r["T"], r["H"], r["K"], r["V"], r.get("N", 0)
+
+
+def shape_label(r: dict, kv: bool = False) -> str:
+    """B,T,H (with K,V when ``kv``), and the packed sequences of a packed row."""
+    return (f"{r['B']},{r['T']},{r['H']}" + (f",{r['K']},{r['V']}" if kv else "")
+            + (f",packed={r['N']}" if r.get("N") else ""))
 
 
 def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: str, markdown: bool = False,
@@ -165,7 +171,7 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     header += ["check T", "pass"]
     body = []
     for r in rows:
-        label = f"{r['B']},{r['T']},{r['H']}" + ("" if header[0] == "B,T,H" else f",{r['K']},{r['V']}")
+        label = shape_label(r, kv=header[0] != "B,T,H")
         cells = [label]
         for bd in boundaries:
             cells += [_ms(r.get(f"baseline_{bd}_ms")), _ms(r.get(f"rewy_{bd}_ms")), _x(r.get(f"speedup_{bd}"))]
@@ -198,7 +204,7 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
     notes = []
     if missing:
         notes.append("not timed for this op and policy: "
-                     + "; ".join(",".join(map(str, s[:3])) for s in missing))
+                     + "; ".join(",".join(map(str, s[:3])) + (f",packed={s[5]}" if s[5] else "") for s in missing))
     if timing_only:
         notes.append(f"* {base}: {next(r['baseline_note'] for r in rows if r.get('baseline_timing_only'))}")
     if bound:
@@ -215,7 +221,7 @@ def format_op_table(rows: list[dict], boundaries: list[str], base: str, device: 
         for key in ("rewy_error", "baseline_error", "baseline_check_error", "baseline_hint", "bound_rewy_error",
                     "bound_baseline_check_error", "strong_rewy_error", "strong_baseline_check_error"):
             if r.get(key):
-                notes.append(f"{r['B']},{r['T']},{r['H']}: {key.replace('_', ' ')}: {r[key]}")
+                notes.append(f"{shape_label(r)}: {key.replace('_', ' ')}: {r[key]}")
     if markdown:
         return "\n".join(lines + ([""] if notes else []) + [f"- {n}" for n in notes])
     return "\n".join(lines + [f"  {n}" for n in notes])
@@ -251,7 +257,7 @@ def format_peer_table(rows: list[dict], boundaries: list[str], base: str, markdo
             p = r.get("peers", {}).get(n)
             if p is None:
                 continue
-            cells = [f"{r['B']},{r['T']},{r['H']}", n]
+            cells = [shape_label(r), n]
             if "skipped" in p:
                 body.append(cells + ["-"] * (len(header) - 2))
                 if p["skipped"] not in notes:
@@ -263,7 +269,7 @@ def format_peer_table(rows: list[dict], boundaries: list[str], base: str, markdo
             cells += [_mb(p.get("peak_mb")), err, ", ".join(p.get("served_by") or []) or "its own kernels"]
             body.append(cells)
             if p.get("error"):
-                notes.append(f"{r['B']},{r['T']},{r['H']} {n}: {p['error']}")
+                notes.append(f"{shape_label(r)} {n}: {p['error']}")
     for n in names:
         timed = [r["peers"][n] for r in rows if n in r.get("peers", {}) and "skipped" not in r["peers"][n]]
         if timed:
@@ -308,7 +314,7 @@ def markdown_report(data: dict, base: str) -> str:
 
 def format_row_line(r: dict, boundaries: list[str], base: str) -> str:
     """The one line printed as each configuration finishes."""
-    parts = [f"[{r['op']} {r['policy']}] {r['B']},{r['T']},{r['H']},{r['K']},{r['V']}"]
+    parts = [f"[{r['op']} {r['policy']}] {shape_label(r, kv=True)}"]
     for bd in boundaries:
         parts.append(f"{bd} {base} {_ms(r.get(f'baseline_{bd}_ms'))} / rewy {_ms(r.get(f'rewy_{bd}_ms'))} ms "
                      f"({_x(r.get(f'speedup_{bd}'))})")
@@ -374,14 +380,14 @@ def plot_op_speedups(rows: list[dict], boundaries: list[str], path: str, title: 
     plt = _pyplot()
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    shapes = list(dict.fromkeys((r["B"], r["T"], r["H"], r["K"], r["V"]) for r in rows))
+    shapes = list(dict.fromkeys(_shape(r) for r in rows))
     panels = [(b, p) for b in boundaries for p in policies]
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.3 * len(shapes) * max(1, len(ops)) / 2 + 3),
                                                       3.2 * len(panels)), squeeze=False)
     width = 0.8 / max(1, len(ops))
     for ax, (b, p) in zip(axes[:, 0], panels):
         for j, op in enumerate(ops):
-            by_shape = {(r["B"], r["T"], r["H"], r["K"], r["V"]): r.get(f"speedup_{b}")
+            by_shape = {_shape(r): r.get(f"speedup_{b}")
                         for r in rows if r["op"] == op and r["policy"] == p}
             xs = [i + (j - (len(ops) - 1) / 2) * width for i in range(len(shapes))]
             heights = [by_shape.get(s) or 0.0 for s in shapes]
@@ -393,7 +399,7 @@ def plot_op_speedups(rows: list[dict], boundaries: list[str], path: str, title: 
         ax.set_ylim(0, max([1.0] + [r.get(f"speedup_{b}") or 0.0 for r in rows if r["policy"] == p]) * 1.3)
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels([f"{s[0]},{s[1]},{s[2]}" + ("" if s[3] == s[4] == 128 else f",{s[3]},{s[4]}")
-                            for s in shapes], fontsize=8)
+                            + (f",packed={s[5]}" if s[5] else "") for s in shapes], fontsize=8)
         ax.set_ylabel("speedup (x)")
         ax.set_title(f"boundary {b} ({'backward only' if b == 'B' else 'forward + backward'}), policy {p}",
                      fontsize=10)

@@ -168,7 +168,7 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
     from ..bench.config import BOUNDARIES, OP_REPS, OP_WARMUP, expand, on_cpu, resolve_shapes
     from ..bench.op_bench import PEERS, Settings, baseline_label
     from ..bench.op_run import OpRun, conclude, describe_run, run_rows
-    from ..bench.output import format_op_tables, format_row_line, plot_op_speedups, progress
+    from ..bench.output import format_op_tables, format_row_line, plot_op_speedups, progress, shape_label
     from ..op_inputs import OPS
 
     cuda = device == "cuda"
@@ -204,7 +204,7 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
         plot_op_speedups(rows, plan.boundaries, args.plot,
                          f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")
     print(f"rewy-hf bench: {len(rows) - len(failed)} of {len(rows)} configurations passed the gradient check"
-          + ("" if not failed else "; failed: " + ", ".join(f"{r['op']} {r['policy']} {r['B']},{r['T']},{r['H']}"
+          + ("" if not failed else "; failed: " + ", ".join(f"{r['op']} {r['policy']} {shape_label(r)}"
                                                               for r in failed))
           + (f"; JSON: {args.json}" if args.json and not report.to_stdout else "")
           + (f"; plot: {args.plot}" if args.plot else ""))

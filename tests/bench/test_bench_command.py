@@ -546,3 +546,35 @@ def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_
     assert STRONG_CHECK in md.read_text() and "strong-decay err" in md.read_text()
     code, _, err = _bench(["--from-json", older("gdn"), str(paths["gdn"])], capsys)
     assert code == 2 and "not checked under strong decay" in err and "old_gdn.json" in err
+
+
+def test_packed_shapes_parse_and_split_into_unequal_sequences():
+    shape = parse_shape("1,300,2,16,16,packed=4").resolve(64)
+    assert shape == Shape(1, 300, 2, 16, 16, N=4) and shape.label == "1,300,2,16,16,packed=4"
+    cu = shape.packing("cpu")["cu_seqlens"].tolist()
+    assert cu[0] == 0 and cu[-1] == 300 and len(cu) == 5
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert all(x > 0 for x in lengths) and len(set(lengths)) == 4
+    assert Shape(2, 64, 2, 16, 16).packing("cpu") == {}
+    for bad, why in (("2,300,2,packed=4", "give B = 1"), ("1,3,2,packed=4", "packed <= T"),
+                     ("1,300,2,packed=x", "needs an integer")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_shape(bad)
+
+
+def test_a_packed_row_is_checked_and_timed_with_its_sequences(tmp_path, capsys):
+    from rewy_hf.bench.op_bench import reference_grads
+    from rewy_hf.op_inputs import make_inputs
+
+    report = tmp_path / "bench.json"
+    code, out, _ = _bench(["--device", "cpu", "--shapes", "1,192,1,16,16,packed=3", "--reps", "1", "--warmup", "0",
+                           "--op", "gdn", "--policy", "recompute", "--json", str(report)], capsys)
+    assert code == 0, out
+    (row,) = json.loads(report.read_text())["rows"]
+    assert row["N"] == 3 and row["ok"] and "1,192,1,16,16,packed=3" in out
+    # the packed reference is not the dense one: a side that ignored cu_seqlens would fail the check
+    shape = Shape(1, 192, 1, 16, 16, N=3)
+    inputs, do = make_inputs("gdn", shape, "cpu", torch.float32, 0)
+    dense, packed = reference_grads("gdn", inputs, do, "cpu"), reference_grads("gdn", inputs, do, "cpu",
+                                                                              shape.packing("cpu"))
+    assert (dense[2] - packed[2]).abs().max() > 1e-3
