@@ -88,7 +88,8 @@ def backward(a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | Non
         q=q, k=k, v=a.v.contiguous(), g=t["g_cumsum"], beta=a.beta.contiguous(), A=t["A"],
         do=do.contiguous(), dht=None if dht is None else dht.float().contiguous(), scale=a.scale,
         initial_state=h0, cu_seqlens=a.cu_seqlens, state_v_first=a.state_v_first, auto_cp=True)
-    dq, dk = normalize_backward(q, q_rstd, dq), normalize_backward(k, k_rstd, dk)
+    # FlashQLA's gradients are float32: the l2norm backward takes them so, as FlashQLA's own does.
+    dq, dk = normalize_backward(q, q_rstd, dq, cast=False), normalize_backward(k, k_rstd, dk, cast=False)
     if a.h0 is not None and dh0 is None:        # FlashQLA leaves dh0 out where it is zero
         dh0 = torch.zeros_like(a.h0)
     return (dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype), dg.to(a.g.dtype), db.to(a.beta.dtype), None,

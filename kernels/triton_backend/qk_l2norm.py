@@ -29,10 +29,15 @@ def normalize(x: torch.Tensor, on: bool) -> tuple[torch.Tensor, torch.Tensor | N
     return l2norm_fwd(x.contiguous(), eps=L2NORM_EPS)
 
 
-def normalize_backward(y: torch.Tensor, rstd: torch.Tensor | None, dy: torch.Tensor) -> torch.Tensor:
-    """The gradient with respect to the raw rows, in y's dtype, from ``dy`` with respect to
-    the normalised rows ``y`` (``rstd`` None: nothing was normalised, dy passes through)."""
-    dy = dy.to(y.dtype)
+def normalize_backward(y: torch.Tensor, rstd: torch.Tensor | None, dy: torch.Tensor,
+                       cast: bool = True) -> torch.Tensor:
+    """The gradient with respect to the raw rows, in y's dtype, from ``dy`` with respect to the
+    normalised rows ``y`` (``rstd`` None: nothing was normalised, dy passes through). ``cast``: dy
+    is rounded to y's dtype first, as autograd hands it to FLA's l2norm function; without it the
+    kernel (float32 inside) reads dy as it is, as FlashQLA's own function reads its float32
+    gradients."""
+    if cast or rstd is None:
+        dy = dy.to(y.dtype)
     if rstd is None:
         return dy
     from fla.modules.norm.l2norm import l2norm_bwd
