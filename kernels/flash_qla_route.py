@@ -7,9 +7,9 @@ Two questions, both answered without reading a tensor's values (a traced call mu
   alike, K = V = 128, and the erase strength is in [0, 1] (no negative eigenvalues: FlashQLA is
   not built for them). Gate and beta activations and the l2norm run in rewy before the core, so
   FLA's other refusals (``use_gate_in_kernel``, beta sigmoid) do not apply here.
-- is it faster there? (``rewy_faster_reason``) By the rule measured on the H200 with
-  ``rewy-hf bench --baselines`` (docs/performance.md, "FlashQLA"): forward + backward of a
-  training step, same process, same inputs.
+- is it faster there? (``rewy_faster_reason``) By a rule read off forward + backward times on
+  the H200 (docs/bench/flashqla, docs/performance.md "GDN against FlashQLA"), which
+  ``rewy-hf bench --op gdn --backend triton --peers flash-qla`` measures in one process.
 
 ``choose`` combines them and says why, for the dispatch report.
 """
