@@ -132,7 +132,8 @@ def compiles_at_lengths(run, opt: torch.optim.Optimizer, model: nn.Module, s: Mo
 
 
 def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None, curve_steps: int = 0,
-                      lengths: tuple[int, ...] = (), compiler: str = "inductor", sides: tuple[str, ...] = SIDES) -> dict:
+                      lengths: tuple[int, ...] = (), compiler: str = "inductor",
+                      sides: tuple[str, ...] = SIDES) -> dict:
     """Per side of ``sides`` (some of SIDES, run in SIDES' order), ``s.warmup`` untimed then ``s.steps``
     timed training steps; see the module docstring. ``on_side(side, row)`` is called as each side finishes.
 

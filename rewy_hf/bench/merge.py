@@ -60,14 +60,9 @@ def merge_runs(paths: list[str]) -> dict:
         return _merge_sided(paths, runs)
     for path, run in zip(paths[1:], runs[1:]):
         if run["kind"] != "ops" or first["kind"] != "ops":
-            raise MergeError(f"--from-json: only op-level runs, or four-sided model runs (--compile), can be combined ({path} is a "
-                             f"{run['kind']} run)")
-        if run.get("error") or first.get("error"):
-            raise MergeError(f"--from-json: a run that could not run has no rows to combine ({path})")
-        for key in ("device_name", "versions"):
-            if run.get(key) != first.get(key):
-                raise MergeError(f"--from-json: {path} has a different {key} than {paths[0]}: "
-                                 f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
+            raise MergeError(f"--from-json: only op-level runs, or four-sided model runs (--compile), can be "
+                             f"combined ({path} is a {run['kind']} run)")
+        _refuse_other_setup(paths[0], first, path, run, "rows")
         for key in _SAME:
             if run["settings"].get(key) != first["settings"].get(key):
                 raise MergeError(f"--from-json: {path} was timed with a different {key} than {paths[0]}: "
@@ -94,18 +89,23 @@ def merge_runs(paths: list[str]) -> dict:
     return merged
 
 
+def _refuse_other_setup(first_path: str, first: dict, path: str, run: dict, what: str) -> None:
+    """MergeError unless both runs ran and come from one device and one set of versions."""
+    if run.get("error") or first.get("error"):
+        raise MergeError(f"--from-json: a run that could not run has no {what} to combine ({path})")
+    for key in ("device_name", "versions"):
+        if run.get(key) != first.get(key):
+            raise MergeError(f"--from-json: {path} has a different {key} than {first_path}: "
+                             f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
+
+
 def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
     """Several `--model X --compile --sides ...` runs as one four-sided result."""
     from .compile_bench import SIDES, summarize
 
     first = runs[0]
     for path, run in zip(paths[1:], runs[1:]):
-        if run.get("error") or first.get("error"):
-            raise MergeError(f"--from-json: a run that could not run has no sides to combine ({path})")
-        for key in ("device_name", "versions"):
-            if run.get(key) != first.get(key):
-                raise MergeError(f"--from-json: {path} has a different {key} than {paths[0]}: "
-                                 f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
+        _refuse_other_setup(paths[0], first, path, run, "sides")
         for key in sorted(set(run["settings"]) | set(first["settings"])):
             if key != "sides" and run["settings"].get(key) != first["settings"].get(key):
                 raise MergeError(f"--from-json: {path} ran with a different {key} than {paths[0]}: "

@@ -153,11 +153,16 @@ def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> 
     if safe_gate:
         kw["safe_gate"] = True
     impl = Impl(lambda *x, **packing: f(*x, **kw, **packing)[0], fla_policy)
-    if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active") and not gdn_guard_bypassed():
+    if guard_lifted(op, gdn_guard) and not gdn_guard_bypassed():
         impl.trusted = False
         impl.note = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue "
                      "#640), so its gradients are not compared")
     return impl
+
+
+def guard_lifted(op: str, gdn_guard: dict) -> bool:
+    """Whether this is a GDN row whose FLA backward ran with FLA's #640 guard lifted."""
+    return op == "gdn" and bool(gdn_guard.get("requested") and gdn_guard.get("was_active"))
 
 
 def gdn_guard_bypassed() -> bool:
@@ -182,7 +187,7 @@ def peer_impl(op: str, name: str, policy: str, gdn_guard: dict) -> Impl | str:
             return "no FLA backend is on here: FLA as installed already is its Triton path"
         impl = fla_impl(op, policy, gdn_guard)
         impl.scope = fla_backends.dispatch_off
-        if op == "gdn" and gdn_guard.get("requested") and gdn_guard.get("was_active"):
+        if guard_lifted(op, gdn_guard):              # with the dispatch off nothing bypasses the guard
             impl.trusted = False
             impl.note = "timing only: FLA's GDN backward guard was lifted (FLA issue #640)"
         return impl
@@ -412,17 +417,13 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
         # After the timing: first calls at a new shape autotune, and Triton's
         # autotuner allocates an L2-flush buffer that would count as peak memory.
         for name, impl in sides.items():
-            peer = row["peers"][name[5:]] if name.startswith("peer:") else None
+            # a peer's fields live in its own entry, without the side's name in front
+            into, prefix = (row["peers"][name[5:]], "") if name.startswith("peer:") else (row, f"{name}_")
             try:
-                mb = peak_mb(impl.fn, inputs, do, impl.scope)
+                into[f"{prefix}peak_mb"] = peak_mb(impl.fn, inputs, do, impl.scope)
             except Exception as exc:
-                mb = None
-                (peer if peer is not None else row).setdefault("error" if peer is not None else f"{name}_error",
-                                                               describe(exc))
-            if peer is not None:
-                peer["peak_mb"] = mb
-            else:
-                row[f"{name}_peak_mb"] = mb
+                into[f"{prefix}peak_mb"] = None
+                into.setdefault(f"{prefix}error", describe(exc))
             free_memory(s.device)
     if row.get("rewy_error"):
         row["ok"] = False

@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="timed steps per side (default 10 on CUDA, 2 on CPU)")
     add_dtype(model, MODEL_DTYPES, None, "model dtype (default bfloat16 on CUDA, float32 on CPU)")
     model.add_argument("--compile", action="store_true",
-                       help="time four sides: unpatched and patched, each eager and under torch.compile (or some: --sides)")
+                       help="time four sides: unpatched and patched, each eager and under torch.compile (or "
+                            "some: --sides)")
     model.add_argument("--curve-steps", type=at_least(1), default=None, metavar="N",
                        help="--compile: each side also trains N consecutive steps on fresh batches of the bundled "
                             "corpus from the same weights, and its loss curve is compared with the unpatched eager one")

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compile_checks import assert_one_graph_with_eager_grads
+
 import fake_flash_qla
 from rewy_hf.kernels import flash_qla_route as route
 from rewy_hf.kernels.core import CoreArgs, delta_rule
@@ -88,8 +90,6 @@ def test_fake_implementation_matches_what_the_backend_saves(flash_qla, shape):
 
 
 def test_compiles_without_a_graph_break_and_gives_the_eager_gradients(flash_qla):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     x, _ = _inputs(T=70, HV=4)
 
     def f(q, k, v, g, beta):
@@ -98,13 +98,7 @@ def test_compiles_without_a_graph_break_and_gives_the_eager_gradients(flash_qla)
         return (o * o).sum()
 
     leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    eager = torch.autograd.grad(f(*leaves), leaves)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.autograd.grad(torch.compile(f, backend=counter, fullgraph=True)(*leaves), leaves)
-    assert counter.frame_count == 1
-    for e, c in zip(eager, compiled):
-        assert rel_err(c, e) < 1e-6
+    assert_one_graph_with_eager_grads(f, leaves)
 
 
 def test_dispatch_report_says_where_a_call_went_and_why(flash_qla):

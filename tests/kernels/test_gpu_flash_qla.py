@@ -15,6 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compile_checks import assert_one_graph_with_eager_grads
+from op_grads import outputs_and_grads
+
 import rewy_hf
 from rewy_hf.ops import last_backend
 from rewy_hf.rel_error import rel_err
@@ -39,15 +42,6 @@ def _case(B, T, H, HV, cu=None, h0=False, seed=0):
     return args, kw
 
 
-def _grads(fn, args, kw, do, dht):
-    leaves = [a.detach().requires_grad_() for a in args]
-    kw = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-          for k, v in kw.items()}
-    o, ht = fn(*leaves, **kw)
-    extra = [kw["initial_state"]] if "initial_state" in kw else []
-    return [o, ht] + list(torch.autograd.grad((o.float() * do).sum() + (ht.float() * dht).sum(), leaves + extra))
-
-
 @pytest.mark.parametrize("shape", [
     dict(B=2, T=1024, H=4, HV=4),
     dict(B=2, T=700, H=2, HV=8, h0=True),                  # GVA, ragged T
@@ -61,11 +55,12 @@ def test_auto_routes_to_flash_qla_and_matches_its_own_entry(shape):
     do = torch.randn(B, T, HV, 128, device="cuda")
     N = B if "cu" not in shape else len(shape["cu"]) - 1
     dht = torch.randn(N, HV, 128, 128, device="cuda")
-    ref = _grads(lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="torch", policy="full", **k),
-                 [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, **k), args, kw, do, dht)
+    ref = outputs_and_grads(lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="torch", policy="full",
+                                                                           **k),
+                            [a.float() for a in args], kw, do, dht)
+    ours = outputs_and_grads(lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, **k), args, kw, do, dht)
     assert last_backend() == "flash_qla"
-    theirs = _grads(lambda *a, **k: flash_qla.chunk_gated_delta_rule(*a, **k), args, kw, do, dht)
+    theirs = outputs_and_grads(lambda *a, **k: flash_qla.chunk_gated_delta_rule(*a, **k), args, kw, do, dht)
     for i, (x, y, r) in enumerate(zip(ours, theirs, ref)):
         assert rel_err(x, r) <= 1.1 * rel_err(y, r) + 1e-4, (i, rel_err(x, r), rel_err(y, r))
 
@@ -77,8 +72,6 @@ def test_explicit_triton_keeps_rewy_kernels():
 
 
 def test_compiles_without_a_graph_break():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     args, kw = _case(B=2, T=512, H=2, HV=4)
     leaves = [a.detach().requires_grad_() for a in args]
 
@@ -86,10 +79,4 @@ def test_compiles_without_a_graph_break():
         o, _ = rewy_hf.chunk_gated_delta_rule(*x, **kw)
         return o.float().square().sum()
 
-    eager = torch.autograd.grad(f(*leaves), leaves)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.autograd.grad(torch.compile(f, backend=counter, fullgraph=True)(*leaves), leaves)
-    assert counter.frame_count == 1
-    for e, c in zip(eager, compiled):
-        assert rel_err(c, e) < 1e-6
+    assert_one_graph_with_eager_grads(f, leaves)

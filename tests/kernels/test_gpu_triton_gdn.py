@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from op_grads import outputs_and_grads
+
 import rewy_hf
 from rewy_hf.rel_error import rel_err
 
@@ -33,15 +35,6 @@ def _inputs(op, B, T, H, HV, K, V, h0, seed=0):
     return args, kw
 
 
-def _grads(fn, args, kw, do, dht):
-    leaves = [a.detach().requires_grad_() for a in args]
-    kw = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-          for k, v in kw.items()}
-    o, ht = fn(*leaves, **kw)
-    extra = [kw["initial_state"]] if "initial_state" in kw else []
-    return [o, ht] + list(torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves + extra))
-
-
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("op,shape", [
     ("gdn", (2, 300, 2, 4, 128, 128)),       # GVA, ragged T
@@ -54,14 +47,14 @@ def test_triton_matches_fp32_reference(op, shape, policy):
     fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
     do = torch.randn(B, T, HV, V, device="cuda")
     dht = torch.randn(B, HV, K, V, device="cuda")
-    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
+    ref = outputs_and_grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = outputs_and_grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
     if op == "delta_rule":
         from fla.ops.delta_rule import chunk_delta_rule as fla_delta
 
-        theirs = _grads(fla_delta, args, kw, do, dht)
+        theirs = outputs_and_grads(fla_delta, args, kw, do, dht)
         fla_errs = [rel_err(x, r) for x, r in zip(theirs, ref)]
         assert all(e <= 1.1 * f + 1e-3 for e, f in zip(errs, fla_errs)), (errs, fla_errs)
 
@@ -75,8 +68,8 @@ def test_triton_l2norm_and_fused_gate():
               use_beta_sigmoid_in_kernel=True, output_final_state=True)
     do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda")
     f = rewy_hf.chunk_gated_delta_rule
-    ref = _grads(lambda *a, **k: f(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: f(*a, backend="triton", **k), args, kw, do, dht)
+    ref = outputs_and_grads(lambda *a, **k: f(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = outputs_and_grads(lambda *a, **k: f(*a, backend="triton", **k), args, kw, do, dht)
     errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
 
@@ -94,8 +87,8 @@ def test_triton_packed_sequences(op, policy):
     fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
     do = torch.randn(1, T, H, V, device="cuda")
     dht = torch.randn(len(lengths), H, K, V, device="cuda")
-    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
+    ref = outputs_and_grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = outputs_and_grads(lambda *a, **k: fn(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
 
@@ -121,8 +114,8 @@ def test_direct_launch_changes_nothing_computed(monkeypatch, policy, packed):
         kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
     do = torch.randn(B, T, H, V, device="cuda")
     dht = torch.randn(3 if packed else B, H, K, V, device="cuda")
-    run = lambda: _grads(lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="triton", policy=policy, **k),
-                         args, kw, do, dht)
+    run = lambda: outputs_and_grads(
+        lambda *a, **k: rewy_hf.chunk_gated_delta_rule(*a, backend="triton", policy=policy, **k), args, kw, do, dht)
     direct = [run(), run()]
     with pytest.MonkeyPatch.context() as mp:
         _launch_through_autotuners(mp)
@@ -136,8 +129,8 @@ def _recompute_against_reference(op, args, kw, B, T, HV, K, V, N):
     fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
     do = torch.randn(B, T, HV, V, device="cuda")
     dht = torch.randn(N, HV, K, V, device="cuda")
-    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
-    ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+    ref = outputs_and_grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ours = outputs_and_grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
     errs = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs) <= BF16_TOL, errs
     return do, dht
@@ -265,7 +258,7 @@ def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, p
     fn = rewy_hf.chunk_delta_rule if op == "delta_rule" else rewy_hf.chunk_gated_delta_rule
     do = torch.randn(B, T, H, V, device="cuda")
     dht = torch.randn(N, H, K, V, device="cuda")
-    ref = _grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
+    ref = outputs_and_grads(lambda *a, **k: fn(*a, backend="torch", **k), [a.float() for a in args], kw, do, dht)
     errs = {}
     for mode in ("off", "2", "auto"):
         with pytest.MonkeyPatch.context() as mp:
@@ -273,7 +266,8 @@ def test_state_checkpoints_match_fp32_reference_and_the_sequential_rebuild(op, p
                 mp.setattr(state_checkpoints, "plan", lambda *_: None)
             elif mode == "2":
                 mp.setattr(state_checkpoints, "chunks_per_segment", lambda *_: 2)
-            ours = _grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw, do, dht)
+            ours = outputs_and_grads(lambda *a, **k: fn(*a, backend="triton", policy="recompute", **k), args, kw,
+                                     do, dht)
         errs[mode] = [rel_err(x, r) for x, r in zip(ours, ref)]
     assert max(errs["2"]) <= BF16_TOL, errs
     for mode in ("2", "auto"):
