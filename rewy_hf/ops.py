@@ -86,16 +86,30 @@ def _state_layout(state_v_first: bool, extras: dict) -> bool:
 
 
 def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final_state, cu_seqlens,
-         state_v_first, policy, qk_l2norm, safe_gate=False, why=""):
+         state_v_first, policy, qk_l2norm, safe_gate=False, why="", cp_context=None):
     """The core on the chosen backend. The torch backend takes q and k normalised (in float32,
     float64 staying float64, as plain torch ops autograd chains through); the Triton backend
     normalises inside the core (kernels/triton_backend/qk_l2norm.py)."""
     if chosen == "torch" and qk_l2norm:
         dt = compute_dtype(q)
         q, k, qk_l2norm = l2norm(q.to(dt)), l2norm(k.to(dt)), False
-    o, ht = delta_rule(CoreArgs(q, k, v, g, beta, w, initial_state, cu_seqlens, scale, family, policy,
-                                state_v_first, qk_l2norm, safe_gate, _LAST.report_as, why), chosen)
+    a = CoreArgs(q, k, v, g, beta, w, initial_state, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm,
+                 safe_gate, _LAST.report_as, why)
+    if cp_context is not None and cp_context.group is not None:
+        from .kernels.context_parallel import cp_delta_rule
+
+        return cp_delta_rule(a, chosen, cp_context), None
+    o, ht = delta_rule(a, chosen)
     return o, (ht if output_final_state else None)
+
+
+def _cp_seqlens(op, cp_context, q, initial_state, output_final_state, cu_seqlens):
+    """cu_seqlens for the call: the context's local bounds under context parallelism (as FLA)."""
+    if cp_context is None:
+        return cu_seqlens
+    from .kernels.context_parallel import check_context
+
+    return check_context(op, cp_context, q, initial_state, output_final_state)
 
 
 def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
@@ -222,7 +236,7 @@ def chunk_gated_delta_rule(
     Under ``backend="auto"`` on a GPU with ``flash-qla`` installed, a call FlashQLA serves runs on
     its kernels where the measured rule says it is faster (kernels/flash_qla_route.py).
     """
-    refuse_if_set("chunk_gated_delta_rule", "cp_context", cp_context, None)
+    cu_seqlens = _cp_seqlens("chunk_gated_delta_rule", cp_context, q, initial_state, output_final_state, cu_seqlens)
     extras = pop_fla_extras("chunk_gated_delta_rule", kwargs, _PLUMBING + ("use_gate_in_kernel", "A_log", "dt_bias"))
     state_v_first = _state_layout(state_v_first, extras)
     (B, T, H, K, HV, V), scale, policy, chosen = _common(
@@ -246,7 +260,7 @@ def chunk_gated_delta_rule(
         chosen, why = choose(q, k, v, cu_seqlens, policy, allow_neg_eigval)
         _LAST.backend = chosen
     return _run("gdn", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
-                state_v_first, policy, use_qk_l2norm_in_kernel, why=why)
+                state_v_first, policy, use_qk_l2norm_in_kernel, why=why, cp_context=cp_context)
 
 
 def chunk_kda(
@@ -283,9 +297,10 @@ def chunk_kda(
     ``use_gate_in_kernel=True`` the gate is ``-exp(A_log) * softplus(g + dt_bias)``
     or, with ``lower_bound``, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
     """
-    for name, value, default in (("cp_context", cp_context, None), ("return_intermediate_states",
-                                  return_intermediate_states, False), ("use_graph", use_graph, False)):
+    for name, value, default in (("return_intermediate_states", return_intermediate_states, False),
+                                 ("use_graph", use_graph, False)):
         refuse_if_set("chunk_kda", name, value, default)
+    cu_seqlens = _cp_seqlens("chunk_kda", cp_context, q, initial_state, output_final_state, cu_seqlens)
     extras = pop_fla_extras("chunk_kda", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
@@ -299,7 +314,7 @@ def chunk_kda(
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), HV, K)
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run("kda", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
-                state_v_first, policy, use_qk_l2norm_in_kernel, safe_gate)
+                state_v_first, policy, use_qk_l2norm_in_kernel, safe_gate, cp_context=cp_context)
 
 
 def chunk_gdn2(
@@ -332,9 +347,8 @@ def chunk_gdn2(
     S_t = (I - k_t (b_t * k_t)^T) Diag(exp(g_t)) S_{t-1} + k_t (w_t * v_t)^T with
     g [B, T, H, K]. No GVA (as in FLA 0.6.0).
     """
-    for name, value, default in (("cp_context", cp_context, None),
-                                 ("return_intermediate_states", return_intermediate_states, False)):
-        refuse_if_set("chunk_gdn2", name, value, default)
+    refuse_if_set("chunk_gdn2", "return_intermediate_states", return_intermediate_states, False)
+    cu_seqlens = _cp_seqlens("chunk_gdn2", cp_context, q, initial_state, output_final_state, cu_seqlens)
     extras = pop_fla_extras("chunk_gdn2", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
@@ -347,4 +361,4 @@ def chunk_gdn2(
         check_shape(name, x, shape, meaning)
     g = _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, extras.get("A_log"), extras.get("dt_bias"), H, K)
     return _run("gdn2", chosen, q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens,
-                state_v_first, policy, use_qk_l2norm_in_kernel, safe_gate)
+                state_v_first, policy, use_qk_l2norm_in_kernel, safe_gate, cp_context=cp_context)

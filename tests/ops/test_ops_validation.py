@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -464,12 +465,44 @@ def test_head_first(op, value):
         call(op, inputs, head_first=value)
 
 
-@pytest.mark.parametrize("op", ALL)
-def test_cp_context(op):
-    """Context parallelism is not supported (DeltaNet has no cp_context argument at all)."""
-    inputs = make_inputs(op)
+def test_cp_context_delta_rule():
+    """FLA's DeltaNet has no context parallelism, so neither does rewy's."""
     with pytest.raises(UnsupportedConfigError, match=lit("cp_context")):
-        call(op, inputs, cp_context=object())
+        call("delta_rule", make_inputs("delta_rule"), cp_context=object())
+
+
+def _context(**changes):
+    fields = dict(group=None, cu_seqlens=torch.tensor([0, 10]), cu_seqlens_cpu=None, is_first_rank=True,
+                  is_last_rank=True, pre_num_ranks=0, post_num_ranks=0, layout="contiguous")
+    return SimpleNamespace(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("op", V_FIRST_OPS)
+@pytest.mark.parametrize("context,kwargs,fragment", [
+    (object(), {}, "cp_context must be FLA's context, got object"),
+    (_context(layout="zigzag"), {}, "layout='zigzag' is not supported"),
+    (_context(cu_seqlens=None), {}, "cp_context has no cu_seqlens"),
+    (_context(), dict(output_final_state=True), "no initial_state and no final state"),
+])
+def test_cp_context_refused(op, context, kwargs, fragment):
+    with pytest.raises(UnsupportedConfigError, match=lit(fragment)):
+        call(op, make_inputs(op), cp_context=context, **kwargs)
+
+
+@pytest.mark.parametrize("op", V_FIRST_OPS)
+def test_cp_context_needs_one_row(op):
+    with pytest.raises(UnsupportedConfigError, match=lit("takes packed input, B = 1 (got B = 2)")):
+        call(op, make_inputs(op, B=2), cp_context=_context())
+
+
+@pytest.mark.parametrize("op", V_FIRST_OPS)
+def test_cp_context_without_group_is_a_packed_call(op):
+    """As in FLA: a context without a process group runs the call on its local bounds."""
+    inputs = make_inputs(op)
+    bounds = torch.tensor([0, 4, 10])
+    o_cp, _ = call(op, inputs, cp_context=_context(cu_seqlens=bounds))
+    o, _ = call(op, inputs, cu_seqlens=bounds)
+    assert torch.equal(o_cp, o)
 
 
 @pytest.mark.parametrize("op", ALL)

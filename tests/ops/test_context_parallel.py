@@ -1,0 +1,26 @@
+"""Context parallelism on the torch backend: ranks of a gloo group, each holding a slice of one packed
+row, give the outputs and input gradients of one process on the whole row (float64, 1e-10).
+
+The cases put sequence boundaries inside a rank's slice and on a slice's edge, an empty sequence,
+and one sequence through every rank (a middle rank whose first sequence is its last), for GDN (with
+GVA and the in-kernel l2norm), KDA and GDN2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+from support.cp_ranks import free_port, rank_main
+
+CASES = {
+    2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),
+        ("kda", [0, 37, 37, 170, 300], 1, 2, False), ("gdn2", [0, 90, 300], 2, 2, True)],
+    3: [("gdn", [0, 300], 1, 2, False), ("gdn", [0, 37, 37, 170, 300], 2, 2, True),
+        ("kda", [0, 300], 2, 2, True), ("gdn2", [0, 37, 37, 170, 300], 2, 2, False)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_ranks_match_one_process(world):
+    mp.spawn(rank_main, args=(world, free_port(), CASES[world]), nprocs=world, join=True)
