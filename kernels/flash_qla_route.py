@@ -21,11 +21,12 @@ import importlib.util
 import torch
 
 BACKEND = "flash_qla"
-# Measured (H200, bf16, K = V = 128, forward + backward): FlashQLA runs one block per (sequence,
-# value head) and splits a sequence across the GPU only when there is one. With several dense
-# sequences and fewer than this many (sequence, head) blocks, most of the GPU idles through its
-# sequential walk, and rewy's chunk-parallel kernels with policy "full" are faster (at (2, 8192,
-# 16): 1.55 ms against 1.99 ms); under "recompute" FlashQLA was faster at every suite shape.
+# Measured (H200, bf16, K = V = 128, forward + backward, both sides in one process): FlashQLA runs
+# one block per (sequence, value head) and splits a sequence across the GPU only when there is one.
+# With several dense sequences and fewer than this many (sequence, head) blocks, most of the GPU
+# idles through its walk, and rewy's chunk-parallel kernels are faster under either policy (at
+# (2, 8192, 16): 1.82 against 1.97 ms under recompute, 1.64 against 1.95 ms under full); at 64 and
+# 128 blocks FlashQLA was faster under both.
 FEW_BLOCKS = 64
 
 
@@ -69,19 +70,19 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_ei
     return None
 
 
-def rewy_faster_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, policy: str) -> str | None:
+def rewy_faster_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str | None:
     """Why rewy's Triton kernels are faster for this call by the measured rule, or None."""
     B, HV = q.shape[0], v.shape[2]
-    if policy == "full" and cu_seqlens is None and B > 1 and B * HV < FEW_BLOCKS:
+    if cu_seqlens is None and B > 1 and B * HV < FEW_BLOCKS:
         return (f"rewy is faster here: {B} dense sequences x {HV} heads = {B * HV} blocks < {FEW_BLOCKS} leave "
-                "FlashQLA's walk on few SMs, and policy full saves rewy's states")
+                "FlashQLA's walk on few SMs")
     return None
 
 
-def choose(q, k, v, cu_seqlens, policy: str, neg_eigval: bool) -> tuple[str, str]:
+def choose(q, k, v, cu_seqlens, neg_eigval: bool) -> tuple[str, str]:
     """(backend, why) for an ``auto`` GDN call that rewy's Triton kernels can serve."""
     if (reason := unsupported_reason(q, k, v, neg_eigval)) is not None:
         return "triton", reason
-    if (reason := rewy_faster_reason(q, v, cu_seqlens, policy)) is not None:
+    if (reason := rewy_faster_reason(q, v, cu_seqlens)) is not None:
         return "triton", reason
     return BACKEND, "FlashQLA serves this call and is faster at its shape"

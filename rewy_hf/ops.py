@@ -257,7 +257,7 @@ def chunk_gated_delta_rule(
         # A peer may be faster for this call: FlashQLA, where it is installed and serves it.
         from .kernels.flash_qla_route import choose
 
-        chosen, why = choose(q, k, v, cu_seqlens, policy, allow_neg_eigval)
+        chosen, why = choose(q, k, v, cu_seqlens, allow_neg_eigval)
         _LAST.backend = chosen
     return _run("gdn", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
                 state_v_first, policy, use_qk_l2norm_in_kernel, why=why, cp_context=cp_context)

@@ -26,6 +26,7 @@ from ..adapters.transformers_common import plain_torch, runs_torch_fallback
 from ..kernels.short_conv import causal_short_conv
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
+from .context_parallel import active_context
 from .fault import apply_grad_fault
 
 # Per thread, the patch states of the layers whose forwards are running, innermost last. A
@@ -205,6 +206,8 @@ def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: di
 def route(state, original: Callable, args: tuple, kwargs: dict):
     """Run the rewy core for one call of a patched layer, honouring its fallback."""
     op = state.adapter.op
+    if (context := active_context()) is not None and kwargs.get("cp_context") is None:
+        kwargs = {**kwargs, "cp_context": context}
     try:
         with ops.reporting_as(op):
             o, final_state = state.adapter.call(args, kwargs, backend=state.backend, policy=state.policy)

@@ -60,6 +60,12 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
       help="torch.compile the model (in place: checkpoints keep their names); auto: on with CUDA, off on CPU, "
            "where compiling costs more than a short run gains")
     a("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
+    a("--context-parallel", action="store_true",
+      help="every process trains on the same --batch-size windows, joined into one packed row and split across "
+           "the processes (rewy + FLA's context-parallel protocol): sequences batch-size x seq-len tokens long "
+           "over N GPUs hold 1/N of the activations each. Needs --core rewy, a model whose token mixers are all "
+           "delta-rule layers of fla.models or rewy's GDN2 (e.g. gdn2-1b), and batch-size x seq-len divisible "
+           "by the number of processes")
     a("--lora", action="store_true", help="train LoRA adapters only (PEFT)")
     a("--lora-r", type=int, default=16, help="LoRA rank")
     a("--lora-alpha", type=int, default=32, help="LoRA scaling numerator")

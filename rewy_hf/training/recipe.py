@@ -24,6 +24,8 @@ import torch
 from . import checkpoint as ckpt
 from . import output_dir
 from .data import DataError, WindowSampler, pack, read_documents
+from .context_split import check as check_split
+from .context_split import row_split
 from .metrics import MetricsWriter, plot_loss, read_metrics
 from .model_setup import load_model_and_tokenizer, lora_targets
 from .options import (BUNDLED_CORPUS, DEFAULT_MODEL, RecipeError, accelerate_mixed_precision, build_parser,
@@ -153,6 +155,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
     world = accelerator.num_processes
     run_config = {k: getattr(args, k) for k in vars(args)} | {"data": data_spec, "world_size": world}
 
+    check_split(args, world)
     # Resume target before any heavy work: a bad --resume should fail at once.
     target = _on_main(accelerator, lambda: _resume_target(args, out_dir, run_config))
     resume_from, state = target if target is not None else (None, None)
@@ -225,12 +228,16 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
     metrics = MetricsWriter(out_dir / "metrics.jsonl", resume_step=start_step if resume_from else None) \
         if main_proc else None
 
-    sampler = WindowSampler(windows.shape[0], args.batch_size, world, accelerator.process_index, args.seed)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    split = row_split(args, world, accelerator.process_index, accelerator.device)
+    # Context parallel: every process reads the same windows, of which it trains its slice.
+    readers, reader = (1, 0) if split else (world, accelerator.process_index)
+    sampler = WindowSampler(windows.shape[0], args.batch_size, readers, reader, args.seed)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * readers
     result = RunResult(out_dir, start_step, trainable_params=trainable, total_params=total)
     say(f"training {type(accelerator.unwrap_model(model)).__name__} ({trainable:,} trainable / {total:,} params) on "
         f"{windows.shape[0]} windows of {args.seq_len + 1} tokens, {world} process(es), device {accelerator.device}, "
-        f"mixed precision {accelerator.mixed_precision}, core {args.core}, torch.compile "
+        f"mixed precision {accelerator.mixed_precision}, core {args.core}, "
+        f"{split.describe() + ', ' if split else ''}torch.compile "
         f"{'on' if compiled else 'off'} ({compile_why})"
         + (f", backend {args.backend}" if args.core == "rewy" else ""))
 
@@ -270,8 +277,11 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
             batch = windows[sampler.indices(step * args.grad_accum + micro)].to(accelerator.device)
             ctx = accelerator.no_sync(model) if micro < args.grad_accum - 1 else _null()
             with ctx:
-                logits = model(input_ids=batch[:, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                if split:
+                    loss = split.loss(model, batch)
+                else:
+                    logits = model(input_ids=batch[:, :-1]).logits
+                    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
                 accelerator.backward(loss / args.grad_accum)
             loss_sum += loss.detach()
         clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")

@@ -124,7 +124,7 @@ def test_no_package_no_route():
     if route.environment_reason("meta", -1) != "flash-qla is not installed":
         pytest.skip("flash-qla is installed here")      # the GPU test covers the installed case
     q, k, v = _meta()
-    assert route.choose(q, k, v, None, "recompute", False) == ("triton", "flash-qla is not installed")
+    assert route.choose(q, k, v, None, False) == ("triton", "flash-qla is not installed")
 
 
 @pytest.fixture
@@ -133,19 +133,19 @@ def usable(monkeypatch):
     monkeypatch.setitem(route._PROBED, ("meta", -1), None)
 
 
-@pytest.mark.parametrize("kw,policy,neg,expect", [
-    (dict(), "recompute", False, "flash_qla"),
-    (dict(B=2, T=8192, HV=16), "recompute", False, "flash_qla"),
-    (dict(B=2, T=8192, HV=16), "full", False, "rewy is faster here: 2 dense sequences x 16 heads = 32 blocks"),
-    (dict(B=4, T=4096, HV=16), "full", False, "flash_qla"),
-    (dict(dtype=torch.float32), "recompute", False, "bfloat16 / float16"),
-    (dict(vdtype=torch.float16), "recompute", False, "bfloat16 / float16"),
-    (dict(K=64, V=64), "recompute", False, "K = V = 128, got K = 64"),
-    (dict(), "recompute", True, "allow_neg_eigval"),
+@pytest.mark.parametrize("kw,neg,expect", [
+    (dict(), False, "flash_qla"),
+    (dict(B=2, T=8192, HV=16), False, "rewy is faster here: 2 dense sequences x 16 heads = 32 blocks"),
+    (dict(B=4, T=4096, HV=16), False, "flash_qla"),
+    (dict(B=1, T=16384, HV=16), False, "flash_qla"),
+    (dict(dtype=torch.float32), False, "bfloat16 / float16"),
+    (dict(vdtype=torch.float16), False, "bfloat16 / float16"),
+    (dict(K=64, V=64), False, "K = V = 128, got K = 64"),
+    (dict(), True, "allow_neg_eigval"),
 ])
-def test_rule(usable, kw, policy, neg, expect):
+def test_rule(usable, kw, neg, expect):
     q, k, v = _meta(**kw)
-    backend, why = route.choose(q, k, v, None, policy, neg)
+    backend, why = route.choose(q, k, v, None, neg)
     if expect == "flash_qla":
         assert backend == "flash_qla" and why == "FlashQLA serves this call and is faster at its shape"
     else:
@@ -155,4 +155,4 @@ def test_rule(usable, kw, policy, neg, expect):
 def test_packed_input_goes_to_flash_qla_whatever_its_sequences(usable):
     q, k, v = _meta(B=1, T=8192, HV=16)
     cu = torch.tensor([0, 4096, 8192])
-    assert route.choose(q, k, v, cu, "full", False)[0] == "flash_qla"
+    assert route.choose(q, k, v, cu, False)[0] == "flash_qla"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import free_port, rank_main
+from support.cp_ranks import free_port, model_rank_main, rank_main
 
 CASES = {
     2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),
@@ -24,3 +24,12 @@ CASES = {
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_ranks_match_one_process(world):
     mp.spawn(rank_main, args=(world, free_port(), CASES[world]), nprocs=world, join=True)
+
+
+MODEL_CASES = [("gated_deltanet", [0, 50, 128]), ("kda", [0, 128]), ("gdn2", [0, 20, 20, 128])]
+
+
+def test_patched_models_match_one_process():
+    """rewy_hf.context_parallel on tiny patched models without short convolution: 2 ranks, float32
+    (FLA's norms run in the Triton interpreter), logits and rank-summed parameter gradients."""
+    mp.spawn(model_rank_main, args=(2, free_port(), MODEL_CASES), nprocs=2, join=True)

@@ -70,9 +70,9 @@ def check(op: str, bounds: list[int], H: int, HV: int, l2norm: bool, seed: int =
         _close(g, g_ref[:, lo:hi], f"d{name}, {where}")
 
 
-def _close(x: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+def _close(x: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> None:
     err = (x - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-    assert err <= TOL, f"{what}: relative error {err:.2e} > {TOL:.0e}"
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 
 def rank_main(rank: int, world: int, port: int, cases: list) -> None:
@@ -121,5 +121,74 @@ def cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     try:
         for case in cases:
             check_cuda(*case)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_model(kind: str, bounds: list[int], tol: float = 2e-5) -> None:
+    """A tiny patched model (float32, torch backend): each rank's logits over its slice of the packed
+    row, and the rank-summed parameter gradients of the row's mean next-token loss, equal one process
+    on the whole row."""
+    from fla.ops.cp import build_cp_context
+
+    import rewy_hf
+    from support import fla_tiny_models as tiny
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Without the short convolution: FLA's exchange for it (which context_parallel hands the context,
+    # tests/patching/test_context_parallel_model.py) does not run in the Triton interpreter.
+    model = tiny.build(kind, use_short_conv=False) if kind != "gdn2" else _gdn2_model()
+    rewy_hf.patch_model(model, backend="torch")
+    T = bounds[-1]
+    ids = torch.randint(0, tiny.VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor(bounds)
+    # The next token of each position, none at a sequence's last one.
+    targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])
+    targets[cu[1:] - 1] = -100
+    count = int((targets != -100).sum())
+
+    def loss_of(logits, tgt):
+        return F.cross_entropy(logits[0].float(), tgt, ignore_index=-100, reduction="sum") / count
+
+    ref_logits = model(input_ids=ids, cu_seqlens=cu).logits
+    ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
+
+    part = T // world
+    lo, hi = rank * part, (rank + 1) * part
+    ctx = build_cp_context(cu, group=dist.group.WORLD)
+    with rewy_hf.context_parallel(model, ctx):
+        logits = model(input_ids=ids[:, lo:hi], cu_seqlens=ctx.cu_seqlens).logits
+    grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
+    where = f"{kind} bounds={bounds} world={world} rank={rank}"
+    _close(logits, ref_logits[:, lo:hi], f"logits, {where}", tol)
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
+        if g_ref is None:
+            continue
+        dist.all_reduce(g)
+        _close(g, g_ref, f"d {name}, {where}", tol)
+
+
+def _gdn2_model():
+    from rewy_hf.models.gdn2 import GDN2Config, GDN2ForCausalLM
+
+    from support import fla_tiny_models as tiny
+
+    torch.manual_seed(0)
+    config = GDN2Config(vocab_size=tiny.VOCAB, hidden_size=tiny.HIDDEN, num_hidden_layers=2, num_heads=2, head_dim=16,
+                        fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False, use_short_conv=False)
+    return GDN2ForCausalLM(config).train()
+
+
+def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    # As tests/conftest.py does for the parent process: FLA's kernels under the interpreter.
+    from rewy_hf.cpu_triton import enable_cpu_interpreter
+
+    enable_cpu_interpreter()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        for case in cases:
+            check_model(*case)
     finally:
         dist.destroy_process_group()

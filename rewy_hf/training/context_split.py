@@ -1,0 +1,62 @@
+"""``--context-parallel``: one packed row of the step's windows, split across the processes.
+
+Every process reads the same ``--batch-size`` windows; their inputs are joined into one row of
+batch-size x seq-len tokens (``cu_seqlens`` at the window bounds), and process r trains tokens
+``[r P, (r + 1) P)``, P = row / processes, through ``rewy_hf.context_parallel`` (the delta-rule
+layers and their short convolutions exchange state summaries with FLA's protocol). Each process's
+loss is its tokens' summed cross-entropy x processes / row tokens, so the mean over processes that
+DDP and FSDP take of the gradients is the gradient of the row's mean loss, and the mean of the
+logged losses is that loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import RecipeError
+
+
+def check(args, world: int) -> None:
+    """Refuse a --context-parallel run that cannot work, before anything heavy loads."""
+    if not args.context_parallel:
+        return
+    if args.core != "rewy":
+        raise RecipeError("--context-parallel runs rewy's delta-rule layers; drop --core original")
+    if world < 2:
+        raise RecipeError("--context-parallel splits each row across processes: launch 2 or more, e.g. "
+                          "`accelerate launch --num_processes 2 recipes/finetune_gdn2.py --context-parallel ...`")
+    if (args.batch_size * args.seq_len) % world:
+        raise RecipeError(f"--context-parallel: batch-size x seq-len = {args.batch_size * args.seq_len} tokens do not "
+                          f"split evenly over {world} processes; pick sizes whose product {world} divides")
+
+
+class RowSplit:
+    def __init__(self, batch_size: int, seq_len: int, world: int, rank: int, device: torch.device):
+        from fla.ops.cp import build_cp_context
+        import torch.distributed as dist
+
+        self.world, self.total = world, batch_size * seq_len
+        bounds = torch.arange(0, self.total + 1, seq_len)
+        self.context = build_cp_context(bounds.to(device), group=dist.group.WORLD, cu_seqlens_cpu=bounds)
+        part = self.total // world
+        self.tokens = slice(rank * part, (rank + 1) * part)
+
+    def describe(self) -> str:
+        return f"context parallel: rows of {self.total} tokens in {self.world} slices"
+
+    def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
+        import rewy_hf
+
+        row, targets = batch[:, :-1].reshape(1, -1), batch[:, 1:].reshape(-1)
+        with rewy_hf.context_parallel(model, self.context):
+            logits = model(input_ids=row[:, self.tokens], cu_seqlens=self.context.cu_seqlens).logits
+        summed = torch.nn.functional.cross_entropy(logits[0].float(), targets[self.tokens], reduction="sum")
+        return summed * (self.world / self.total)
+
+
+def row_split(args, world: int, rank: int, device: torch.device) -> RowSplit | None:
+    """The run's split, or None without --context-parallel."""
+    if not args.context_parallel:
+        return None
+    check(args, world)
+    return RowSplit(args.batch_size, args.seq_len, world, rank, device)

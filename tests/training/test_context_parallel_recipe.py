@@ -1,0 +1,65 @@
+"""--context-parallel on CPU: two gloo processes each train half of every packed row of the
+tiny-fla-gdn2 preset (no short convolution: FLA's exchange for it does not run in the Triton
+interpreter) and log the losses one process logs on the whole rows; bad settings are refused first."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from support.cp_ranks import free_port
+from support.recipe_ranks import rank_main
+
+COMMON = ["--model", "tiny-fla-gdn2", "--seq-len", "96", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1",
+          "--max-steps", "3", "--no-progress", "--compile", "off"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_log_the_one_process_losses(tmp_path):
+    from rewy_hf.training import recipe
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert recipe.main([*COMMON, "--output-dir", str(one)]) == 0
+    mp.spawn(rank_main, args=(2, free_port(), [*COMMON, "--context-parallel", "--output-dir", str(two)]), nprocs=2,
+             join=True)
+    ref, split = _losses(one), _losses(two)
+    assert len(ref) == len(split) == 3
+    for step, (a, b) in enumerate(zip(split, ref), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: context parallel {a:.7f}, one process {b:.7f}"
+
+
+def test_one_process_is_refused(tmp_path, capsys):
+    from rewy_hf.training import recipe
+
+    assert recipe.main([*COMMON, "--context-parallel", "--output-dir", str(tmp_path)]) == 2
+    assert "launch 2 or more, e.g. `accelerate launch --num_processes 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings,world,fragment", [
+    (dict(core="original"), 2, "drop --core original"),
+    (dict(batch_size=1, seq_len=95), 2, "95 tokens do not split evenly over 2 processes"),
+    (dict(batch_size=3, seq_len=65), 4, "195 tokens do not split evenly over 4 processes"),
+])
+def test_settings_are_checked(settings, world, fragment):
+    from rewy_hf.training.context_split import check
+    from rewy_hf.training.options import RecipeError
+
+    args = SimpleNamespace(**{"context_parallel": True, "core": "rewy", "batch_size": 2, "seq_len": 96, **settings})
+    with pytest.raises(RecipeError, match=re.escape(fragment)):
+        check(args, world)
