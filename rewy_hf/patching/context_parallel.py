@@ -20,35 +20,27 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 
 import torch.nn as nn
 
 from ..errors import UnsupportedConfigError
+from .dispatch import set_active_context
+from .patch import patch_state
 
-_ACTIVE = threading.local()
 # FLA's module-level short-convolution names its layers call: ShortConvolution's, and the fused
 # q/k/v convolution of GatedDeltaNet.
 _CONV_SITES = ("fla.modules.causal_conv1d.ops", "fla.layers.gated_deltanet")
 
 
-def active_context():
-    """The ``cp_context`` of the innermost ``context_parallel`` block of this thread, or None."""
-    return getattr(_ACTIVE, "context", None)
-
-
 def _refusal(model: nn.Module) -> str | None:
-    from .patch import _STATE_ATTR
-
-    patched = [m for m in model.modules() if _STATE_ATTR in m.__dict__]
-    if not patched:
+    states = [s for s in map(patch_state, model.modules()) if s is not None]
+    if not states:
         return "the model has no patched delta-rule layer; call rewy_hf.patch_model(model) first"
-    for m in patched:
-        state = m.__dict__[_STATE_ATTR]
+    for state in states:
         if state.adapter.family != "fla":
             return (f"{state.name} ({state.layer_class}) is a transformers layer: its short convolution does not "
                     "exchange across ranks; use an fla.models model or rewy's GDN2 (e.g. the gdn2-1b preset)")
-    mixers = [n for n, m in model.named_modules() if n.endswith(".attn") and _STATE_ATTR not in m.__dict__]
+    mixers = [n for n, m in model.named_modules() if n.endswith(".attn") and patch_state(m) is None]
     if mixers:
         return (f"the token mixer {mixers[0]} ({type(model.get_submodule(mixers[0])).__name__}) is not a patched "
                 "delta-rule layer, and attention layers have no context parallelism here; use a config without "
@@ -64,7 +56,6 @@ def context_parallel(model: nn.Module, cp_context):
         raise UnsupportedConfigError(f"context_parallel: {reason}.")
     sites = [importlib.import_module(name) for name in _CONV_SITES]
     saved = [site.causal_conv1d for site in sites]
-    previous = active_context()
 
     def with_context(original):
         # FLA's convolution with the context, as its layers would pass it if they took one.
@@ -72,7 +63,7 @@ def context_parallel(model: nn.Module, cp_context):
             return original(*args, **{**kwargs, "cp_context": cp_context})
         return conv
 
-    _ACTIVE.context = cp_context
+    previous = set_active_context(cp_context)
     try:
         for site, original in zip(sites, saved):
             site.causal_conv1d = with_context(original)
@@ -80,4 +71,4 @@ def context_parallel(model: nn.Module, cp_context):
     finally:
         for site, original in zip(sites, saved):
             site.causal_conv1d = original
-        _ACTIVE.context = previous
+        set_active_context(previous)

@@ -26,7 +26,6 @@ from ..adapters.transformers_common import plain_torch, runs_torch_fallback
 from ..kernels.short_conv import causal_short_conv
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
-from .context_parallel import active_context
 from .fault import apply_grad_fault
 
 # Per thread, the patch states of the layers whose forwards are running, innermost last. A
@@ -201,6 +200,20 @@ def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: di
     bound = dict(zip(names, args))
     bound.update((k, kwargs[k]) for k in names if k in kwargs)
     return causal_short_conv(bound["hidden_states"], bound["weight"], bound.get("bias"), bound.get("activation"))
+
+
+_CP = threading.local()
+
+
+def active_context():
+    """The ``cp_context`` every routed core call of this thread takes (``context_parallel``), or None."""
+    return getattr(_CP, "context", None)
+
+
+def set_active_context(context):
+    """Make ``context`` the active one and return the one it replaces."""
+    previous, _CP.context = active_context(), context
+    return previous
 
 
 def route(state, original: Callable, args: tuple, kwargs: dict):

@@ -290,6 +290,11 @@ def is_patched(layer: nn.Module) -> bool:
     return _STATE_ATTR in layer.__dict__
 
 
+def patch_state(layer: nn.Module) -> LayerPatch | None:
+    """The layer's patch (its name, adapter, backend, policy, fallback), or None if it is not patched."""
+    return layer.__dict__.get(_STATE_ATTR)
+
+
 @contextlib.contextmanager
 def patched(model: nn.Module, **options: Any):
     """``with rewy_hf.patched(model): ...`` patches for the block and restores after."""
