@@ -112,7 +112,7 @@ def cp_delta_rule(a: CoreArgs, backend: str, ctx) -> torch.Tensor:
     group = ctx.group
     rank = dist.get_rank(group=group)
     bounds = [int(b) for b in (ctx.cu_seqlens_cpu if ctx.cu_seqlens_cpu is not None else ctx.cu_seqlens.cpu())]
-    B, T, HV, V = a.v.shape
+    HV, V = a.v.shape[2:]
     K, dt = a.q.shape[-1], _state_dtype(a)
     with torch.no_grad():
         # Forward summary of the last local sequence, which goes on to the next rank.
@@ -151,7 +151,7 @@ class _NextRanksGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, do):
-        V, (N, HV, K, _) = fctx.V, fctx.state
+        V, (_, HV, K, _) = fctx.V, fctx.state
         summary = do.new_zeros(HV, K, V + K, dtype=fctx.state_dtype)
         if fctx.response is not None:
             O, M = fctx.response
