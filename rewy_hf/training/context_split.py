@@ -44,12 +44,16 @@ class RowSplit:
     def describe(self) -> str:
         return f"context parallel: rows of {self.total} tokens in {self.world} slices"
 
-    def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
+    def active(self, model):
+        """The block inside which ``loss`` and its backward run (``rewy_hf.context_parallel``)."""
         import rewy_hf
 
+        return rewy_hf.context_parallel(model, self.context)
+
+    def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
+        """This process's share of the row's loss; call it, and its backward, inside ``active``."""
         row, targets = batch[:, :-1].reshape(1, -1), batch[:, 1:].reshape(-1)
-        with rewy_hf.context_parallel(model, self.context):
-            logits = model(input_ids=row[:, self.tokens], cu_seqlens=self.context.cu_seqlens).logits
+        logits = model(input_ids=row[:, self.tokens], cu_seqlens=self.context.cu_seqlens).logits
         summed = torch.nn.functional.cross_entropy(logits[0].float(), targets[self.tokens], reduction="sum")
         return summed * (self.world / self.total)
 

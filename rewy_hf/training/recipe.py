@@ -194,7 +194,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
     if args.core == "rewy":
         patch_report = rewy_hf.patch_model(model, backend=args.backend, policy=args.policy, fallback=args.fallback)
 
-    compiled, compile_why = compile_choice(args.compile)
+    compiled, compile_why = compile_choice(args.compile, args.context_parallel)
     if compiled:
         # nn.Module.compile compiles in place: the state dict, PEFT wrapping and checkpoints keep their names.
         model.compile()
@@ -276,7 +276,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
         for micro in range(args.grad_accum):
             batch = windows[sampler.indices(step * args.grad_accum + micro)].to(accelerator.device)
             ctx = accelerator.no_sync(model) if micro < args.grad_accum - 1 else _null()
-            with ctx:
+            # Context parallel: the backward too runs in the split, as checkpointed layers rerun forwards there.
+            with ctx, (split.active(model) if split else _null()):
                 if split:
                     loss = split.loss(model, batch)
                 else:

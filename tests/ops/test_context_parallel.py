@@ -26,10 +26,12 @@ def test_ranks_match_one_process(world):
     mp.spawn(rank_main, args=(world, free_port(), CASES[world]), nprocs=world, join=True)
 
 
-MODEL_CASES = [("gated_deltanet", [0, 50, 128]), ("kda", [0, 128]), ("gdn2", [0, 20, 20, 128])]
+MODEL_CASES = [("gated_deltanet", [0, 50, 128]), ("kda", [0, 128]), ("gdn2", [0, 20, 20, 128]),
+               ("gated_deltanet", [0, 128], True)]
 
 
 def test_patched_models_match_one_process():
     """rewy_hf.context_parallel on tiny patched models without short convolution: 2 ranks, float32
-    (FLA's norms run in the Triton interpreter), logits and rank-summed parameter gradients."""
+    (FLA's norms run in the Triton interpreter), logits and rank-summed parameter gradients; one case
+    with gradient checkpointing, whose recomputed forwards must run context-parallel too."""
     mp.spawn(model_rank_main, args=(2, free_port(), MODEL_CASES), nprocs=2, join=True)

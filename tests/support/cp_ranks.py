@@ -125,7 +125,7 @@ def cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
         dist.destroy_process_group()
 
 
-def check_model(kind: str, bounds: list[int], tol: float = 2e-5) -> None:
+def check_model(kind: str, bounds: list[int], checkpointing: bool = False, tol: float = 2e-5) -> None:
     """A tiny patched model (float32, torch backend): each rank's logits over its slice of the packed
     row, and the rank-summed parameter gradients of the row's mean next-token loss, equal one process
     on the whole row."""
@@ -139,6 +139,8 @@ def check_model(kind: str, bounds: list[int], tol: float = 2e-5) -> None:
     # tests/patching/test_context_parallel_model.py) does not run in the Triton interpreter.
     model = tiny.build(kind, use_short_conv=False) if kind != "gdn2" else _gdn2_model()
     rewy_hf.patch_model(model, backend="torch")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     T = bounds[-1]
     ids = torch.randint(0, tiny.VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
     cu = torch.tensor(bounds)
@@ -156,10 +158,11 @@ def check_model(kind: str, bounds: list[int], tol: float = 2e-5) -> None:
     part = T // world
     lo, hi = rank * part, (rank + 1) * part
     ctx = build_cp_context(cu, group=dist.group.WORLD)
+    # The backward inside the block as well: checkpointed layers rerun their forward there.
     with rewy_hf.context_parallel(model, ctx):
         logits = model(input_ids=ids[:, lo:hi], cu_seqlens=ctx.cu_seqlens).logits
-    grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
-    where = f"{kind} bounds={bounds} world={world} rank={rank}"
+        grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
+    where = f"{kind} bounds={bounds} checkpointing={checkpointing} world={world} rank={rank}"
     _close(logits, ref_logits[:, lo:hi], f"logits, {where}", tol)
     for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
         if g_ref is None:

@@ -63,3 +63,11 @@ def test_settings_are_checked(settings, world, fragment):
     args = SimpleNamespace(**{"context_parallel": True, "core": "rewy", "batch_size": 2, "seq_len": 96, **settings})
     with pytest.raises(RecipeError, match=re.escape(fragment)):
         check(args, world)
+
+
+def test_compile_is_off_with_context_parallel():
+    from rewy_hf.training.options import RecipeError, compile_choice
+
+    assert compile_choice("auto", context_parallel=True)[0] is False
+    with pytest.raises(RecipeError, match="--compile on with --context-parallel"):
+        compile_choice("on", context_parallel=True)
