@@ -59,8 +59,7 @@ class RowSplit:
 
 
 def row_split(args, world: int, rank: int, device: torch.device) -> RowSplit | None:
-    """The run's split, or None without --context-parallel."""
+    """The run's split, or None without --context-parallel (``check`` has passed at the run's start)."""
     if not args.context_parallel:
         return None
-    check(args, world)
     return RowSplit(args.batch_size, args.seq_len, world, rank, device)

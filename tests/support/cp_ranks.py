@@ -75,14 +75,19 @@ def _close(x: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> N
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 
-def rank_main(rank: int, world: int, port: int, cases: list) -> None:
+def _serve(rank: int, world: int, port: int, cases: list, check_case, timeout_s: int) -> None:
+    """Join the gloo group of ``world`` processes and run ``check_case(*case)`` for every case."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         for case in cases:
-            check(*case)
+            check_case(*case)
     finally:
         dist.destroy_process_group()
+
+
+def rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve(rank, world, port, cases, check, 120)
 
 
 def check_cuda(op: str, bounds: list[int], H: int, HV: int) -> None:
@@ -116,13 +121,7 @@ def check_cuda(op: str, bounds: list[int], H: int, HV: int) -> None:
 
 def cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        for case in cases:
-            check_cuda(*case)
-    finally:
-        dist.destroy_process_group()
+    _serve(rank, world, port, cases, check_cuda, 300)
 
 
 def check_model(kind: str, bounds: list[int], checkpointing: bool = False, tol: float = 2e-5) -> None:
@@ -188,10 +187,4 @@ def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
 
     enable_cpu_interpreter()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        for case in cases:
-            check_model(*case)
-    finally:
-        dist.destroy_process_group()
+    _serve(rank, world, port, cases, check_model, 300)
