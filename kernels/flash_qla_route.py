@@ -1,17 +1,20 @@
 """When ``backend="auto"`` sends a Gated DeltaNet call to FlashQLA instead of rewy's Triton kernels.
 
-Two questions, both answered without reading a tensor's values (a traced call must not):
+Whether FlashQLA can serve the call (``unsupported_reason``), answered without reading a tensor's
+values (a traced call must not): its package is importable, the GPU is Hopper (SM90) or
+SM100/SM103 (SM120 has its forward only), q, k and v are bfloat16 or float16 alike, K = V = 128,
+and the erase strength is in [0, 1] (no negative eigenvalues: FlashQLA is not built for them).
+Gate and beta activations and the l2norm run in rewy before the core, so FLA's other refusals
+(``use_gate_in_kernel``, beta sigmoid) do not apply here.
 
-- can FlashQLA serve the call? (``unsupported_reason``) Its package is importable, the GPU is
-  Hopper (SM90) or SM100/SM103 (SM120 has its forward only), q, k and v are bfloat16 or float16
-  alike, K = V = 128, and the erase strength is in [0, 1] (no negative eigenvalues: FlashQLA is
-  not built for them). Gate and beta activations and the l2norm run in rewy before the core, so
-  FLA's other refusals (``use_gate_in_kernel``, beta sigmoid) do not apply here.
-- is it faster there? (``rewy_faster_reason``) By a rule read off forward + backward times on
-  the H200 (docs/bench/flashqla, docs/performance.md "GDN against FlashQLA"), which
-  ``rewy-hf bench --op gdn --backend triton --peers flash-qla`` measures in one process.
+Where it can, it is also faster: forward + backward, both sides in one process on the H200
+(``rewy-hf bench --op gdn --backend triton --peers flash-qla``, docs/bench/flashqla,
+docs/performance.md "GDN against FlashQLA"), FlashQLA led at every shape measured under both
+policies. rewy's forward at 16 heads runs FLA's launch-bound stages, so its forward + backward
+varies by a third between rounds where FlashQLA's does not; no shape class was found where rewy's
+median is ahead.
 
-``choose`` combines them and says why, for the dispatch report.
+``choose`` says which backend serves a call and why, for the dispatch report.
 """
 
 from __future__ import annotations
@@ -21,13 +24,6 @@ import importlib.util
 import torch
 
 BACKEND = "flash_qla"
-# Measured (H200, bf16, K = V = 128, forward + backward, both sides in one process): FlashQLA runs
-# one block per (sequence, value head) and splits a sequence across the GPU only when there is one.
-# With several dense sequences and fewer than this many (sequence, head) blocks, most of the GPU
-# idles through its walk, and rewy's chunk-parallel kernels are faster under either policy (at
-# (2, 8192, 16): 1.82 against 1.97 ms under recompute, 1.64 against 1.95 ms under full); at 64 and
-# 128 blocks FlashQLA was faster under both.
-FEW_BLOCKS = 64
 
 
 def _probe(device_type: str, index: int) -> str | None:
@@ -70,19 +66,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_ei
     return None
 
 
-def rewy_faster_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str | None:
-    """Why rewy's Triton kernels are faster for this call by the measured rule, or None."""
-    B, HV = q.shape[0], v.shape[2]
-    if cu_seqlens is None and B > 1 and B * HV < FEW_BLOCKS:
-        return (f"rewy is faster here: {B} dense sequences x {HV} heads = {B * HV} blocks < {FEW_BLOCKS} leave "
-                "FlashQLA's walk on few SMs")
-    return None
-
-
-def choose(q, k, v, cu_seqlens, neg_eigval: bool) -> tuple[str, str]:
+def choose(q, k, v, neg_eigval: bool) -> tuple[str, str]:
     """(backend, why) for an ``auto`` GDN call that rewy's Triton kernels can serve."""
     if (reason := unsupported_reason(q, k, v, neg_eigval)) is not None:
         return "triton", reason
-    if (reason := rewy_faster_reason(q, v, cu_seqlens)) is not None:
-        return "triton", reason
-    return BACKEND, "FlashQLA serves this call and is faster at its shape"
+    return BACKEND, "FlashQLA serves this call and is faster"

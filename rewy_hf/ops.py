@@ -234,7 +234,7 @@ def chunk_gated_delta_rule(
     [B, T, HV]. With ``use_gate_in_kernel=True``, g is raw and the gate is
     ``-exp(A_log) * softplus(g + dt_bias)`` (A_log, dt_bias: [HV]).
     Under ``backend="auto"`` on a GPU with ``flash-qla`` installed, a call FlashQLA serves runs on
-    its kernels where the measured rule says it is faster (kernels/flash_qla_route.py).
+    its kernels, faster there at every shape measured (kernels/flash_qla_route.py).
     """
     cu_seqlens = _cp_seqlens("chunk_gated_delta_rule", cp_context, q, initial_state, output_final_state, cu_seqlens)
     extras = pop_fla_extras("chunk_gated_delta_rule", kwargs, _PLUMBING + ("use_gate_in_kernel", "A_log", "dt_bias"))
@@ -257,7 +257,7 @@ def chunk_gated_delta_rule(
         # A peer may be faster for this call: FlashQLA, where it is installed and serves it.
         from .kernels.flash_qla_route import choose
 
-        chosen, why = choose(q, k, v, cu_seqlens, allow_neg_eigval)
+        chosen, why = choose(q, k, v, allow_neg_eigval)
         _LAST.backend = chosen
     return _run("gdn", chosen, q, k, v, g, beta, None, scale, initial_state, output_final_state, cu_seqlens,
                 state_v_first, policy, use_qk_l2norm_in_kernel, why=why, cp_context=cp_context)

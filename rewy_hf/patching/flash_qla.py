@@ -22,8 +22,8 @@ GDN_OP = "gated_delta_rule"
 ROUTED_NOTE = (
     "rewy-hf: flash-qla is installed and runs on this GPU: under backend='auto' the {n} patched GDN layer(s) run "
     "FlashQLA's kernels through rewy's boundary (no graph break under torch.compile) wherever FlashQLA serves the "
-    "call and is faster by the measured rule (rewy_hf/kernels/flash_qla_route.py), rewy's Triton kernels "
-    "elsewhere; the dispatch report's 'routes' says where each call went and why. backend='triton' keeps rewy's "
+    "call (bf16 / fp16, K = V = 128, no allow_neg_eigval; faster there at every shape measured, "
+    "rewy_hf/kernels/flash_qla_route.py), rewy's Triton kernels elsewhere; the dispatch report's 'routes' says where each call went and why. backend='triton' keeps rewy's "
     "kernels throughout."
 )
 

@@ -8,6 +8,7 @@ group, and compares its slice's outputs and input gradients with the reference's
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import socket
 
 import torch
@@ -77,11 +78,15 @@ def _close(x: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> N
 
 def _serve(rank: int, world: int, port: int, cases: list, check_case, timeout_s: int) -> None:
     """Join the gloo group of ``world`` processes and run ``check_case(*case)`` for every case."""
+    # A rank that dies in native code (SIGABRT, SIGSEGV) prints its Python stack to the test's stderr.
+    faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         for case in cases:
             check_case(*case)
+        # No rank tears its connections down while another still finishes its last collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
