@@ -8,7 +8,7 @@ module owns what both share, in one order:
 forward   q/k l2norm -> FLA's chunk table (packed sequences) -> gate cumsum -> intra stage
           -> state recurrence (h entering every chunk, v_new) -> output
 saves     the family's intermediates (``saved_names``): under ``full`` its ``full_saved`` too;
-          under ``recompute`` the state checkpoints, empty where the sequential rebuild fills the GPU
+          under ``recompute`` the state checkpoints (flat), empty where the sequential rebuild fills the GPU
 backward  (recompute) the family's recompute, then h and v_new rebuilt (from the checkpoints, or
           sequentially) -> the family's reverse state pass -> its local backward -> GVA fold
           -> l2norm backward
@@ -31,6 +31,7 @@ import torch
 from ..constants import CHUNK
 from ..core_args import CoreArgs
 from . import state_checkpoints, state_launch
+from .occupancy import sm_count
 from .qk_l2norm import normalize, normalize_backward
 
 
@@ -84,6 +85,12 @@ def _v_first_inside(family, a: CoreArgs) -> bool:
     return a.state_v_first and family.state_v_first_native
 
 
+def _state_dims(family, a: CoreArgs) -> tuple[int, int]:
+    """The last two dims of a state inside the kernels: (V, K) in the V-first layout, else (K, V)."""
+    K, V = a.k.shape[-1], a.v.shape[-1]
+    return (V, K) if _v_first_inside(family, a) else (K, V)
+
+
 def _state_in(family, a: CoreArgs, state):
     """A state in the caller's layout -> the layout the family's kernels take, float32."""
     if state is None:
@@ -116,9 +123,7 @@ def forward(family, a: CoreArgs):
     t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True)
     o = family.output(t, call, pk)
     if a.policy != "full":
-        segments = state_checkpoints.plan(t.v, a.cu_seqlens)
-        t.checkpoints = (state_checkpoints.save(t.h, t.h0, segments) if segments is not None
-                         else t.h.new_empty(0, *t.h.shape[2:], dtype=torch.float32 if t.h0 is not None else None))
+        t.checkpoints = state_checkpoints.kept(t.h, t.h0, state_checkpoints.plan(t.v, a.cu_seqlens))
     return o.to(a.v.dtype), _state_out(family, a, ht), [getattr(t, n) for n in saved_names(family, a)]
 
 
@@ -127,7 +132,7 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
     run time (with packed sequences: their chunks, the number of state checkpoints)."""
     B, T, H, K = a.q.shape
     HV, V = a.v.shape[2], a.v.shape[3]
-    state = (V, K) if _v_first_inside(family, a) else (K, V)
+    state = _state_dims(family, a)
     f32 = torch.float32
     fixed = dict(g2=(a.g.shape if a.g is not None else None, f32), A=((B, T, HV, CHUNK), a.k.dtype),
                  Aqk=((B, T, HV, CHUNK), a.k.dtype), Akk=((B, T, HV, CHUNK), a.k.dtype),
@@ -140,8 +145,9 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
         if name == "h":
             return (B, -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size(), HV, *state), a.k.dtype
         if name == "checkpoints":
-            count = state_checkpoints.dense_count(a.v) if a.cu_seqlens is None else dynamic_size()
-            return (count, HV, *state), f32 if a.h0 is not None else a.k.dtype
+            count = (state_checkpoints.dense_count(B, T, HV, V, sm_count(a.v)) if a.cu_seqlens is None
+                     else dynamic_size())
+            return (count * HV * K * V,), f32 if a.h0 is not None else a.k.dtype
         return fixed[name]
 
     return [a.q.new_empty(sz, dtype=dt) for sz, dt in map(shape, saved_names(family, a))]
@@ -159,8 +165,9 @@ def backward(family, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tens
     if a.policy != "full":
         family.recompute(t, do, call, pk)
         segments = state_checkpoints.plan(t.v, a.cu_seqlens)
-        if segments is not None:
-            t.h, t.v_new = state_checkpoints.rebuild(t.checkpoints, segments, t.u, **family.state_inputs(t),
+        if segments is not None and segments.cuts:
+            states = t.checkpoints.view(segments.count, a.v.shape[2], *_state_dims(family, a))
+            t.h, t.v_new = state_checkpoints.rebuild(states, segments, t.u, **family.state_inputs(t),
                                                      state_v_first=call.state_v_first)
         else:
             t.h, t.v_new, _ = state_pass(family, t, call, pk, final=False)

@@ -71,25 +71,46 @@ class Segments:
     def count(self) -> int:
         return len(self.starts)
 
+    @property
+    def cuts(self) -> bool:
+        """Whether some sequence has more than one segment (else the rebuild is the sequential one)."""
+        return self.count > len(self.sequence_starts)
+
 
 def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sms: int) -> int | None:
-    """L, the chunks per segment, or None to keep the sequential rebuild (``sms``: the GPU's SMs).
+    """L, the chunks per segment, or None to keep no checkpoints (``sms``: the GPU's SMs).
 
     Cut only where the sequential launch (N x HV x V / 64 programs at FLA's widest value
     block) fills less than half the SMs: on the H200 the rebuild from checkpoints was
     slower at every segment length where it gave 128 or more (B x H = 64 to 128 at
     K = V = 128). There, the shortest segments of at least MIN_CHUNKS chunks that give
-    about PROGRAMS_PER_SM programs per SM."""
+    about PROGRAMS_PER_SM programs per SM. A sequence of at most L chunks is one segment;
+    where every sequence is, nothing is cut (``Segments.cuts``) and the backward keeps the
+    sequential rebuild, but the checkpoints are still kept (one state per sequence), so their
+    count follows one formula of the shapes at every length (``dense_count``)."""
     if fills_half(len(sequence_chunks), value_heads, V, sms):
         return None
-    per_segment = value_heads * triton.cdiv(V, 64)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, per_segment)
-    L = max(MIN_CHUNKS, triton.cdiv(sum(sequence_chunks), wanted))
-    return L if L < max(sequence_chunks) else None
+    return max(MIN_CHUNKS, triton.cdiv(sum(sequence_chunks), _wanted_segments(value_heads, V, sms)))
+
+
+def _wanted_segments(value_heads: int, V: int, sms: int) -> int:
+    return triton.cdiv(PROGRAMS_PER_SM * sms, value_heads * triton.cdiv(V, 64))
+
+
+def dense_count(B, T, value_heads: int, V: int, sms: int):
+    """How many checkpoints ``plan`` keeps for an unpacked v [B, T, HV, V]: 0 where the launch
+    fills half the SMs (decided by B, HV and V alone), else B x cdiv(NT, L). With a symbolic
+    T (the custom op's fake implementation) the count is an expression of T without a branch,
+    so a compiled graph holds at every length."""
+    if fills_half(B, value_heads, V, sms):
+        return 0
+    nt = -(-T // CHUNK)
+    L = torch.sym_max(MIN_CHUNKS, -(-(B * nt) // _wanted_segments(value_heads, V, sms)))
+    return B * -(-nt // L)
 
 
 def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
-    """The segments for this call (v: [B, T, HV, V]), or None to keep FLA's sequential rebuild."""
+    """The segments for this call (v: [B, T, HV, V]), or None to keep no checkpoints."""
     if launch_fills_half(v, cu_seqlens):
         return None         # decided from shapes alone: packed lengths are not read (a device sync)
     B, T, HV, V = v.shape
@@ -99,17 +120,13 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     return None if L is None else _segments(bounds, L, v.device)
 
 
-def dense_count(v: torch.Tensor) -> int:
-    """How many checkpoints ``plan`` keeps for an unpacked v [B, T, HV, V] (0 for none), from its
-    shape alone: B sequences of cdiv(T, CHUNK) chunks, each cut into segments of L chunks. The
-    custom op's fake implementation gives the checkpoints this size, so a compiled call has no
-    size known only at run time (symbolic T gives a symbolic count)."""
-    if launch_fills_half(v, None):
-        return 0
-    B, T, HV, V = v.shape
-    nt = triton.cdiv(T, CHUNK)
-    L = chunks_per_segment([nt] * B, HV, V, sm_count(v))
-    return 0 if L is None else B * triton.cdiv(nt, L)
+def kept(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments | None) -> torch.Tensor:
+    """What the forward saves: ``save``'s checkpoints flattened to one dimension (empty without
+    segments). Flat, their one size is a multiple of HV x K x V, never 0 or 1 at any length, so
+    a compiled graph does not specialise on it."""
+    if segments is None:
+        return h.new_empty(0, dtype=torch.float32 if h0 is not None else None)
+    return save(h, h0, segments).reshape(-1)
 
 
 @lru_cache(maxsize=64)

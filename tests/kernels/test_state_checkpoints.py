@@ -102,10 +102,20 @@ def test_the_rule_cuts_only_where_the_sequential_launch_fills_under_half_the_sms
         assert L is not None and C.MIN_CHUNKS <= L < NT, (B, T, HV, L)
         programs = B * -(-NT // L) * HV * 2
         assert L == C.MIN_CHUNKS or programs >= 0.9 * C.PROGRAMS_PER_SM * sms, (B, T, HV, L)
-    # Half the SMs or more already busy (B x HV x V / 64 >= 66), or sequences too short to cut.
+    # Half the SMs or more already busy (B x HV x V / 64 >= 66).
     for B, T, HV in [(8, 2048, 16), (4, 4096, 16), (4, 4096, 32), (1, 32768, 33)]:
         assert C.chunks_per_segment([T // 64] * B, HV, 128, sms) is None, (B, T, HV)
-    assert C.chunks_per_segment([C.MIN_CHUNKS], 1, 128, sms) is None
+    # Sequences too short to cut are one segment each: nothing is cut, one checkpoint per sequence.
+    seg = C.plan(torch.empty(2, C.MIN_CHUNKS * 64, 16, 128), None)
+    assert seg.count == 2 and not seg.cuts
+
+
+@pytest.mark.parametrize("B,HV", [(1, 16), (2, 16), (1, 32), (2, 8), (4, 16), (2, 32)])
+def test_dense_count_is_the_plans_count_at_every_length(B, HV):
+    """The fake implementation's count (a formula of the shapes) is what the forward keeps."""
+    for T in (1, 64, 65, 2047, 2048, 2049, 4096, 8192, 33 * 64 * 32, 33 * 64 * 32 + 1, 131072):
+        seg = C.plan(torch.empty(B, T, HV, 128), None)
+        assert C.dense_count(B, T, HV, 128, 132) == (0 if seg is None else seg.count), (B, HV, T)
 
 
 def test_packed_lengths_are_read_only_when_the_shapes_leave_room_and_once_per_tensor(monkeypatch):
@@ -172,3 +182,28 @@ def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
     ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref_leaves[i] for i in live])
     errors = {i: rel_err(a, b) for i, a, b in zip(live, grads, ref)}
     assert rel_err(o, o_ref) < 2e-5 and max(errors.values()) < 2e-5, errors
+
+
+def test_function_keeps_the_sequential_rebuild_where_no_sequence_is_cut(monkeypatch):
+    """Segments longer than every sequence: the forward keeps one checkpoint per sequence, the
+    backward rebuilds sequentially (FLA's dense fwd_h both times) and every gradient matches."""
+    calls = []
+
+    def fwd_h(**kw):
+        calls.append(None if kw.get("cu_seqlens") is None else len(kw["cu_seqlens"]) - 1)
+        return loop_fwd_h(**kw)
+
+    replace_recurrences(monkeypatch, fwd_h, loop_bwd_dhu)
+    _segment_length(monkeypatch, 100)
+    inputs, do, _ = _inputs("gdn", 2, 130, H=1, HV=2, K=32, V=16, N=2, seed=5)
+    inputs[5] = None
+    leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    q, k, v, g, beta, _ = leaves
+    o, _ = triton_entry.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, None, False, False, "recompute", None)
+    grads = torch.autograd.grad((o * do).sum(), [q, k, v, g, beta])
+    assert calls == [None, None], calls
+    ref = [t.clone().requires_grad_() for t in inputs[:5]]
+    o_ref, _ = rewy_hf.chunk_gated_delta_rule(*ref, scale=32 ** -0.5, backend="torch")
+    ref_grads = torch.autograd.grad((o_ref * do).sum(), ref)
+    assert rel_err(o, o_ref) < 2e-5
+    assert max(rel_err(a, b) for a, b in zip(grads, ref_grads)) < 2e-5

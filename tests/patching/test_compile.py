@@ -186,6 +186,41 @@ def test_new_lengths_do_not_recompile_per_length():
     assert counter.frame_count == 2
 
 
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+@pytest.mark.parametrize("batch,value_heads", [(1, 16), (2, 16), (2, 32)])
+def test_triton_fake_implementation_guards_on_no_length(family, policy, batch, value_heads):
+    """The Triton backend's fake implementation (traced only; its kernels need a GPU) at the H200's
+    launch decisions: at B = 2 and 16 value heads the recompute policy cuts the state rebuild into
+    segments from 33 chunks on; a checkpoint count that branched on that, or a checkpoint tensor
+    whose leading size could be 1 (B = 1), guarded on T, and a training run over T = 2048 and 4096
+    compiled twice."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    B, T, H, D = batch, 4096, 16, 128
+    gate = (B, T, value_heads) if family == "gdn" else (B, T, value_heads, D)
+
+    def core(q, k, v, g, beta):
+        return torch.ops.rewy.delta_rule(q, k, v, g, beta, None, None, None, D ** -0.5, family, policy, False, True,
+                                         False, "", "", "triton")
+
+    inputs = [torch.empty(B, T, H, D, dtype=torch.bfloat16), torch.empty(B, T, H, D, dtype=torch.bfloat16),
+              torch.empty(B, T, value_heads, D, dtype=torch.bfloat16), torch.empty(gate),
+              torch.empty(B, T, value_heads, dtype=torch.bfloat16)]
+    graph = make_fx(core, tracing_mode="symbolic")(*inputs)
+    q = next(n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder")
+    length = q.shape[1].node.expr
+    env = q.fake_mode.shape_env
+    values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+    others = {s: v for s, v in values.items() if s != length}
+    # Every guard the trace left must hold at any length of more than one chunk (sizes of one
+    # are specialised, as torch.compile does for any dimension), so one graph serves them all.
+    for T_run in (65, 2048, 2049, 4096, 8192, 32 * 64 + 1, 33 * 64, 131072):
+        failed = [g.expr for g in env.guards if not g.expr.xreplace({**others, length: T_run})]
+        assert not failed, f"T = {T_run}: {failed}"
+    assert any(n.target is torch.ops.rewy.delta_rule.default for n in graph.graph.nodes)
+
+
 # ---------------------------------------------------------------------------
 # 4. Packed sequences: one dynamic graph for different bounds
 # ---------------------------------------------------------------------------
