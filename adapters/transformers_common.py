@@ -14,7 +14,8 @@ with activated gates (g already a log-decay, beta already a sigmoid) in FLA's
 ``(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
 use_qk_l2norm_in_kernel)``. Like transformers' wrapper (which filters keyword
 arguments by the target's signature), leftover attention keyword arguments the
-core has no use for (``cu_seq_lens_k``, ``max_length_q`` ...) are dropped.
+core has no use for (``cu_seq_lens_k``, ``max_length_q`` ...) are dropped; ``cp_context``
+(added by ``rewy_hf.context_parallel``) is passed on.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Callable
 from .base import Adapter
 
 _POSITIONAL = ("g", "beta", "chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-_PASSED_ON = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens")
+_PASSED_ON = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens",
+              "cp_context")
 
 
 class HFCoreCall:

@@ -88,7 +88,8 @@ def _zero_value_run(a: CoreArgs, backend: str):
     return o, ht[0].to(dt)
 
 
-def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+def gather_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x, in rank order, on x's device."""
     world = dist.get_world_size(group=group)
     # gloo gathers host tensors (ranks sharing one GPU, and the CPU tests, use it).
     send = x.cpu() if dist.get_backend(group) == "gloo" else x
@@ -128,7 +129,7 @@ def cp_delta_rule(a: CoreArgs, backend: str, ctx) -> torch.Tensor:
         if not ctx.is_first_rank:
             one = len(bounds) == 2 and not ctx.is_last_rank      # first and last: that run is made
             response = last_response if one else _zero_value_run(_tokens(a, bounds[0], bounds[1]), backend)
-        gathered = _all_gather(summary, group)
+        gathered = gather_ranks(summary, group)
     N = len(bounds) - 1
     h0 = a.q.new_zeros(N, HV, K, V, dtype=dt)
     if not ctx.is_first_rank:
@@ -158,7 +159,7 @@ class _NextRanksGradient(torch.autograd.Function):
             first = do[0, :fctx.first_end].to(fctx.state_dtype)
             summary[..., :V] = torch.einsum("thk,thv->hkv", O[0].to(fctx.state_dtype), first)
             summary[..., V:] = M.transpose(-1, -2)
-        gathered = _all_gather(summary, fctx.group)
+        gathered = gather_ranks(summary, fctx.group)
         dht = None
         if not fctx.is_last_rank:
             dht = do.new_zeros(fctx.state, dtype=fctx.state_dtype)

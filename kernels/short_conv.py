@@ -25,20 +25,38 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     The value of transformers' ``causal_conv1d_fn`` torch path (``F.conv1d`` with
     ``padding=W - 1``, cut to T), except that the activation sees the float32 sum rather than its
     rounding to the weight's dtype. Summed in float32 (float64 for float64 weights)."""
-    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"causal_short_conv takes x [B, C, T] and weight [C, W]; got x {tuple(x.shape)} and "
-                         f"weight {tuple(weight.shape)}")
-    T, W = x.shape[-1], weight.shape[-1]
+    check_conv_inputs(x, weight)
+    return conv_taps(F.pad(x, (weight.shape[-1] - 1, 0)), weight, bias, activation)
+
+
+def conv_taps(x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              activation: str | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The convolution over ``x_ext`` [B, C, W - 1 + T]: the W - 1 inputs before the first output
+    position, then the T inputs; the result [B, C, T] in x_ext's dtype. ``keep`` [W, T] (bool):
+    whether tap j reaches an input of output t's own sequence (packed sequences); None keeps all."""
+    W = weight.shape[-1]
+    T = x_ext.shape[-1] - (W - 1)
     acc = torch.promote_types(weight.dtype, torch.float32)      # float32, or float64 for float64 weights
-    xf = F.pad(x.to(weight.dtype).to(acc), (W - 1, 0))
+    xf = x_ext.to(weight.dtype).to(acc)
     wf = weight.to(acc)
-    out = xf[..., 0:T] * wf[:, 0, None]
+
+    def tap(j):
+        term = xf[..., j:j + T] * wf[:, j, None]
+        return term if keep is None else term * keep[j]
+
+    out = tap(0)
     for j in range(1, W):
-        out = out + xf[..., j:j + T] * wf[:, j, None]
+        out = out + tap(j)
     if bias is not None:
         out = out + bias.to(acc)[:, None]
     if activation is not None:
         from transformers.activations import ACT2FN
 
         out = ACT2FN[activation](out)
-    return out.to(x.dtype)
+    return out.to(x_ext.dtype)
+
+
+def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"causal_short_conv takes x [B, C, T] and weight [C, W]; got x {tuple(x.shape)} and "
+                         f"weight {tuple(weight.shape)}")

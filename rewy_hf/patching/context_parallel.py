@@ -3,17 +3,19 @@
 FLA 0.6.0 has context parallelism in its ops (``cp_context``) and in its short
 convolution, but its layers do not pass a context to either. Inside this block
 every patched delta-rule layer of ``model`` does: its core call reaches rewy's
-op with ``cp_context`` (kernels/context_parallel.py), and FLA's short
-convolution gets it too, so each rank's first ``W - 1`` convolution inputs come
-from the previous rank (FLA's own exchange). Everything else in these models
-is per token, so a rank that feeds its slice of the packed row (with the
-context's local ``cu_seqlens``) computes its slice of the whole row's outputs.
+op with ``cp_context`` (kernels/context_parallel.py), and its short
+convolution exchanges the inputs it needs across ranks, so each rank's first
+``W - 1`` convolution inputs come from the previous rank: FLA's layers through
+FLA's own exchange (their ``causal_conv1d`` gets the context), transformers'
+layers through rewy's (their ``causal_conv1d_fn`` call becomes
+kernels/context_parallel_conv.py). Everything else in these models is per
+token, so a rank that feeds its slice of the packed row computes its slice of
+the whole row's outputs.
 
-Served: ``fla.models`` models and rewy's GDN2 whose token mixers are all
-delta-rule layers. Refused, with the reason: attention layers (FLA's hybrid
-configs; their attention has no context parallelism here), transformers'
-own delta-rule layers (their convolution does not exchange across ranks), and
-layers that are not patched.
+Served: ``fla.models`` models, rewy's GDN2 and transformers' delta-rule models
+whose token mixers are all delta-rule layers. Refused, with the reason:
+attention layers (hybrid configs; their attention has no context parallelism
+here) and layers that are not patched.
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ def _refusal(model: nn.Module) -> str | None:
     states = [s for s in map(patch_state, model.modules()) if s is not None]
     if not states:
         return "the model has no patched delta-rule layer; call rewy_hf.patch_model(model) first"
-    for state in states:
-        if state.adapter.family != "fla":
-            return (f"{state.name} ({state.layer_class}) is a transformers layer: its short convolution does not "
-                    "exchange across ranks; use an fla.models model or rewy's GDN2 (e.g. the gdn2-1b preset)")
-    mixers = [n for n, m in model.named_modules() if n.endswith(".attn") and patch_state(m) is None]
+    # FLA's blocks hold their token mixer as ``attn``, transformers' decoder layers as ``self_attn``
+    # (Qwen3.5's delta-rule layers are ``linear_attn``, Kimi-Linear's are ``self_attn``).
+    mixers = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("attn", "self_attn")
+              and patch_state(m) is None]
     if mixers:
         return (f"the token mixer {mixers[0]} ({type(model.get_submodule(mixers[0])).__name__}) is not a patched "
-                "delta-rule layer, and attention layers have no context parallelism here; use a config without "
-                "attention layers (attn=None)")
+                "delta-rule layer, and attention layers have no context parallelism here; use a config whose "
+                "token mixers are all delta-rule layers (FLA: attn=None; transformers: every layer type "
+                "linear_attention)")
     return None
 
 

@@ -191,15 +191,24 @@ _PACKING = ("cu_seqlens", "seq_idx", "cu_seq_lens_q")
 
 
 def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: dict):
-    """A patched layer's short convolution: under torch.compile, where transformers would run its
-    ``F.conv1d`` fallback, the same convolution in the form inductor fuses (kernels/short_conv.py);
-    otherwise, and eagerly, transformers' own choice."""
-    if not (torch_fallback and torch.compiler.is_compiling()) or any(kwargs.get(k) is not None for k in _PACKING):
+    """A patched layer's short convolution: inside ``context_parallel``, the convolution with its
+    exchange across ranks (kernels/context_parallel_conv.py); under torch.compile, where
+    transformers would run its ``F.conv1d`` fallback, the same convolution in the form inductor
+    fuses (kernels/short_conv.py); otherwise, and eagerly, transformers' own choice."""
+    context = active_context()
+    if context is None and (not (torch_fallback and torch.compiler.is_compiling())
+                            or any(kwargs.get(k) is not None for k in _PACKING)):
         return original(*args, **kwargs)
     names = ("hidden_states", "weight", "bias", "activation")
     bound = dict(zip(names, args))
     bound.update((k, kwargs[k]) for k in names if k in kwargs)
-    return causal_short_conv(bound["hidden_states"], bound["weight"], bound.get("bias"), bound.get("activation"))
+    x, weight, bias, activation = (bound.get(n) for n in names)
+    if context is not None:
+        # Imported here: the context-parallel modules load Triton, which importing rewy_hf must not.
+        from ..kernels import context_parallel_conv
+
+        return context_parallel_conv.cp_causal_short_conv(x, weight, bias, activation, context)
+    return causal_short_conv(x, weight, bias, activation)
 
 
 _CP = threading.local()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import free_port, model_rank_main, rank_main
+from support.cp_ranks import free_port, hf_model_rank_main, model_rank_main, rank_main
 
 CASES = {
     2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),
@@ -35,3 +35,16 @@ def test_patched_models_match_one_process():
     (FLA's norms run in the Triton interpreter), logits and rank-summed parameter gradients; one case
     with gradient checkpointing, whose recomputed forwards must run context-parallel too."""
     mp.spawn(model_rank_main, args=(2, free_port(), MODEL_CASES), nprocs=2, join=True)
+
+
+# Sequence boundaries: none (one sequence through both ranks), inside rank 0, two tokens before
+# rank 1's slice (it borrows only those of its first sequence's inputs), on the slice edge.
+HF_MODEL_CASES = [("qwen3_5", [0, 128]), ("qwen3_5", [0, 50, 126, 128]), ("kimi_linear", [0, 62, 128]),
+                  ("kimi_linear", [0, 64, 100, 128])]
+
+
+def test_patched_transformers_models_match_sequences_run_alone():
+    """rewy_hf.context_parallel on tiny transformers models whose layers are all delta-rule layers,
+    short convolution included (rewy's exchange, kernels/context_parallel_conv.py): 2 ranks,
+    float32, logits and rank-summed parameter gradients against each sequence run on its own."""
+    mp.spawn(hf_model_rank_main, args=(2, free_port(), HF_MODEL_CASES), nprocs=2, join=True)

@@ -1,9 +1,11 @@
-"""rewy_hf.context_parallel's refusals, and that FLA's short convolution receives the context inside
-the block and not after it (the whole model split across ranks is in tests/ops/test_context_parallel.py)."""
+"""rewy_hf.context_parallel's refusals, that FLA's short convolution receives the context inside
+the block and not after it, and that transformers' convolution call becomes rewy's context-parallel
+one there (the whole model split across ranks is in tests/ops/test_context_parallel.py)."""
 
 from __future__ import annotations
 
 import importlib
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -27,10 +29,14 @@ def test_refuses_an_unpatched_model():
             pass
 
 
-def test_refuses_transformers_layers():
-    model = H.build("qwen3_5")
+@pytest.mark.parametrize("family,mixer", [("qwen3_5", "model.layers.1.self_attn (Qwen3_5Attention)"),
+                                          ("kimi_linear", "model.layers.1.self_attn (KimiLinearAttention)")])
+def test_refuses_transformers_hybrids(family, mixer):
+    """Their attention layers have no context parallelism here (the delta-rule-only configs run:
+    tests/ops/test_context_parallel.py)."""
+    model = H.build(family)
     rewy_hf.patch_model(model, backend="torch")
-    with pytest.raises(UnsupportedConfigError, match="is a transformers layer: its short convolution"):
+    with pytest.raises(UnsupportedConfigError, match=re.escape(f"the token mixer {mixer} is not a patched")):
         with rewy_hf.context_parallel(model, _context(8)):
             pass
 
@@ -66,3 +72,26 @@ def test_short_convolution_gets_the_context_inside_only(monkeypatch):
     outside = model(input_ids=ids, cu_seqlens=ctx.cu_seqlens).logits
     assert seen and all(c is None for c in seen)
     torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+
+
+def test_transformers_convolution_is_the_context_parallel_one_inside_only(monkeypatch):
+    """Without a process group the context-parallel convolution exchanges nothing; with the context's
+    packed bounds it restarts at each sequence, as each sequence run alone does."""
+    from rewy_hf.kernels import context_parallel_conv
+
+    calls = []
+    real = context_parallel_conv.cp_causal_short_conv
+    monkeypatch.setattr(context_parallel_conv, "cp_causal_short_conv",
+                        lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    model = H.delta_rule_only("qwen3_5")
+    rewy_hf.patch_model(model, backend="torch")
+    ids = H.input_ids(1, 40)
+    ctx = _context(40)
+    ctx.cu_seqlens, ctx.pre_num_conv_tokens = torch.tensor([0, 17, 40]), 0
+    with rewy_hf.context_parallel(model, ctx):
+        packed = model(input_ids=ids).logits
+    assert len(calls) == 2 and all(c is ctx for c in calls)       # one per layer
+    calls.clear()
+    alone = torch.cat([model(input_ids=ids[:, :17]).logits, model(input_ids=ids[:, 17:]).logits], dim=1)
+    assert not calls
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)

@@ -193,3 +193,53 @@ def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     enable_cpu_interpreter()
     torch.set_num_threads(1)
     _serve(rank, world, port, cases, check_model, 300)
+
+
+def check_hf_model(family: str, bounds: list[int]) -> None:
+    """A tiny patched transformers model whose layers are all delta-rule layers (float32, torch
+    backend), its convolution included: each rank's logits over its slice of the packed row, and
+    the rank-summed parameter gradients of the row's mean next-token loss, equal the model run on
+    every sequence on its own in one process (transformers' own convolution, no packing)."""
+    from fla.ops.cp import build_cp_context
+
+    import rewy_hf
+    from support import hf_tiny_models as hf
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = hf.delta_rule_only(family)
+    rewy_hf.patch_model(model, backend="torch")
+    T = bounds[-1]
+    ids = torch.randint(0, hf.VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor(bounds)
+    targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])
+    targets[cu[1:] - 1] = -100
+    count = int((targets != -100).sum())
+
+    def loss_of(logits, tgt):
+        return F.cross_entropy(logits[0].float(), tgt, ignore_index=-100, reduction="sum") / count
+
+    pieces = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    ref_logits = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in pieces], dim=1)
+    ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
+
+    part = T // world
+    lo, hi = rank * part, (rank + 1) * part
+    ctx = build_cp_context(cu, group=dist.group.WORLD, conv1d_kernel_size=model.config.linear_conv_kernel_dim)
+    with rewy_hf.context_parallel(model, ctx):
+        logits = model(input_ids=ids[:, lo:hi]).logits
+        grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
+    where = f"{family} bounds={bounds} world={world} rank={rank}"
+    _close(logits, ref_logits[:, lo:hi], f"logits, {where}", 2e-5)
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
+        if g_ref is None:
+            continue
+        dist.all_reduce(g)
+        _close(g, g_ref, f"d {name}, {where}", 2e-5)
+
+
+def hf_model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    from rewy_hf.cpu_triton import enable_cpu_interpreter
+
+    enable_cpu_interpreter()
+    torch.set_num_threads(1)
+    _serve(rank, world, port, cases, check_hf_model, 300)

@@ -165,6 +165,18 @@ def one_layer_qwen3_5():
     return model.train()
 
 
+def delta_rule_only(family, layers: int = 2):
+    """The tiny ``family`` model with every layer a delta-rule layer and no cache, in training mode
+    (the configuration context parallelism serves: no attention layer)."""
+    fam = family_of(family)
+    cfg = make_config(fam)
+    cfg.num_hidden_layers, cfg.layer_types, cfg.use_cache = layers, ["linear_attention"] * layers, False
+    torch.manual_seed(SEED)
+    model = getattr(fam.modeling, fam.model_class)(cfg)
+    _init_gates(model, fam, SEED)
+    return model.train()
+
+
 def twin(model):
     """A second instance of the same class and config with identical weights."""
     torch.manual_seed(SEED + 1)
