@@ -60,10 +60,18 @@ def fold_gva(dq, dk, key_heads: int):
     return dq.view(B, T, key_heads, group, K).sum(3), dk.view(B, T, key_heads, group, K).sum(3)
 
 
-def state_pass(family, t: Tensors, call, pk: dict, final: bool):
-    """h, v_new, final state: FLA's state recurrence on the family's inputs."""
+def state_pass(family, t: Tensors, call, pk: dict, final: bool, chunks=None):
+    """h, v_new, final state: FLA's state recurrence on the family's inputs (``chunks``: fwd_h's)."""
     return state_launch.fwd_h(**family.state_inputs(t), u=t.u, initial_state=t.h0, output_final_state=final,
-                              chunk_size=CHUNK, state_v_first=call.state_v_first, **pk)
+                              chunk_size=CHUNK, state_v_first=call.state_v_first, chunks=chunks, **pk)
+
+
+def packed_chunks(T, sequences):
+    """The most chunks ``sequences`` packed sequences of T tokens in all can have: each begins a
+    chunk, so at most one partial chunk per sequence beyond T / CHUNK. The saved tensors of packed
+    calls are sized by such bounds of the shapes, not by the lengths (a compiled graph then has no
+    size known only at run time); the slots past the real chunks are never read."""
+    return -(-T // CHUNK) + sequences - 1
 
 
 def saved_names(family, a: CoreArgs) -> tuple[str, ...]:
@@ -120,18 +128,25 @@ def forward(family, a: CoreArgs):
     pk = packing(a.cu_seqlens)
     t.g2 = family.gate_cumsum(None if a.g is None else a.g.contiguous(), pk)
     family.intra(t, call, pk)
-    t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True)
+    packed = a.cu_seqlens is not None
+    bound = packed_chunks(a.q.shape[1], len(a.cu_seqlens) - 1) if packed else None
+    t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True, chunks=bound if a.policy == "full" else None)
     o = family.output(t, call, pk)
     if a.policy != "full":
-        t.checkpoints = state_checkpoints.kept(t.h, t.h0, state_checkpoints.plan(t.v, a.cu_seqlens))
+        HV, V = a.v.shape[2:]
+        size = state_checkpoints.packed_count(bound, len(a.cu_seqlens) - 1, HV, V, sm_count(a.v)) if packed else None
+        t.checkpoints = state_checkpoints.kept(t.h, t.h0, state_checkpoints.plan(t.v, a.cu_seqlens),
+                                               None if size is None else size * HV * a.k.shape[-1] * V)
     return o.to(a.v.dtype), _state_out(family, a, ht), [getattr(t, n) for n in saved_names(family, a)]
 
 
 def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
-    """Empty tensors shaped as ``forward``'s saved ones. ``dynamic_size()``: a size known only at
-    run time (with packed sequences: their chunks, the number of state checkpoints)."""
+    """Empty tensors shaped as ``forward``'s saved ones, every size a function of the input shapes
+    (packed calls: the bounds of ``packed_chunks``); ``dynamic_size`` is not needed here."""
     B, T, H, K = a.q.shape
     HV, V = a.v.shape[2], a.v.shape[3]
+    N = None if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1
+    bound = None if N is None else packed_chunks(T, N)
     state = _state_dims(family, a)
     f32 = torch.float32
     fixed = dict(g2=(a.g.shape if a.g is not None else None, f32), A=((B, T, HV, CHUNK), a.k.dtype),
@@ -143,10 +158,10 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
     def shape(name: str):
         # Sizes known only at run time are made for the tensors actually saved, no others.
         if name == "h":
-            return (B, -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size(), HV, *state), a.k.dtype
+            return (B, -(-T // CHUNK) if a.cu_seqlens is None else bound, HV, *state), a.k.dtype
         if name == "checkpoints":
             count = (state_checkpoints.dense_count(B, T, HV, V, sm_count(a.v)) if a.cu_seqlens is None
-                     else dynamic_size())
+                     else state_checkpoints.packed_count(bound, N, HV, V, sm_count(a.v)))
             return (count * HV * K * V,), f32 if a.h0 is not None else a.k.dtype
         return fixed[name]
 
@@ -166,7 +181,8 @@ def backward(family, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tens
         family.recompute(t, do, call, pk)
         segments = state_checkpoints.plan(t.v, a.cu_seqlens)
         if segments is not None and segments.cuts:
-            states = t.checkpoints.view(segments.count, a.v.shape[2], *_state_dims(family, a))
+            HV, dims = a.v.shape[2], _state_dims(family, a)
+            states = t.checkpoints[:segments.count * HV * dims[0] * dims[1]].view(segments.count, HV, *dims)
             t.h, t.v_new = state_checkpoints.rebuild(states, segments, t.u, **family.state_inputs(t),
                                                      state_v_first=call.state_v_first)
         else:

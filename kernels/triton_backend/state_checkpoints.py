@@ -120,13 +120,31 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     return None if L is None else _segments(bounds, L, v.device)
 
 
-def kept(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments | None) -> torch.Tensor:
+def packed_count(chunks, sequences: int, value_heads: int, V: int, sms: int):
+    """At most how many checkpoints ``plan`` keeps for ``sequences`` packed sequences of at most
+    ``chunks`` chunks in all: 0 where the launch fills half the SMs (decided by the shapes), else
+    one per MIN_CHUNKS chunks (segments are never shorter) plus one per sequence (its last,
+    partial segment)."""
+    if fills_half(sequences, value_heads, V, sms):
+        return 0
+    return -(-chunks // MIN_CHUNKS) + sequences
+
+
+def kept(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments | None, size: int | None = None):
     """What the forward saves: ``save``'s checkpoints flattened to one dimension (empty without
-    segments). Flat, their one size is a multiple of HV x K x V, never 0 or 1 at any length, so
-    a compiled graph does not specialise on it."""
+    segments), ``size`` values long where given (packed calls: ``packed_count``'s bound; the
+    values past the checkpoints are not read). Flat, their one size is a multiple of HV x K x V,
+    never 0 or 1 at any length, so a compiled graph does not specialise on it."""
+    dtype = torch.float32 if h0 is not None else h.dtype
     if segments is None:
-        return h.new_empty(0, dtype=torch.float32 if h0 is not None else None)
-    return save(h, h0, segments).reshape(-1)
+        return h.new_empty(size or 0, dtype=dtype)
+    states = save(h, h0, segments).reshape(-1)
+    if size is None or size == states.numel():
+        return states
+    assert states.numel() <= size, f"{states.numel()} checkpoint values exceed their bound {size} (packed_count)"
+    out = states.new_empty(size)
+    out[:states.numel()] = states
+    return out
 
 
 @lru_cache(maxsize=64)

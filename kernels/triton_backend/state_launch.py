@@ -69,15 +69,16 @@ def relaunched_kernels():
 
 
 def fwd_h(k, w, u, g=None, gk=None, initial_state=None, output_final_state=False, chunk_size=64,
-          state_v_first=False, cu_seqlens=None, chunk_indices=None):
-    """h, v_new, final state, as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them."""
+          state_v_first=False, cu_seqlens=None, chunk_indices=None, chunks=None):
+    """h, v_new, final state, as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them; ``chunks``:
+    h's chunk dim that long (at least the call's chunks; the ones after them are not written)."""
     B, T, HV, V = u.shape
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     bv = narrow_block_v(N, HV, V)
     K = k.shape[-1]
     NT, offsets = chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices)
     state = (V, K) if state_v_first else (K, V)
-    h = k.new_empty(B, NT, HV, *state)
+    h = k.new_empty(B, NT if chunks is None else chunks, HV, *state)
     ht = k.new_zeros(N, HV, *state, dtype=torch.float32) if output_final_state else None
     v_new = torch.empty_like(u)
     kernel, grid, width = _kernel_and_grid(0, bv, N * HV, V)

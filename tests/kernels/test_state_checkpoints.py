@@ -25,8 +25,10 @@ def _bounds(B, T, cu):
 
 
 def _segment_length(monkeypatch, L):
-    """Every call's sequences cut into segments of L chunks."""
+    """Every call's sequences cut into segments of L chunks (the shortest segment, which bounds
+    how many a packed call keeps)."""
     monkeypatch.setattr(C, "chunks_per_segment", lambda *_: L)
+    monkeypatch.setattr(C, "MIN_CHUNKS", min(L, C.MIN_CHUNKS))
 
 
 @pytest.mark.parametrize("B,T,cu,L", [(1, 300, None, 2), (3, 200, None, 1), (1, 230, [0, 70, 200, 230], 2),

@@ -531,6 +531,7 @@ def test_function_rebuilds_states_from_checkpoints(state_v_first, monkeypatch):
         return loop_fwd_h(**kw)
 
     monkeypatch.setattr(state_checkpoints, "chunks_per_segment", lambda *_: 2)
+    monkeypatch.setattr(state_checkpoints, "MIN_CHUNKS", 2)        # the shortest segment, which bounds their count
     errors = _function_errors(monkeypatch, fwd_h, loop_bwd_dhu, B=1, T=130, H=2, HV=2, K=32, V=32,
                               state_v_first=state_v_first, policy="recompute", seed=8)
     assert calls == [None, 2], calls

@@ -221,6 +221,33 @@ def test_triton_fake_implementation_guards_on_no_length(family, policy, batch, v
     assert any(n.target is torch.ops.rewy.delta_rule.default for n in graph.graph.nodes)
 
 
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+@pytest.mark.parametrize("value_heads", [16, 32])
+def test_triton_fake_implementation_of_packed_calls_has_no_run_time_sizes(family, policy, value_heads):
+    """Packed calls on the Triton backend: the saved tensors are sized by bounds of the shapes (T
+    and the number of sequences), so the trace has no unbacked size, which torch < 2.13 cannot
+    trace through a custom op (the call would break the graph)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    T, H, D = 4096, 16, 128
+    gate = (1, T, value_heads) if family == "gdn" else (1, T, value_heads, D)
+
+    def core(q, k, v, g, beta, cu):
+        return torch.ops.rewy.delta_rule(q, k, v, g, beta, None, None, cu, D ** -0.5, family, policy, False, True,
+                                         False, "", "", "triton")
+
+    inputs = [torch.empty(1, T, H, D, dtype=torch.bfloat16), torch.empty(1, T, H, D, dtype=torch.bfloat16),
+              torch.empty(1, T, value_heads, D, dtype=torch.bfloat16), torch.empty(gate),
+              torch.empty(1, T, value_heads, dtype=torch.bfloat16), torch.tensor([0, 1000, 1000, 3000, T])]
+    graph = make_fx(core, tracing_mode="symbolic")(*inputs)
+    node = next(n for n in graph.graph.nodes if n.target is torch.ops.rewy.delta_rule.default)
+    outputs = node.meta["val"]
+    assert len(outputs) > 2
+    assert not [tuple(x.shape) for x in outputs if free_unbacked_symbols(x.shape)]
+
+
 # ---------------------------------------------------------------------------
 # 4. Packed sequences: one dynamic graph for different bounds
 # ---------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 the tensors its real forward saves: dtype, rank, every static dim, dense layout.
 
 ``watch_saved_like(monkeypatch)`` wraps ``function.forward`` so that every real forward a test
-runs (under the CPU interpreter) is checked. With packed sequences the chunk and checkpoint
-counts are unbacked symbols on the fake side and are not compared; for unpacked input the
-checkpoint count comes from the shapes and is compared like every other dim.
+runs (under the CPU interpreter) is checked. Every size is a function of the input shapes
+(packed calls: the bounds of ``function.packed_chunks`` and ``state_checkpoints.packed_count``),
+so every dim is compared.
 """
 
 from __future__ import annotations
