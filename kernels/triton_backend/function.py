@@ -156,7 +156,6 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
                  kg=((B, T, HV, K), a.k.dtype), v_new=(a.v.shape, a.v.dtype))
 
     def shape(name: str):
-        # Sizes known only at run time are made for the tensors actually saved, no others.
         if name == "h":
             return (B, -(-T // CHUNK) if a.cu_seqlens is None else bound, HV, *state), a.k.dtype
         if name == "checkpoints":
