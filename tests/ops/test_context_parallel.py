@@ -40,11 +40,12 @@ def test_patched_models_match_one_process():
 # Sequence boundaries: none (one sequence through both ranks), inside rank 0, two tokens before
 # rank 1's slice (it borrows only those of its first sequence's inputs), on the slice edge.
 HF_MODEL_CASES = [("qwen3_5", [0, 128]), ("qwen3_5", [0, 50, 126, 128]), ("kimi_linear", [0, 62, 128]),
-                  ("kimi_linear", [0, 64, 100, 128])]
+                  ("kimi_linear", [0, 64, 100, 128]), ("qwen3_5", [0, 62, 128], True)]
 
 
 def test_patched_transformers_models_match_sequences_run_alone():
     """rewy_hf.context_parallel on tiny transformers models whose layers are all delta-rule layers,
     short convolution included (rewy's exchange, kernels/context_parallel_conv.py): 2 ranks,
-    float32, logits and rank-summed parameter gradients against each sequence run on its own."""
+    float32, logits and rank-summed parameter gradients against each sequence run on its own; one
+    case with gradient checkpointing (the recomputed forwards exchange again)."""
     mp.spawn(hf_model_rank_main, args=(2, free_port(), HF_MODEL_CASES), nprocs=2, join=True)

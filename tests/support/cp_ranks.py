@@ -203,7 +203,8 @@ def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     _serve(rank, world, port, cases, check_model, 300)
 
 
-def check_hf_model(family: str, bounds: list[int], device: str = "cpu", tol: float = 2e-5) -> None:
+def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, device: str = "cpu",
+                   tol: float = 2e-5) -> None:
     """A tiny patched transformers model whose layers are all delta-rule layers (on the CPU: float32,
     torch backend; on a GPU: bf16, Triton backend), its convolution included: each rank's logits
     over its slice of the packed row, and the rank-summed parameter gradients of the row's mean
@@ -219,6 +220,8 @@ def check_hf_model(family: str, bounds: list[int], device: str = "cpu", tol: flo
     if device == "cuda":
         model = model.to("cuda", torch.bfloat16)
     rewy_hf.patch_model(model, backend="torch" if device == "cpu" else "triton")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     T = bounds[-1]
     ids = torch.randint(0, hf.VOCAB, (1, T), generator=torch.Generator().manual_seed(3)).to(device)
     cu = torch.tensor(bounds, device=device)
@@ -239,7 +242,7 @@ def check_hf_model(family: str, bounds: list[int], device: str = "cpu", tol: flo
     with rewy_hf.context_parallel(model, ctx):
         logits = model(input_ids=ids[:, lo:hi]).logits
         grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
-    where = f"{family} bounds={bounds} world={world} rank={rank}"
+    where = f"{family} bounds={bounds} checkpointing={checkpointing} world={world} rank={rank}"
     _close(logits.float(), ref_logits[:, lo:hi].float(), f"logits, {where}", tol)
     for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
         if g_ref is None:
