@@ -62,7 +62,7 @@ class _PreviousTail(torch.autograd.Function):
     @staticmethod
     def forward(fctx, tail, group, borrowed: int):
         fctx.group, fctx.borrowed = group, borrowed
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank = dist.get_rank(group)
         gathered = gather_ranks(tail, group)[:, 0]       # [world, C, W - 1]
         before = gathered[rank - 1:rank].clone() if rank > 0 else torch.zeros_like(tail)
         return _last(before, borrowed)

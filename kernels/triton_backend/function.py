@@ -74,6 +74,24 @@ def packed_chunks(T, sequences):
     return -(-T // CHUNK) + sequences - 1
 
 
+def _chunk_slots(a: CoreArgs):
+    """The chunk dim of the saved chunk states: the rows' chunks, or the packed bound."""
+    T = a.q.shape[1]
+    return -(-T // CHUNK) if a.cu_seqlens is None else packed_chunks(T, a.cu_seqlens.shape[0] - 1)
+
+
+def _checkpoint_values(a: CoreArgs):
+    """The flat size of the saved state checkpoints: their count (exact for rows, the bound for
+    packed sequences) x HV x K x V."""
+    B, T, _, K = a.q.shape
+    HV, V = a.v.shape[2:]
+    if a.cu_seqlens is None:
+        count = state_checkpoints.dense_count(B, T, HV, V, sm_count(a.v))
+    else:
+        count = state_checkpoints.packed_count(_chunk_slots(a), a.cu_seqlens.shape[0] - 1, HV, V, sm_count(a.v))
+    return count * HV * K * V
+
+
 def saved_names(family, a: CoreArgs) -> tuple[str, ...]:
     """The intermediates ``forward`` returns for the backward, in order."""
     names = (("g2",) if a.g is not None else ()) + family.intra_saved
@@ -128,15 +146,12 @@ def forward(family, a: CoreArgs):
     pk = packing(a.cu_seqlens)
     t.g2 = family.gate_cumsum(None if a.g is None else a.g.contiguous(), pk)
     family.intra(t, call, pk)
-    packed = a.cu_seqlens is not None
-    bound = packed_chunks(a.q.shape[1], len(a.cu_seqlens) - 1) if packed else None
-    t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True, chunks=bound if a.policy == "full" else None)
+    t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True,
+                                  chunks=_chunk_slots(a) if a.policy == "full" else None)
     o = family.output(t, call, pk)
     if a.policy != "full":
-        HV, V = a.v.shape[2:]
-        size = state_checkpoints.packed_count(bound, len(a.cu_seqlens) - 1, HV, V, sm_count(a.v)) if packed else None
         t.checkpoints = state_checkpoints.kept(t.h, t.h0, state_checkpoints.plan(t.v, a.cu_seqlens),
-                                               None if size is None else size * HV * a.k.shape[-1] * V)
+                                               _checkpoint_values(a))
     return o.to(a.v.dtype), _state_out(family, a, ht), [getattr(t, n) for n in saved_names(family, a)]
 
 
@@ -144,9 +159,7 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
     """Empty tensors shaped as ``forward``'s saved ones, every size a function of the input shapes
     (packed calls: the bounds of ``packed_chunks``); ``dynamic_size`` is not needed here."""
     B, T, H, K = a.q.shape
-    HV, V = a.v.shape[2], a.v.shape[3]
-    N = None if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1
-    bound = None if N is None else packed_chunks(T, N)
+    HV = a.v.shape[2]
     state = _state_dims(family, a)
     f32 = torch.float32
     fixed = dict(g2=(a.g.shape if a.g is not None else None, f32), A=((B, T, HV, CHUNK), a.k.dtype),
@@ -157,11 +170,9 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
 
     def shape(name: str):
         if name == "h":
-            return (B, -(-T // CHUNK) if a.cu_seqlens is None else bound, HV, *state), a.k.dtype
+            return (B, _chunk_slots(a), HV, *state), a.k.dtype
         if name == "checkpoints":
-            count = (state_checkpoints.dense_count(B, T, HV, V, sm_count(a.v)) if a.cu_seqlens is None
-                     else state_checkpoints.packed_count(bound, N, HV, V, sm_count(a.v)))
-            return (count * HV * K * V,), f32 if a.h0 is not None else a.k.dtype
+            return (_checkpoint_values(a),), f32 if a.h0 is not None else a.k.dtype
         return fixed[name]
 
     return [a.q.new_empty(sz, dtype=dt) for sz, dt in map(shape, saved_names(family, a))]

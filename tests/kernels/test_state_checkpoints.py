@@ -148,11 +148,9 @@ def _inputs(op, B, T, H, HV, K, V, N, seed):
     return [q, k, v, g, beta, h0], do, dht
 
 
-@pytest.mark.parametrize("op,B,cu", [("gdn", 1, [0, 70, 200, 330]), ("gdn", 1, [0, 70, 70, 200, 330, 330]),
-                                     ("gdn", 2, None), ("delta_rule", 1, None)])
-def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
-    """Policy recompute with 2-chunk segments: the backward's fwd_h call is the segmented one
-    (checked), and every gradient matches the torch backend."""
+def _count_state_passes(monkeypatch) -> list:
+    """FLA's recurrences as torch loops; each fwd_h call appends its packed sequence count (None
+    for unpacked rows) to the returned list."""
     calls = []
 
     def fwd_h(**kw):
@@ -160,6 +158,15 @@ def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
         return loop_fwd_h(**kw)
 
     replace_recurrences(monkeypatch, fwd_h, loop_bwd_dhu)
+    return calls
+
+
+@pytest.mark.parametrize("op,B,cu", [("gdn", 1, [0, 70, 200, 330]), ("gdn", 1, [0, 70, 70, 200, 330, 330]),
+                                     ("gdn", 2, None), ("delta_rule", 1, None)])
+def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
+    """Policy recompute with 2-chunk segments: the backward's fwd_h call is the segmented one
+    (checked), and every gradient matches the torch backend."""
+    calls = _count_state_passes(monkeypatch)
     _segment_length(monkeypatch, 2)
     cu = None if cu is None else torch.tensor(cu)
     T = 330 if cu is not None else 130
@@ -189,13 +196,7 @@ def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
 def test_function_keeps_the_sequential_rebuild_where_no_sequence_is_cut(monkeypatch):
     """Segments longer than every sequence: the forward keeps one checkpoint per sequence, the
     backward rebuilds sequentially (FLA's dense fwd_h both times) and every gradient matches."""
-    calls = []
-
-    def fwd_h(**kw):
-        calls.append(None if kw.get("cu_seqlens") is None else len(kw["cu_seqlens"]) - 1)
-        return loop_fwd_h(**kw)
-
-    replace_recurrences(monkeypatch, fwd_h, loop_bwd_dhu)
+    calls = _count_state_passes(monkeypatch)
     _segment_length(monkeypatch, 100)
     inputs, do, _ = _inputs("gdn", 2, 130, H=1, HV=2, K=32, V=16, N=2, seed=5)
     inputs[5] = None

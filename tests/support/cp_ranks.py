@@ -146,17 +146,25 @@ def check_model(kind: str, bounds: list[int], checkpointing: bool = False, tol: 
     import rewy_hf
     from support import fla_tiny_models as tiny
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     # Without the short convolution: FLA's exchange for it (which context_parallel hands the context,
     # tests/patching/test_context_parallel_model.py) does not run in the Triton interpreter.
     model = tiny.build(kind, use_short_conv=False) if kind != "gdn2" else _gdn2_model()
     rewy_hf.patch_model(model, backend="torch")
     if checkpointing:
         model.gradient_checkpointing_enable()
-    T = bounds[-1]
-    ids = torch.randint(0, tiny.VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, tiny.VOCAB, (1, bounds[-1]), generator=torch.Generator().manual_seed(3))
     cu = torch.tensor(bounds)
-    # The next token of each position, none at a sequence's last one.
+    targets, loss_of = _targets_and_loss(ids, cu)
+    ref_logits = model(input_ids=ids, cu_seqlens=cu).logits
+    ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
+    ctx = build_cp_context(cu, group=dist.group.WORLD)
+    _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, f"{kind} bounds={bounds}",
+                 checkpointing, tol, cu_seqlens=ctx.cu_seqlens)
+
+
+def _targets_and_loss(ids: torch.Tensor, cu: torch.Tensor):
+    """The next token of each position of a packed row (none at a sequence's last one), and the
+    row's mean next-token loss of a slice's logits against its targets."""
     targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])
     targets[cu[1:] - 1] = -100
     count = int((targets != -100).sum())
@@ -164,23 +172,30 @@ def check_model(kind: str, bounds: list[int], checkpointing: bool = False, tol: 
     def loss_of(logits, tgt):
         return F.cross_entropy(logits[0].float(), tgt, ignore_index=-100, reduction="sum") / count
 
-    ref_logits = model(input_ids=ids, cu_seqlens=cu).logits
-    ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
+    return targets, loss_of
 
-    part = T // world
+
+def _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, what: str, checkpointing: bool,
+                 tol: float, **forward_kwargs) -> None:
+    """This rank's slice of the row run inside ``context_parallel``: its logits, and the rank-summed
+    parameter gradients of the row's mean loss, against the references."""
+    import rewy_hf
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = ids.shape[1] // world
     lo, hi = rank * part, (rank + 1) * part
-    ctx = build_cp_context(cu, group=dist.group.WORLD)
     # The backward inside the block as well: checkpointed layers rerun their forward there.
     with rewy_hf.context_parallel(model, ctx):
-        logits = model(input_ids=ids[:, lo:hi], cu_seqlens=ctx.cu_seqlens).logits
+        logits = model(input_ids=ids[:, lo:hi], **forward_kwargs).logits
         grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
-    where = f"{kind} bounds={bounds} checkpointing={checkpointing} world={world} rank={rank}"
-    _close(logits, ref_logits[:, lo:hi], f"logits, {where}", tol)
+    where = f"{what} checkpointing={checkpointing} world={world} rank={rank}"
+    _close(logits.float(), ref_logits[:, lo:hi].float(), f"logits, {where}", tol)
     for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
         if g_ref is None:
             continue
+        g = g.float().cpu()
         dist.all_reduce(g)
-        _close(g, g_ref, f"d {name}, {where}", tol)
+        _close(g, g_ref.float().cpu(), f"d {name}, {where}", tol)
 
 
 def _gdn2_model():
@@ -194,13 +209,17 @@ def _gdn2_model():
     return GDN2ForCausalLM(config).train()
 
 
-def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+def _serve_interpreted(rank: int, world: int, port: int, cases: list, check_case) -> None:
     # As tests/conftest.py does for the parent process: FLA's kernels under the interpreter.
     from rewy_hf.cpu_triton import enable_cpu_interpreter
 
     enable_cpu_interpreter()
     torch.set_num_threads(1)
-    _serve(rank, world, port, cases, check_model, 300)
+    _serve(rank, world, port, cases, check_case, 300)
+
+
+def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve_interpreted(rank, world, port, cases, check_model)
 
 
 def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, device: str = "cpu",
@@ -215,41 +234,21 @@ def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, 
     import rewy_hf
     from support import hf_tiny_models as hf
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = hf.delta_rule_only(family)
     if device == "cuda":
         model = model.to("cuda", torch.bfloat16)
     rewy_hf.patch_model(model, backend="torch" if device == "cpu" else "triton")
     if checkpointing:
         model.gradient_checkpointing_enable()
-    T = bounds[-1]
-    ids = torch.randint(0, hf.VOCAB, (1, T), generator=torch.Generator().manual_seed(3)).to(device)
+    ids = torch.randint(0, hf.VOCAB, (1, bounds[-1]), generator=torch.Generator().manual_seed(3)).to(device)
     cu = torch.tensor(bounds, device=device)
-    targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])
-    targets[cu[1:] - 1] = -100
-    count = int((targets != -100).sum())
-
-    def loss_of(logits, tgt):
-        return F.cross_entropy(logits[0].float(), tgt, ignore_index=-100, reduction="sum") / count
-
+    targets, loss_of = _targets_and_loss(ids, cu)
     pieces = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     ref_logits = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in pieces], dim=1)
     ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
-
-    part = T // world
-    lo, hi = rank * part, (rank + 1) * part
     ctx = build_cp_context(cu, group=dist.group.WORLD, conv1d_kernel_size=model.config.linear_conv_kernel_dim)
-    with rewy_hf.context_parallel(model, ctx):
-        logits = model(input_ids=ids[:, lo:hi]).logits
-        grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
-    where = f"{family} bounds={bounds} checkpointing={checkpointing} world={world} rank={rank}"
-    _close(logits.float(), ref_logits[:, lo:hi].float(), f"logits, {where}", tol)
-    for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
-        if g_ref is None:
-            continue
-        g = g.float().cpu()
-        dist.all_reduce(g)
-        _close(g, g_ref.float().cpu(), f"d {name}, {where}", tol)
+    _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, f"{family} bounds={bounds}",
+                 checkpointing, tol)
 
 
 def check_hf_model_cuda(family: str, bounds: list[int]) -> None:
@@ -263,8 +262,4 @@ def hf_model_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> No
 
 
 def hf_model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
-    from rewy_hf.cpu_triton import enable_cpu_interpreter
-
-    enable_cpu_interpreter()
-    torch.set_num_threads(1)
-    _serve(rank, world, port, cases, check_hf_model, 300)
+    _serve_interpreted(rank, world, port, cases, check_hf_model)
