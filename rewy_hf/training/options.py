@@ -155,7 +155,7 @@ def compile_choice(choice: str, context_parallel: bool = False) -> tuple[bool, s
     if choice != "auto":
         return choice == "on", f"--compile {choice}"
     if torch.cuda.is_available():
-        return True, ("--compile auto: on with CUDA, where a compiled patched ~1 B hybrid trained 1.47-1.50x as "
+        return True, ("--compile auto: on with CUDA, where a compiled patched ~1 B hybrid trained 1.46-1.50x as "
                       "fast per step as unpatched eager on an H200 (docs/performance.md); --compile off to skip "
                       "the first step's compile")
     return False, "--compile auto: off on CPU"

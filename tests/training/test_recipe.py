@@ -300,4 +300,4 @@ def test_compile_choice_says_why(monkeypatch):
     assert compile_choice("auto") == (False, "--compile auto: off on CPU")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on, why = compile_choice("auto")
-    assert on and "1.47-1.50x" in why and "--compile off" in why
+    assert on and "1.46-1.50x" in why and "--compile off" in why
