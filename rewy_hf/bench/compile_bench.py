@@ -10,6 +10,8 @@ the median step, tokens/s, peak memory, the compile time, dynamo's graph
 breaks and compiled graphs, and one profiled step's GPU time by kernel family
 (the delta-rule core, GEMMs, elementwise and copies, the short convolution,
 attention, the optimizer), so what is left after compiling is visible.
+The unpatched compiled side runs the installed kernels (FLA) with their graph
+breaks, the wrapper's export check held False (installed_kernels.py says why).
 
 Unlike the two-sided bench (model_bench.py), the sides do not alternate step by
 step: every switch between a compiled patched and unpatched model would re-run
@@ -19,6 +21,7 @@ compiled graph warm.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -26,6 +29,7 @@ import torch.nn as nn
 
 from ..patching.dispatch import dispatch_report, reset_dispatch_report, total_calls
 from ..patching.patch import unpatch_model
+from .installed_kernels import installed_kernels_under_compile
 from .model_bench import ModelSettings, ModelSides, Snapshot, timed_step, train_step
 from .model_profile import DELTA_RULE
 
@@ -37,6 +41,8 @@ SIDES = ("unpatched eager", "patched eager", "patched compiled", "unpatched comp
 CURVE_LR = 1e-4
 CURVE_BATCHES = ("a fresh batch each step: windows at seeded random offsets into the corpus shipped with rewy-hf "
                  "(rewy_hf/training/corpus.txt), bytes as token ids")
+HELD_KERNELS = ("the installed kernel package's op with its graph breaks (transformers' kernel wrapper's export "
+                "check held False, installed_kernels.py)")
 FAMILIES = ("core", "gemm", "elementwise", "conv", "attention", "optimizer")
 
 
@@ -171,7 +177,8 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
             torch._dynamo.reset()           # each compiled side compiles from scratch: its compile time
         torch._dynamo.utils.counters.clear()
         reset_dispatch_report()
-        with sides.enter("patched" if patched else "unpatched"):
+        kernels = installed_kernels_under_compile() if is_compiled and not patched else contextlib.nullcontext(False)
+        with sides.enter("patched" if patched else "unpatched"), kernels as held:
             ms, losses, peak = [], [], 0.0
             first_ms = None
             for i in range(s.warmup + s.steps):
@@ -191,6 +198,8 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
                    "dispatch": dispatch_report()}
             if is_compiled:
                 row.update(_dynamo_counts())
+            if is_compiled and not patched and held:
+                row["core_under_compile"] = HELD_KERNELS
             if s.device == "cuda":
                 snap.restore()
                 total, per, launches = gpu_time_by_family(lambda: train_step(run, opt, batch))
@@ -292,6 +301,9 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
     if res.get("sources"):
         lines.append("sides from separate runs on the same settings and weights: "
                      + "; ".join(f"{src}: {', '.join(names)}" for src, names in res["sources"].items()))
+    for side, r in res["sides"].items():
+        if "core_under_compile" in r:
+            lines.append(f"{side}: its delta-rule calls ran {r['core_under_compile']}")
     if "speedup_vs_unpatched_compiled" in res:
         lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
     curves = {side: r["curve_loss"] for side, r in res["sides"].items() if "curve_loss" in r}

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from rewy_hf.bench.compile_bench import (FAMILIES, SIDES, compile_problems, format_compile_result, kernel_family,
-                                         run_compile_bench)
+from rewy_hf.bench.compile_bench import (FAMILIES, HELD_KERNELS, SIDES, compile_problems, format_compile_result,
+                                         kernel_family, run_compile_bench)
 from rewy_hf.bench.model_bench import ModelSettings
 from rewy_hf.bench.output import markdown_report
 
@@ -52,6 +52,10 @@ def test_every_side_ran_and_patched_sides_reached_rewy(result):
         assert max(row["loss"]) - min(row["loss"]) <= 1e-6 * abs(row["loss"][0])
         assert row["first_loss_rel_diff"] < 1e-5, side
     assert result["sides"]["unpatched eager"]["speedup_vs_unpatched_eager"] == 1.0
+    # only the unpatched compiled side holds transformers' kernel wrapper on the installed kernel, and says so
+    assert [side for side, row in result["sides"].items() if row.get("core_under_compile") == HELD_KERNELS] == \
+        ["unpatched compiled"]
+    assert f"unpatched compiled: its delta-rule calls ran {HELD_KERNELS}" in format_compile_result(result, "tiny")
 
 
 def test_compiled_sides_have_no_graph_break_and_a_second_length_does_not_recompile(result):
