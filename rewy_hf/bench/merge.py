@@ -8,7 +8,8 @@ cut short by a time limit is completed by a later run of its missing
 configurations.
 Four-sided model runs (`--model X --compile`) split with `--sides` combine
 the same way: the sides of every file, each at most once, if the files agree
-on the device, the versions and every setting but the sides.
+on the device, the versions and every setting but the sides and the further
+lengths (each compiled side reports the lengths it ran).
 Files from different devices, library versions or timing settings are
 refused, since their rows could not share a table, and so is a configuration
 timed twice, since the report could only silently pick one.
@@ -99,6 +100,11 @@ def _refuse_other_setup(first_path: str, first: dict, path: str, run: dict, what
                              f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
 
 
+# Settings a four-sided run may differ in from the runs it joins: what sides it ran, and the
+# further lengths its compiled sides stepped through after the timing (each side's row keeps its own).
+_PER_SIDE = ("sides", "lengths")
+
+
 def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
     """Several `--model X --compile --sides ...` runs as one four-sided result."""
     from .compile_bench import SIDES, summarize
@@ -107,10 +113,10 @@ def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
     for path, run in zip(paths[1:], runs[1:]):
         _refuse_other_setup(paths[0], first, path, run, "sides")
         for key in sorted(set(run["settings"]) | set(first["settings"])):
-            if key != "sides" and run["settings"].get(key) != first["settings"].get(key):
+            if key not in _PER_SIDE and run["settings"].get(key) != first["settings"].get(key):
                 raise MergeError(f"--from-json: {path} ran with a different {key} than {paths[0]}: "
                                  f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}; only runs that "
-                                 "differ in --sides combine")
+                                 "differ in --sides and --lengths combine")
     seen: dict[str, str] = {}
     for path, run in zip(paths, runs):
         for side in run["sides"]:
@@ -119,7 +125,8 @@ def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
                                  "run of each side")
             seen[side] = path
     asked = [side for side in SIDES if any(side in run["settings"].get("sides", SIDES) for run in runs)]
-    merged = {**first, "settings": {**first["settings"], "sides": asked},
+    lengths = list(dict.fromkeys(t for run in runs for t in run["settings"].get("lengths", [])))
+    merged = {**first, "settings": {**first["settings"], "sides": asked, "lengths": lengths},
               "sides": {side: next(run["sides"][side] for run in runs if side in run["sides"])
                         for side in SIDES if side in seen},
               "sources": {path: list(run["sides"]) for path, run in zip(paths, runs)},

@@ -147,6 +147,13 @@ def test_split_runs_join_into_the_four_sided_result(result, tmp_path):
     other = _run_file(tmp_path, "c.json", result, ["unpatched compiled"], seed=4)
     with pytest.raises(MergeError, match="different seed"):
         merge_runs([a, other])
+    # further lengths are per compiled side: a run with them joins one without, and each side keeps its counts
+    longer = _run_file(tmp_path, "d.json", result, ["unpatched eager", "patched compiled"], lengths=[96, 112])
+    shorter = _run_file(tmp_path, "e.json", result, ["unpatched compiled"], lengths=[])
+    joined = merge_runs([longer, shorter])
+    assert joined["settings"]["lengths"] == [96, 112]
+    assert "patched compiled: graphs compiled by one step at each further length: T=96" in \
+        format_compile_result(joined, "tiny")
 
 
 def test_a_run_of_some_sides_says_which_were_left_out(result, tmp_path):
