@@ -177,7 +177,9 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
             torch._dynamo.reset()           # each compiled side compiles from scratch: its compile time
         torch._dynamo.utils.counters.clear()
         reset_dispatch_report()
-        kernels = installed_kernels_under_compile() if is_compiled and not patched else contextlib.nullcontext(False)
+        # (on CPU the unpatched side runs reference cores, which no wrapper picks)
+        own_kernels = is_compiled and not patched and not sides.reference
+        kernels = installed_kernels_under_compile() if own_kernels else contextlib.nullcontext(False)
         with sides.enter("patched" if patched else "unpatched"), kernels as held:
             ms, losses, peak = [], [], 0.0
             first_ms = None
@@ -198,7 +200,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
                    "dispatch": dispatch_report()}
             if is_compiled:
                 row.update(_dynamo_counts())
-            if is_compiled and not patched and held:
+            if held:
                 row["core_under_compile"] = HELD_KERNELS
             if s.device == "cuda":
                 snap.restore()

@@ -27,11 +27,8 @@ def installed_kernels_under_compile() -> Iterator[bool]:
     """Within the block transformers' kernel wrappers keep the installed kernel package's op
     when traced by dynamo; yields whether there was an export check to hold (False on a
     transformers without one, which then needs nothing)."""
-    try:
-        from transformers.integrations import hub_kernels
-    except ImportError:
-        yield False
-        return
+    from transformers.integrations import hub_kernels
+
     saved = getattr(hub_kernels, "is_torchdynamo_exporting", None)
     if saved is None:
         yield False

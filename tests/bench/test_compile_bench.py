@@ -52,10 +52,12 @@ def test_every_side_ran_and_patched_sides_reached_rewy(result):
         assert max(row["loss"]) - min(row["loss"]) <= 1e-6 * abs(row["loss"][0])
         assert row["first_loss_rel_diff"] < 1e-5, side
     assert result["sides"]["unpatched eager"]["speedup_vs_unpatched_eager"] == 1.0
-    # only the unpatched compiled side holds transformers' kernel wrapper on the installed kernel, and says so
-    assert [side for side, row in result["sides"].items() if row.get("core_under_compile") == HELD_KERNELS] == \
-        ["unpatched compiled"]
-    assert f"unpatched compiled: its delta-rule calls ran {HELD_KERNELS}" in format_compile_result(result, "tiny")
+    # on CPU the unpatched sides run reference cores, so no side claims the installed kernels
+    # (test_installed_kernels.py checks the hold itself; the label is the GPU run's)
+    assert not any("core_under_compile" in row for row in result["sides"].values())
+    labelled = {**result, "sides": {**result["sides"], "unpatched compiled": {
+        **result["sides"]["unpatched compiled"], "core_under_compile": HELD_KERNELS}}}
+    assert f"unpatched compiled: its delta-rule calls ran {HELD_KERNELS}" in format_compile_result(labelled, "tiny")
 
 
 def test_compiled_sides_have_no_graph_break_and_a_second_length_does_not_recompile(result):

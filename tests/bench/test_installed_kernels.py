@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
+from transformers.integrations import hub_kernels
 
-from rewy_hf.bench.installed_kernels import installed_kernels_under_compile  # noqa: E402
+from rewy_hf.bench.installed_kernels import installed_kernels_under_compile
 
 
 @pytest.fixture
