@@ -51,3 +51,36 @@ def test_compiled_wrapper_runs_the_installed_kernel_inside_the_block(wrapped_cor
         out = torch.compile(reference, backend="eager")(x)
     assert held and calls == ["kernel"] and torch.equal(out, x * 2)
     assert hub_kernels.is_torchdynamo_exporting() is reads_exporting
+
+
+@pytest.mark.gpu
+def test_compiled_unpatched_qwen3_5_runs_fla_only_inside_the_hold():
+    """On the GPU, the unpatched tiny Qwen3.5's delta-rule call is FLA's op (a graph break under
+    compile) inside the hold. Outside it, it is FLA's op exactly where this torch traces
+    is_exporting() as False; where it traces True (torch 2.11) transformers runs its reference
+    there and dynamo sees no break. The forward matches the eager one either way."""
+    from torch._dynamo.utils import counters
+
+    import hf_tiny_models as hf
+
+    model = hf.one_layer_qwen3_5().cuda()
+    x = torch.randint(0, model.config.vocab_size, (2, 128), device="cuda")
+    with torch.no_grad():
+        eager = model(input_ids=x).logits
+        reads_exporting = bool(torch.compile(lambda t: t + torch.compiler.is_exporting(), backend="eager")(
+            torch.zeros(1, device="cuda")).item())
+
+        def compiled_breaks():
+            torch._dynamo.reset()
+            counters.clear()
+            out = torch.compile(model, backend="eager")(input_ids=x).logits
+            return sum(counters["graph_break"].values()), out
+
+        with installed_kernels_under_compile() as was_held:
+            held_breaks, held = compiled_breaks()
+        plain_breaks, plain = compiled_breaks()
+    torch._dynamo.reset()
+    assert was_held and held_breaks >= 1
+    assert (plain_breaks == 0) is reads_exporting, (plain_breaks, reads_exporting)
+    for out in (held, plain):
+        assert (out.float() - eager.float()).abs().max() <= 1e-2 * eager.float().abs().max()
