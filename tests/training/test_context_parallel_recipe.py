@@ -4,41 +4,28 @@ interpreter) and log the losses one process logs on the whole rows; bad settings
 
 from __future__ import annotations
 
-import json
 import re
 from types import SimpleNamespace
-from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
 from support.cp_ranks import free_port
 from support.recipe_ranks import rank_main
+from support.recipe_runs import losses
 
 COMMON = ["--model", "tiny-fla-gdn2", "--seq-len", "96", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1",
           "--max-steps", "3", "--no-progress", "--compile", "off"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_two_processes_log_the_one_process_losses(tmp_path):
+def test_two_processes_log_the_one_processlosses(tmp_path):
     from rewy_hf.training import recipe
 
     one, two = tmp_path / "one", tmp_path / "two"
     assert recipe.main([*COMMON, "--output-dir", str(one)]) == 0
     mp.spawn(rank_main, args=(2, free_port(), [*COMMON, "--context-parallel", "--output-dir", str(two)]), nprocs=2,
              join=True)
-    ref, split = _losses(one), _losses(two)
+    ref, split = losses(one), losses(two)
     assert len(ref) == len(split) == 3
     for step, (a, b) in enumerate(zip(split, ref), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: context parallel {a:.7f}, one process {b:.7f}"

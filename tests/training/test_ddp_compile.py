@@ -6,30 +6,17 @@ no CPU check.)"""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
 import torch.multiprocessing as mp
 
 from support.cp_ranks import free_port
 from support.recipe_ranks import rank_main
+from support.recipe_runs import losses
 
 COMMON = ["--seq-len", "80", "--lr", "3e-3", "--warmup-steps", "1", "--max-steps", "3", "--no-progress"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_compiled_ddp_logs_the_one_process_losses(tmp_path):
+def test_compiled_ddp_logs_the_one_processlosses(tmp_path):
     from rewy_hf.training import recipe
 
     one, two = tmp_path / "one", tmp_path / "ddp"
@@ -39,7 +26,7 @@ def test_compiled_ddp_logs_the_one_process_losses(tmp_path):
                                                str(two)]), nprocs=2, join=True)
     config = json.loads((two / "run_config.json").read_text())
     assert config["compile"] == "on" and config["world_size"] == 2
-    ref, got = _losses(one), _losses(two)
+    ref, got = losses(one), losses(two)
     assert len(ref) == len(got) == 3
     for step, (a, b) in enumerate(zip(got, ref), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: DDP compiled {a:.7f}, one eager process {b:.7f}"

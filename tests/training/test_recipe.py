@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.recipe_runs import metrics, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "recipes" / "finetune_gdn2.py"
@@ -32,26 +33,12 @@ def _recipe_main():
     return lambda argv: module.main(argv, default_model="gdn2-tiny")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """The uninterrupted reference: 5 steps, checkpoints at 3 and 5."""
     out = tmp_path_factory.mktemp("full")
     rc = _recipe_main()([*COMMON, "--max-steps", "5", "--save-every", "3", "--output-dir", str(out)])
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate()
     assert rc == 0
     return out
 
@@ -59,7 +46,7 @@ def full_run(tmp_path_factory):
 def test_full_run_outputs(full_run):
     from rewy_hf.training.checkpoint import list_checkpoints
 
-    records = _metrics(full_run)
+    records = metrics(full_run)
     assert [r["step"] for r in records] == list(range(1, 6))
     for r in records:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(r)
@@ -114,7 +101,7 @@ def test_resume_reproduces_uninterrupted_losses(full_run, tmp_path):
     (out / ".checkpoint-5.partial").mkdir()   # a half-written checkpoint must be ignored
     rc = _recipe_main()([*COMMON, "--max-steps", "5", "--save-every", "3", "--output-dir", str(out), "--resume"])
     assert rc == 0
-    ref, got = _metrics(full_run), _metrics(out)
+    ref, got = metrics(full_run), metrics(out)
     assert [r["step"] for r in got] == list(range(1, 6))
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]

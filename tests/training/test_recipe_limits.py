@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.recipe_runs import metrics, reset_accelerate
 
 from rewy_hf.training import checkpoint as ckpt
 from rewy_hf.training import recipe
@@ -27,24 +28,12 @@ def _main(*argv) -> int:
     return recipe.main([*TINY, *map(str, argv)])
 
 
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    _reset_accelerate()
-
-
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory) -> Path:
     """A finished run: checkpoint-1..3, final/, metrics of steps 1-3."""
     out = tmp_path_factory.mktemp("done") / "run"
     rc = _main("--output-dir", out)
-    _reset_accelerate()
+    reset_accelerate()
     assert rc == 0
     assert not (out / ".lock").exists()   # released at the end
     return out
@@ -78,7 +67,7 @@ def _snapshot(out: Path) -> dict:
 
 
 def _losses(out: Path) -> tuple[list[int], list[float]]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(out)
     return [r["step"] for r in records], [r["loss"] for r in records]
 
 
