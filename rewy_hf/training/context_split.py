@@ -53,7 +53,7 @@ class RowSplit:
     def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
         """This process's share of the row's loss; call it, and its backward, inside ``active``."""
         row, targets = batch[:, :-1].reshape(1, -1), batch[:, 1:].reshape(-1)
-        logits = model(input_ids=row[:, self.tokens], cu_seqlens=self.context.cu_seqlens).logits
+        logits = model(input_ids=row[:, self.tokens], cu_seqlens=self.context.cu_seqlens, use_cache=False).logits
         summed = torch.nn.functional.cross_entropy(logits[0].float(), targets[self.tokens], reduction="sum")
         return summed * (self.world / self.total)
 

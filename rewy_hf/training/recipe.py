@@ -281,7 +281,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
                 if split:
                     loss = split.loss(model, batch)
                 else:
-                    logits = model(input_ids=batch[:, :-1]).logits
+                    # No cache: transformers' models build one when their config says use_cache.
+                    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
                 accelerator.backward(loss / args.grad_accum)
             loss_sum += loss.detach()

@@ -288,3 +288,26 @@ def test_compile_choice_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on, why = compile_choice("auto")
     assert on and "1.46-1.50x" in why and "--compile off" in why
+
+
+def test_training_step_builds_no_cache(tmp_path, monkeypatch):
+    """A transformers preset's config says use_cache; the recipe's training forward must not build a
+    cache anyway (state writes every layer, and a recompile trigger under torch.compile)."""
+    from transformers import cache_utils
+
+    from rewy_hf.training import recipe
+
+    built = []
+    init = cache_utils.DynamicCache.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counting_init)
+    try:
+        rc = recipe.main(["--model", "tiny-qwen3.5", *COMMON, "--max-steps", "1", "--save-every", "0",
+                          "--output-dir", str(tmp_path / "run")])
+    finally:
+        reset_accelerate()
+    assert rc == 0 and built == []
