@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.causal_masks import causal_only_masks
 from . import checkpoint as ckpt
 from . import output_dir
 from .data import DataError, WindowSampler, pack, read_documents
@@ -268,6 +269,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
 
         bar = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
 
+    # Windows are whole unpadded rows: a hybrid's attention then needs no mask, compiled or not.
+    masks = causal_only_masks(accelerator.unwrap_model(model))
     model.train()
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
@@ -282,7 +285,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
                     loss = split.loss(model, batch)
                 else:
                     # No cache: transformers' models build one when their config says use_cache.
-                    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+                    logits = model(input_ids=batch[:, :-1], use_cache=False, attention_mask=masks).logits
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
                 accelerator.backward(loss / args.grad_accum)
             loss_sum += loss.detach()
