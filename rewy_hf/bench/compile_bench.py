@@ -32,7 +32,7 @@ from ..models.causal_masks import causal_only_masks
 from ..patching.dispatch import dispatch_report, reset_dispatch_report, total_calls
 from ..patching.patch import unpatch_model
 from .installed_kernels import installed_kernels_under_compile
-from .model_bench import ModelSettings, ModelSides, Snapshot, timed_step, train_step
+from .model_bench import ModelSettings, ModelSides, Snapshot, optimizer_for, timed_step, train_step
 from .model_profile import DELTA_RULE
 
 # The unpatched compiled side comes last: its graph breaks (one or more in every delta-rule layer)
@@ -160,7 +160,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     model.train()
     batch = _tokens(model, s, s.seq_len, s.seed)
     curve_batches = corpus_batches(model, s, curve_steps) if curve_steps else []
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
+    opt = optimizer_for(model, s.lr)
     chosen = [x for x in SIDES if x in sides]
     sides = ModelSides(model, s)
     compiled = torch.compile(model, backend=compiler)

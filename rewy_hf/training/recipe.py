@@ -205,7 +205,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
         if p.requires_grad:
             (decay if p.ndim >= 2 and not getattr(p, "_no_weight_decay", False) else no_decay).append(p)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                                  fused=True)   # one kernel over all parameters (CUDA and CPU)
     scheduler = build_scheduler(optimizer, min(args.warmup_steps, args.max_steps), args.max_steps, args.min_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
