@@ -287,7 +287,7 @@ def test_compile_choice_says_why(monkeypatch):
     assert compile_choice("auto") == (False, "--compile auto: off on CPU")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on, why = compile_choice("auto")
-    assert on and "1.46-1.50x" in why and "--compile off" in why
+    assert on and "1.46-1.50x" in why and "1.12-1.15x" in why and "--compile off" in why
 
 
 def test_training_step_builds_no_cache(tmp_path, monkeypatch):
