@@ -10,6 +10,7 @@ that can refuse the command line comes before the data and the model are loaded.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -272,6 +273,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
 
     # Windows are whole unpadded rows: a hybrid's attention then needs no mask, compiled or not.
     masks = causal_only_masks(accelerator.unwrap_model(model))
+    no_cache = _no_cache_kwargs(accelerator.unwrap_model(model))
     model.train()
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
@@ -285,8 +287,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
                 if split:
                     loss = split.loss(model, batch)
                 else:
-                    # No cache: transformers' models build one when their config says use_cache.
-                    logits = model(input_ids=batch[:, :-1], use_cache=False, attention_mask=masks).logits
+                    logits = model(input_ids=batch[:, :-1], attention_mask=masks, **no_cache).logits
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
                 accelerator.backward(loss / args.grad_accum)
             loss_sum += loss.detach()
@@ -357,6 +358,14 @@ def _load_training_state(accelerator, checkpoint: Path) -> None:
     except Exception as exc:   # whatever the loaders raise on a bad file: torch, safetensors, pickle
         raise RecipeError(f"--resume {checkpoint}: cannot load {checkpoint / ckpt.TRAINING_STATE_DIR} "
                           f"({type(exc).__name__}: {exc}); " + _earlier_checkpoint_hint(checkpoint)) from exc
+
+
+def _no_cache_kwargs(model) -> dict:
+    """``use_cache=False`` for a forward that takes it: transformers' models build a cache when their
+    config says use_cache, state writes a training step never reads (a model of remote code may not
+    take the argument at all)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
 
 
 class _null:

@@ -287,7 +287,7 @@ def test_compile_choice_says_why(monkeypatch):
     assert compile_choice("auto") == (False, "--compile auto: off on CPU")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on, why = compile_choice("auto")
-    assert on and "1.46-1.50x" in why and "--compile off" in why
+    assert on and "1.46-1.50x" in why and "1.12-1.15x" in why and "--compile off" in why
 
 
 def test_training_step_builds_no_cache(tmp_path, monkeypatch):
@@ -311,3 +311,19 @@ def test_training_step_builds_no_cache(tmp_path, monkeypatch):
     finally:
         reset_accelerate()
     assert rc == 0 and built == []
+
+
+def test_no_cache_argument_only_where_the_forward_takes_it():
+    from peft import LoraConfig, get_peft_model
+
+    from rewy_hf.models.presets import build_preset
+    from rewy_hf.training.recipe import _no_cache_kwargs
+
+    class NoCacheArgument(torch.nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    assert _no_cache_kwargs(NoCacheArgument()) == {}
+    qwen = build_preset("tiny-qwen3.5")
+    assert _no_cache_kwargs(qwen) == {"use_cache": False}
+    assert _no_cache_kwargs(get_peft_model(qwen, LoraConfig(r=2, target_modules=["q_proj"]))) == {"use_cache": False}
