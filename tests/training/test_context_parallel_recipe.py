@@ -18,7 +18,7 @@ COMMON = ["--model", "tiny-fla-gdn2", "--seq-len", "96", "--batch-size", "2", "-
           "--max-steps", "3", "--no-progress", "--compile", "off"]
 
 
-def test_two_processes_log_the_one_processlosses(tmp_path):
+def test_two_processes_log_the_one_process_losses(tmp_path):
     from rewy_hf.training import recipe
 
     one, two = tmp_path / "one", tmp_path / "two"

@@ -16,7 +16,7 @@ from support.recipe_runs import losses
 COMMON = ["--seq-len", "80", "--lr", "3e-3", "--warmup-steps", "1", "--max-steps", "2", "--no-progress"]
 
 
-def test_compiled_ddp_logs_the_one_processlosses(tmp_path):
+def test_compiled_ddp_logs_the_one_process_losses(tmp_path):
     from rewy_hf.training import recipe
 
     one, two = tmp_path / "one", tmp_path / "ddp"

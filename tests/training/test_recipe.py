@@ -305,11 +305,8 @@ def test_training_step_builds_no_cache(tmp_path, monkeypatch):
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counting_init)
-    try:
-        rc = recipe.main(["--model", "tiny-qwen3.5", *COMMON, "--max-steps", "1", "--save-every", "0",
-                          "--output-dir", str(tmp_path / "run")])
-    finally:
-        reset_accelerate()
+    rc = recipe.main(["--model", "tiny-qwen3.5", *COMMON, "--max-steps", "1", "--save-every", "0",
+                      "--output-dir", str(tmp_path / "run")])
     assert rc == 0 and built == []
 
 
