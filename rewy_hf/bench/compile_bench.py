@@ -22,15 +22,17 @@ compiled graph warm.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 
 import torch
 import torch.nn as nn
 
+from ..models.causal_masks import causal_only_masks
 from ..patching.dispatch import dispatch_report, reset_dispatch_report, total_calls
 from ..patching.patch import unpatch_model
 from .installed_kernels import installed_kernels_under_compile
-from .model_bench import ModelSettings, ModelSides, Snapshot, timed_step, train_step
+from .model_bench import ModelSettings, ModelSides, Snapshot, optimizer_for, timed_step, train_step
 from .model_profile import DELTA_RULE
 
 # The unpatched compiled side comes last: its graph breaks (one or more in every delta-rule layer)
@@ -139,7 +141,7 @@ def compiles_at_lengths(run, opt: torch.optim.Optimizer, model: nn.Module, s: Mo
 
 def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None, curve_steps: int = 0,
                       lengths: tuple[int, ...] = (), compiler: str = "inductor",
-                      sides: tuple[str, ...] = SIDES) -> dict:
+                      sides: tuple[str, ...] = SIDES, causal_masks: bool = False) -> dict:
     """Per side of ``sides`` (some of SIDES, run in SIDES' order), ``s.warmup`` untimed then ``s.steps``
     timed training steps; see the module docstring. ``on_side(side, row)`` is called as each side finishes.
 
@@ -158,7 +160,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     model.train()
     batch = _tokens(model, s, s.seq_len, s.seed)
     curve_batches = corpus_batches(model, s, curve_steps) if curve_steps else []
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
+    opt = optimizer_for(model, s.lr)
     chosen = [x for x in SIDES if x in sides]
     sides = ModelSides(model, s)
     compiled = torch.compile(model, backend=compiler)
@@ -173,6 +175,9 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     for side in chosen:
         patched, is_compiled = side.startswith("patched"), side.endswith("compiled")
         run = compiled if is_compiled else model
+        if causal_masks and (masks := causal_only_masks(model)) is not None:
+            # The bench's batches are whole unpadded rows: the mapping the eager mask code computes.
+            run = functools.partial(run, attention_mask=masks)
         if is_compiled:
             torch._dynamo.reset()           # each compiled side compiles from scratch: its compile time
         torch._dynamo.utils.counters.clear()

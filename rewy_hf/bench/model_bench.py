@@ -61,6 +61,12 @@ class Snapshot:
                     self.opt.state[p][k] = v
 
 
+def optimizer_for(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The bench's AdamW: fused, one kernel over all parameters, as transformers' Trainer defaults to
+    (``adamw_torch_fused``) and the recipe uses."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
     # No cache: a training step needs none, and building one (transformers' models do when the
     # config says use_cache) adds state writes and, under torch.compile, recompiles.
@@ -113,7 +119,7 @@ def run_model_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict:
     vocab = model.config.vocab_size
     batch = torch.randint(0, vocab, (s.batch_size, s.seq_len), generator=torch.Generator().manual_seed(s.seed))
     batch = batch.to(s.device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
+    opt = optimizer_for(model, s.lr)
     sides = ModelSides(model, s)
 
     # One untimed step creates the optimizer state, so every later step is a
@@ -166,7 +172,7 @@ def describe_model_run(spec: str, s: ModelSettings, dtype: str, gdn_guard: dict)
     """The settings record of a model-level run, with the sentences that say how it times."""
     return {"model": spec, "device": s.device, "dtype": dtype, "batch_size": s.batch_size, "seq_len": s.seq_len,
             "steps": s.steps, "warmup": s.warmup, "backend": s.backend, "policy": s.policy,
-            "optimizer": f"AdamW(lr={s.lr:g})", "seed": s.seed, "gdn_guard": gdn_guard,
+            "optimizer": f"AdamW(lr={s.lr:g}, fused)", "seed": s.seed, "gdn_guard": gdn_guard,
             "timing": "time.perf_counter around one full step (device synchronised before and after); "
                       "weights and optimizer state restored before every step, outside the timing; sides "
                       "alternate and swap order every step",

@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     a = p.parse_args()
 
-    from rewy_hf.bench.model_bench import ModelSettings, ModelSides, train_step
+    from rewy_hf.bench.model_bench import ModelSettings, ModelSides, optimizer_for, train_step
     from rewy_hf.bench.op_bench import lift_gdn_guard
     from rewy_hf.models.loading import load_causal_lm
 
@@ -68,7 +68,7 @@ def main() -> None:
     s = ModelSettings(device="cuda", steps=1, warmup=a.warmup, batch_size=a.batch_size, seq_len=a.seq_len,
                       backend=a.backend, policy=a.policy, seed=0)
     batch = torch.randint(0, model.config.vocab_size, (a.batch_size, a.seq_len), device="cuda")
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+    opt = optimizer_for(model, 1e-5)
     sides = ModelSides(model, s)
     result = {}
     for side in ("unpatched", "patched"):

@@ -106,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "patched-compiled, unpatched-compiled), e.g. to time the slow-to-compile unpatched "
                             "compiled side in a run of its own; `--from-json` of runs on the same settings joins "
                             "their sides into one table (default: all four)")
+    model.add_argument("--causal-masks", action="store_true",
+                       help="--compile: every side hands a transformers hybrid the mask mapping of an unpadded "
+                            "causal batch (models/causal_masks.py), so that compiled attention runs SDPA's causal "
+                            "kernel as eager attention does, instead of a materialized mask")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="let transformers run the model repository's own code")
@@ -294,7 +298,8 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
     curve = args.curve_steps or 0
     sides = args.sides or SIDES
-    settings.update(curve_steps=curve, lengths=list(args.lengths), sides=list(sides))
+    settings.update(curve_steps=curve, lengths=list(args.lengths), sides=list(sides),
+                    causal_masks=args.causal_masks)
     total = len(sides) * (s.warmup + s.steps + curve) + sum(x.endswith("compiled") for x in sides) * len(args.lengths)
     try:
         with progress(total, f"bench {args.model} --compile") as bar:
@@ -305,7 +310,7 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
                 report.save(data)       # a run stopped half way keeps the sides it finished
 
             res = run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,
-                                    lengths=args.lengths, sides=sides)
+                                    lengths=args.lengths, sides=sides, causal_masks=args.causal_masks)
     except Exception as exc:
         hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
                 "unpatched sides anyway") if "#640" in str(exc) else ""

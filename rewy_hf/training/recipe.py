@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.causal_masks import causal_only_masks
 from . import checkpoint as ckpt
 from . import output_dir
 from .data import DataError, WindowSampler, pack, read_documents
@@ -205,7 +206,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
         if p.requires_grad:
             (decay if p.ndim >= 2 and not getattr(p, "_no_weight_decay", False) else no_decay).append(p)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                                  fused=True)   # one kernel over all parameters (CUDA and CPU)
     scheduler = build_scheduler(optimizer, min(args.warmup_steps, args.max_steps), args.max_steps, args.min_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
@@ -269,6 +271,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
 
         bar = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
 
+    # Windows are whole unpadded rows: a hybrid's attention then needs no mask, compiled or not.
+    masks = causal_only_masks(accelerator.unwrap_model(model))
     no_cache = _no_cache_kwargs(accelerator.unwrap_model(model))
     model.train()
     for step in range(start_step, end_step):
@@ -283,7 +287,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
                 if split:
                     loss = split.loss(model, batch)
                 else:
-                    logits = model(input_ids=batch[:, :-1], **no_cache).logits
+                    logits = model(input_ids=batch[:, :-1], attention_mask=masks, **no_cache).logits
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
                 accelerator.backward(loss / args.grad_accum)
             loss_sum += loss.detach()

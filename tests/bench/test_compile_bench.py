@@ -193,3 +193,28 @@ def test_curve_batches_are_fresh_text_windows_and_repeat_with_the_seed():
     assert all(int(b.max()) < 200 and int(b.min()) >= 0 for b in batches)
     assert len({tuple(b[0, :50].tolist()) for b in batches}) == 4
     assert all(torch.equal(a, b) for a, b in zip(batches, corpus_batches(model, s, 4)))
+
+
+def test_causal_masks_hand_compiled_attention_no_mask():
+    """--causal-masks: the compiled side's attention gets SDPA's causal path, and its first step's loss
+    is the unpatched eager one."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    model = hf.build("qwen3_5")
+    s = ModelSettings(device="cpu", steps=1, warmup=1, batch_size=1, seq_len=64, backend="torch",
+                      policy="recompute", seed=5)
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def watching(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    with mock.patch.object(F, "scaled_dot_product_attention", watching):
+        res = run_compile_bench(model, s, sides=("unpatched eager", "patched compiled"), causal_masks=True,
+                                compiler="aot_eager_decomp_partition")
+    torch._dynamo.reset()
+    assert set(seen) == {(True, True)}
+    assert res["sides"]["patched compiled"]["first_loss_rel_diff"] < 1e-5
