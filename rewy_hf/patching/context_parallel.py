@@ -1,4 +1,4 @@
-"""A patched FLA model run context-parallel: ``with context_parallel(model, cp_context): model(...)``.
+"""A patched model run context-parallel: ``with context_parallel(model, cp_context): model(...)``.
 
 FLA 0.6.0 has context parallelism in its ops (``cp_context``) and in its short
 convolution, but its layers do not pass a context to either. Inside this block
@@ -8,14 +8,16 @@ convolution exchanges the inputs it needs across ranks, so each rank's first
 ``W - 1`` convolution inputs come from the previous rank: FLA's layers through
 FLA's own exchange (their ``causal_conv1d`` gets the context), transformers'
 layers through rewy's (their ``causal_conv1d_fn`` call becomes
-kernels/context_parallel_conv.py). Everything else in these models is per
-token, so a rank that feeds its slice of the packed row computes its slice of
-the whole row's outputs.
+kernels/context_parallel_conv.py). The attention layers of transformers'
+hybrids (Qwen3.5, Qwen3-Next, Kimi-Linear, OLMo-hybrid) attend over the whole
+row through an all-gather of their keys and values
+(context_parallel_attention.py); they need the row's global ``cu_seqlens`` and
+the caller's ``position_ids``. Everything else in these models is per token,
+so a rank that feeds its slice of the packed row computes its slice of the
+whole row's outputs.
 
-Served: ``fla.models`` models, rewy's GDN2 and transformers' delta-rule models
-whose token mixers are all delta-rule layers. Refused, with the reason:
-attention layers (hybrid configs; their attention has no context parallelism
-here) and layers that are not patched.
+Refused, with the reason: FLA's attention layers (hybrid FLA configs) and
+delta-rule layers that are not patched.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import importlib
 import torch.nn as nn
 
 from ..errors import UnsupportedConfigError
+from .context_parallel_attention import RowAttention, attention_layers, row_attention_active
 from .dispatch import set_active_context
 from .patch import patch_state
 
@@ -34,27 +37,37 @@ from .patch import patch_state
 _CONV_SITES = ("fla.modules.causal_conv1d.ops", "fla.layers.gated_deltanet")
 
 
-def _refusal(model: nn.Module) -> str | None:
+def _refusal(model: nn.Module, attention: list[nn.Module], cu_seqlens) -> str | None:
     states = [s for s in map(patch_state, model.modules()) if s is not None]
     if not states:
         return "the model has no patched delta-rule layer; call rewy_hf.patch_model(model) first"
     # FLA's blocks hold their token mixer as ``attn``, transformers' decoder layers as ``self_attn``
     # (Qwen3.5's delta-rule layers are ``linear_attn``, Kimi-Linear's are ``self_attn``).
+    served = {id(m) for m in attention}
     mixers = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("attn", "self_attn")
-              and patch_state(m) is None]
+              and patch_state(m) is None and id(m) not in served]
     if mixers:
-        return (f"the token mixer {mixers[0]} ({type(model.get_submodule(mixers[0])).__name__}) is not a patched "
-                "delta-rule layer, and attention layers have no context parallelism here; use a config whose "
-                "token mixers are all delta-rule layers (FLA: attn=None; transformers: every layer type "
-                "linear_attention)")
+        return (f"the token mixer {mixers[0]} ({type(model.get_submodule(mixers[0])).__name__}) is neither a patched "
+                "delta-rule layer nor a transformers full_attention layer (dense causal attention), and other "
+                "attention (FLA's attention layers, sliding-window or indexed attention) has no context parallelism "
+                "here: use a config whose token mixers are delta-rule or full_attention layers (FLA: attn=None)")
+    if attention and cu_seqlens is None:
+        return (f"the model has attention layers ({type(attention[0]).__name__}); pass cu_seqlens=<the whole row's "
+                "sequence bounds> (and position_ids to the model) so that they attend over the row")
     return None
 
 
 @contextlib.contextmanager
-def context_parallel(model: nn.Module, cp_context):
+def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
     """Run ``model``'s patched delta-rule layers and their short convolutions with ``cp_context``
-    (FLA's, from ``fla.ops.cp.build_cp_context``) inside the block."""
-    if (reason := _refusal(model)) is not None:
+    (FLA's, from ``fla.ops.cp.build_cp_context``) inside the block.
+
+    ``cu_seqlens``: the whole packed row's sequence bounds (the ones ``cp_context`` was built from);
+    needed when the model has transformers attention layers, which then attend over the row. Pass
+    the model each local token's place in its sequence as ``position_ids`` (``RowAttention
+    .positions``) and ``attention_mask={layer type: None}``: the bounds say the mask."""
+    attention = attention_layers(model)
+    if (reason := _refusal(model, attention, cu_seqlens)) is not None:
         raise UnsupportedConfigError(f"context_parallel: {reason}.")
     sites = [importlib.import_module(name) for name in _CONV_SITES]
     saved = [site.causal_conv1d for site in sites]
@@ -65,11 +78,14 @@ def context_parallel(model: nn.Module, cp_context):
             return original(*args, **{**kwargs, "cp_context": cp_context})
         return conv
 
+    rows = (row_attention_active(attention, RowAttention(cu_seqlens, cp_context.group)) if attention
+            else contextlib.nullcontext())
     previous = set_active_context(cp_context)
     try:
         for site, original in zip(sites, saved):
             site.causal_conv1d = with_context(original)
-        yield cp_context
+        with rows:
+            yield cp_context
     finally:
         for site, original in zip(sites, saved):
             site.causal_conv1d = original

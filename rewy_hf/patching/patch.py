@@ -175,15 +175,12 @@ def _release_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
         _restore_site_if_unused(adapter)
 
 
-def _resolve_backend(backend: str, model: nn.Module) -> str:
-    """What the report shows: the backend, or ``auto`` (decided per call: triton on
-    CUDA where rewy has Triton kernels, torch elsewhere; the dispatch report
-    counts which one served each call)."""
+def _check_backend(backend: str) -> str:
+    """``auto`` stays ``auto`` in the patch and its report: it is decided per call (triton on CUDA
+    where rewy has Triton kernels, torch elsewhere; the dispatch report counts which one served
+    each call), so a model patched on the CPU and moved to a GPU afterwards runs the Triton kernels."""
     if backend not in BACKENDS:
         raise UnsupportedConfigError(f"`backend`={backend!r} is unknown; choose one of {BACKENDS}.")
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    if backend == "auto" and not on_cuda:
-        return "torch"
     return backend
 
 
@@ -216,7 +213,7 @@ def patch_model(
         raise UnsupportedConfigError(f"`policy`={policy!r} is unknown; choose one of {POLICIES}.")
     if fallback not in FALLBACKS:
         raise UnsupportedConfigError(f"`fallback`={fallback!r} is unknown; choose one of {FALLBACKS}.")
-    backend = _resolve_backend(backend, model)
+    backend = _check_backend(backend)
     prepare_fallback_count()
     report = PatchReport(backend=backend, policy=policy, fallback=fallback)
     for name, layer in model.named_modules():

@@ -3,7 +3,8 @@
 Every process reads the same ``--batch-size`` windows; their inputs are joined into one row of
 batch-size x seq-len tokens (``cu_seqlens`` at the window bounds), and process r trains tokens
 ``[r P, (r + 1) P)``, P = row / processes, through ``rewy_hf.context_parallel`` (the delta-rule
-layers and their short convolutions exchange state summaries with FLA's protocol). Each process's
+layers and their short convolutions exchange state summaries with FLA's protocol; a transformers
+hybrid's full-attention layers attend over an all-gather of the row's keys and values). Each process's
 loss is its tokens' summed cross-entropy x processes / row tokens, so the mean over processes that
 DDP and FSDP take of the gradients is the gradient of the row's mean loss, and the mean of the
 logged losses is that loss.
@@ -36,10 +37,12 @@ class RowSplit:
         import torch.distributed as dist
 
         self.world, self.total = world, batch_size * seq_len
-        bounds = torch.arange(0, self.total + 1, seq_len)
-        self.context = build_cp_context(bounds.to(device), group=dist.group.WORLD, cu_seqlens_cpu=bounds)
+        self.bounds = torch.arange(0, self.total + 1, seq_len)
+        self.context = build_cp_context(self.bounds.to(device), group=dist.group.WORLD, cu_seqlens_cpu=self.bounds)
         part = self.total // world
         self.tokens = slice(rank * part, (rank + 1) * part)
+        # Each local token's place in its window, for a transformers hybrid's rotary embeddings.
+        self.positions = (torch.arange(self.total) % seq_len)[self.tokens][None].to(device)
 
     def describe(self) -> str:
         return f"context parallel: rows of {self.total} tokens in {self.world} slices"
@@ -48,14 +51,26 @@ class RowSplit:
         """The block inside which ``loss`` and its backward run (``rewy_hf.context_parallel``)."""
         import rewy_hf
 
-        return rewy_hf.context_parallel(model, self.context)
+        return rewy_hf.context_parallel(model, self.context, cu_seqlens=self.bounds)
 
     def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
         """This process's share of the row's loss; call it, and its backward, inside ``active``."""
         row, targets = batch[:, :-1].reshape(1, -1), batch[:, 1:].reshape(-1)
-        logits = model(input_ids=row[:, self.tokens], cu_seqlens=self.context.cu_seqlens, use_cache=False).logits
+        logits = model(input_ids=row[:, self.tokens], use_cache=False, **self._row_kwargs(model)).logits
         summed = torch.nn.functional.cross_entropy(logits[0].float(), targets[self.tokens], reduction="sum")
         return summed * (self.world / self.total)
+
+
+    def _row_kwargs(self, model) -> dict:
+        """What tells the model its slice is part of a packed row: FLA's models take the local
+        ``cu_seqlens``; transformers' hybrids take the positions and a mask mapping of None (their
+        attention layers read the row's bounds inside ``active``)."""
+        from ..models.causal_masks import causal_only_masks
+
+        masks = causal_only_masks(getattr(model, "module", model))
+        if masks is None:
+            return {"cu_seqlens": self.context.cu_seqlens}
+        return {"position_ids": self.positions, "attention_mask": masks}
 
 
 def row_split(args, world: int, rank: int, device: torch.device) -> RowSplit | None:

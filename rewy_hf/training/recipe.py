@@ -337,6 +337,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
         if renderer:
             say(f"  loss curve:       {out_dir / 'loss_curve.png'} ({renderer})")
         say(f"  dispatch report:  {out_dir / 'dispatch_report.json'}")
+        if per_rank[0].get("ops"):
+            say(f"  delta-rule cores: {_served_by(per_rank[0])} (rank 0)")
         for c in ckpt.list_checkpoints(out_dir):
             say(f"  checkpoint:       {c[1]}")
         if result.final_model_dir:
@@ -415,6 +417,13 @@ def _gather_dispatch() -> list:
     import rewy_hf
 
     return gather_object([rewy_hf.dispatch_report()])
+
+
+def _served_by(dispatch: dict) -> str:
+    """Which backend served each op's forward calls, e.g. ``gated_delta_rule: triton 600``: a GPU run
+    whose cores ran the torch backend shows it here."""
+    return "; ".join(f"{op}: " + ", ".join(f"{b} {n}" for b, n in sorted(c.get("backends", {}).items()))
+                     for op, c in sorted(dispatch["ops"].items()))
 
 
 def _write_dispatch_report(out_dir: Path, patch_report, per_rank: list) -> None:

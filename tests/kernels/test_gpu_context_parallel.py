@@ -1,14 +1,15 @@
 """Context parallelism with the Triton backend (GPU only): two ranks share one GPU through a gloo
 group, each holding half of a packed bf16 row; each rank's outputs and gradients must be as close
 to the float32 torch backend on the whole row as one process on the whole row is. Whole tiny
-transformers models (bf16) must match each sequence run on its own within bf16's rounding."""
+transformers models (bf16), hybrids with their attention over the whole row included, must match
+each sequence run on its own within bf16's rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import cuda_rank_main, free_port, hf_model_cuda_rank_main
+from support.cp_ranks import cuda_rank_main, free_port, hf_hybrid_cuda_rank_main, hf_model_cuda_rank_main
 
 pytestmark = pytest.mark.gpu
 
@@ -25,3 +26,11 @@ MODEL_CASES = [("qwen3_5", [0, 300, 512]), ("kimi_linear", [0, 254, 512])]
 
 def test_transformers_models_two_ranks_on_one_gpu():
     mp.spawn(hf_model_cuda_rank_main, args=(2, free_port(), MODEL_CASES), nprocs=2, join=True)
+
+
+# Hybrids: the attention layer's keys and values all-gathered over the gloo group (CUDA tensors).
+HYBRID_CASES = [("qwen3_5", [0, 300, 512]), ("kimi_linear", [0, 254, 512])]
+
+
+def test_transformers_hybrids_two_ranks_on_one_gpu():
+    mp.spawn(hf_hybrid_cuda_rank_main, args=(2, free_port(), HYBRID_CASES), nprocs=2, join=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import free_port, hf_model_rank_main, model_rank_main, rank_main
+from support.cp_ranks import free_port, hf_hybrid_rank_main, hf_model_rank_main, model_rank_main, rank_main
 
 CASES = {
     2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),
@@ -49,3 +49,17 @@ def test_patched_transformers_models_match_sequences_run_alone():
     float32, logits and rank-summed parameter gradients against each sequence run on its own; one
     case with gradient checkpointing (the recomputed forwards exchange again)."""
     mp.spawn(hf_model_rank_main, args=(2, free_port(), HF_MODEL_CASES), nprocs=2, join=True)
+
+
+# Hybrids: sequence bounds as above; a sequence that starts on rank 0 and ends on rank 1 sends its
+# keys and values across, one that starts on rank 1 needs none of rank 0's.
+HF_HYBRID_CASES = [("qwen3_5", [0, 128]), ("qwen3_5", [0, 50, 126, 128]), ("kimi_linear", [0, 62, 128]),
+                   ("qwen3_next", [0, 64, 100, 128]), ("olmo_hybrid", [0, 30, 128]), ("qwen3_5", [0, 62, 128], True)]
+
+
+def test_patched_transformers_hybrids_match_sequences_run_alone():
+    """rewy_hf.context_parallel on tiny transformers hybrids (delta-rule and full-attention layers):
+    2 ranks, float32, the attention layers over an all-gather of keys and values, logits and
+    rank-summed parameter gradients against each sequence run on its own; one case with gradient
+    checkpointing."""
+    mp.spawn(hf_hybrid_rank_main, args=(2, free_port(), HF_HYBRID_CASES), nprocs=2, join=True)

@@ -29,16 +29,45 @@ def test_refuses_an_unpatched_model():
             pass
 
 
-@pytest.mark.parametrize("family,mixer", [("qwen3_5", "model.layers.1.self_attn (Qwen3_5Attention)"),
-                                          ("kimi_linear", "model.layers.1.self_attn (KimiLinearAttention)")])
-def test_refuses_transformers_hybrids(family, mixer):
-    """Their attention layers have no context parallelism here (the delta-rule-only configs run:
-    tests/ops/test_context_parallel.py)."""
+@pytest.mark.parametrize("family,layer", [("qwen3_5", "Qwen3_5Attention"), ("kimi_linear", "KimiLinearAttention")])
+def test_transformers_hybrids_need_the_rows_bounds(family, layer):
+    """Their attention layers attend over the whole row, so they need its sequence bounds (the split
+    runs in tests/ops/test_context_parallel.py)."""
     model = H.build(family)
     rewy_hf.patch_model(model, backend="torch")
-    with pytest.raises(UnsupportedConfigError, match=re.escape(f"the token mixer {mixer} is not a patched")):
+    with pytest.raises(UnsupportedConfigError, match=re.escape(f"has attention layers ({layer}); pass cu_seqlens=")):
         with rewy_hf.context_parallel(model, _context(8)):
             pass
+
+
+def test_indexed_attention_is_refused():
+    """Sparse (indexed) attention is not dense causal attention: an all-gather of keys and values
+    followed by causal SDPA would compute something else."""
+    model = H.build("qwen4_exp")
+    rewy_hf.patch_model(model, backend="torch")
+    with pytest.raises(UnsupportedConfigError, match=r"model.layers.1.self_attn \(\w+\) is neither a patched delta-rule "
+                                                     r"layer nor a transformers full_attention layer"):
+        with rewy_hf.context_parallel(model, _context(8), cu_seqlens=torch.tensor([0, 8])):
+            pass
+
+
+def test_attention_implementation_is_the_rows_inside_only():
+    from rewy_hf.patching import context_parallel_attention as cpa
+
+    model = H.build("qwen3_5")
+    rewy_hf.patch_model(model, backend="torch")
+    before = model.config._attn_implementation
+    group = SimpleNamespace()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torch.distributed.get_world_size", lambda g=None: 1)
+        mp.setattr("torch.distributed.get_rank", lambda g=None: 0)
+        with rewy_hf.context_parallel(model, SimpleNamespace(**{**vars(_context(8)), "group": group}),
+                                      cu_seqlens=torch.tensor([0, 3, 8])):
+            assert model.config._attn_implementation == cpa.NAME
+            assert model.model.layers[1].self_attn.config._attn_implementation == cpa.NAME
+    assert model.config._attn_implementation == before
+    with pytest.raises(UnsupportedConfigError, match="runs only inside rewy_hf.context_parallel"):
+        cpa.row_attention(None, *[torch.zeros(1, 1, 8, 4)] * 3, None)
 
 
 def test_refuses_other_token_mixers():
@@ -47,7 +76,7 @@ def test_refuses_other_token_mixers():
     model = tiny.build("gated_deltanet")
     rewy_hf.patch_model(model, backend="torch")
     model.model.layers[1].attn = torch.nn.Identity()
-    with pytest.raises(UnsupportedConfigError, match=r"model.layers.1.attn \(Identity\) is not a patched"):
+    with pytest.raises(UnsupportedConfigError, match=r"model.layers.1.attn \(Identity\) is neither a patched"):
         with rewy_hf.context_parallel(model, _context(8)):
             pass
 

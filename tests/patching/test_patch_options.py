@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 import rewy_hf
@@ -27,3 +28,19 @@ def test_second_patch_with_other_options_is_refused_and_keeps_the_first():
 def test_patching_something_that_is_not_a_module_is_named(thing):
     with pytest.raises(UnsupportedConfigError, match="patch_model expects a torch.nn.Module"):
         rewy_hf.patch_model(thing)
+
+
+def test_auto_is_decided_per_call_so_a_model_patched_on_cpu_gets_triton_once_on_a_gpu(monkeypatch):
+    # Patching usually happens before `.to("cuda")` / `accelerator.prepare`: freezing `auto` to the
+    # torch backend at patch time would then run the slow torch core on the GPU, silently under compile.
+    import rewy_hf.ops as ops
+    from rewy_hf.validation import resolve_backend
+
+    asked = []
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, *a: asked.append(backend) or resolve_backend(backend, *a))
+    model = hf.build("qwen3_5")
+    report = rewy_hf.patch_model(model)
+    assert report.backend == "auto" and all(p.backend == "auto" for p in report.patched)
+    hf.loss_of(model, hf.input_ids(1, 16), "qwen3_5").backward()
+    assert asked and set(asked) == {"auto"}
+    assert resolve_backend("auto", torch.device("cuda"), None) == "triton"

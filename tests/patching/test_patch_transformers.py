@@ -168,8 +168,8 @@ def test_report_and_dispatch_counts(family):
     assert report.skipped == []
     layer_class = H.FAMILIES[family].layer_class
     for p in report.patched:
-        assert (p.layer_class, p.op, p.backend, p.policy, p.already) == (layer_class, op, "torch", "recompute", False)
-    assert (report.backend, report.policy, report.fallback) == ("torch", "recompute", "error")
+        assert (p.layer_class, p.op, p.backend, p.policy, p.already) == (layer_class, op, "auto", "recompute", False)
+    assert (report.backend, report.policy, report.fallback) == ("auto", "recompute", "error")
     ops = r["dispatch"]["ops"]
     assert set(ops) == {op}, ops
     e = ops[op]
@@ -594,6 +594,6 @@ def test_report_text_and_dict():
         d = json.loads(json.dumps(report.to_dict()))
         assert [p["name"] for p in d["patched"]] == names
         assert d["skipped"][0]["name"] == "extra_mixer" and d["skipped"][0]["reason"]
-        assert (d["backend"], d["policy"], d["fallback"]) == ("torch", "recompute", "error")
+        assert (d["backend"], d["policy"], d["fallback"]) == ("auto", "recompute", "error")
     finally:
         unpatch_model(model)

@@ -176,7 +176,7 @@ def _targets_and_loss(ids: torch.Tensor, cu: torch.Tensor):
 
 
 def _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, what: str, checkpointing: bool,
-                 tol: float, **forward_kwargs) -> None:
+                 tol: float, cp_kwargs: dict | None = None, **forward_kwargs) -> None:
     """This rank's slice of the row run inside ``context_parallel``: its logits, and the rank-summed
     parameter gradients of the row's mean loss, against the references."""
     import rewy_hf
@@ -185,7 +185,7 @@ def _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, what:
     part = ids.shape[1] // world
     lo, hi = rank * part, (rank + 1) * part
     # The backward inside the block as well: checkpointed layers rerun their forward there.
-    with rewy_hf.context_parallel(model, ctx):
+    with rewy_hf.context_parallel(model, ctx, **(cp_kwargs or {})):
         logits = model(input_ids=ids[:, lo:hi], **forward_kwargs).logits
         grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
     where = f"{what} checkpointing={checkpointing} world={world} rank={rank}"
@@ -223,18 +223,27 @@ def model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
 
 
 def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, device: str = "cpu",
-                   tol: float = 2e-5) -> None:
-    """A tiny patched transformers model whose layers are all delta-rule layers (on the CPU: float32,
-    torch backend; on a GPU: bf16, Triton backend), its convolution included: each rank's logits
-    over its slice of the packed row, and the rank-summed parameter gradients of the row's mean
-    next-token loss, equal the model run on every sequence on its own in one process
-    (transformers' own convolution, no packing)."""
+                   tol: float = 2e-5, hybrid: bool = False) -> None:
+    """A tiny patched transformers model (on the CPU: float32, torch backend; on a GPU: bf16, Triton
+    backend), its convolution included, split across the ranks: each rank's logits over its slice of
+    the packed row, and the rank-summed parameter gradients of the row's mean next-token loss, equal
+    the model run on every sequence on its own in one process (transformers' own convolution and
+    attention, no packing). Every layer a delta-rule layer, or with ``hybrid`` the tiny config's
+    delta-rule, full-attention, delta-rule layers, whose attention then attends over the whole row
+    (patching/context_parallel_attention.py)."""
     from fla.ops.cp import build_cp_context
 
     import rewy_hf
+    from rewy_hf.models.causal_masks import causal_only_masks
+    from rewy_hf.patching.context_parallel_attention import RowAttention
     from support import hf_tiny_models as hf
 
-    model = hf.delta_rule_only(family)
+    if hybrid:
+        model = hf.build(family)
+        model.config.use_cache = False
+        assert "full_attention" in model.config.layer_types
+    else:
+        model = hf.delta_rule_only(family)
     if device == "cuda":
         model = model.to("cuda", torch.bfloat16)
     rewy_hf.patch_model(model, backend="torch" if device == "cpu" else "triton")
@@ -247,8 +256,12 @@ def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, 
     ref_logits = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in pieces], dim=1)
     ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
     ctx = build_cp_context(cu, group=dist.group.WORLD, conv1d_kernel_size=model.config.linear_conv_kernel_dim)
-    _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, f"{family} bounds={bounds}",
-                 checkpointing, tol)
+    row = {}
+    if hybrid:
+        row = dict(cp_kwargs={"cu_seqlens": cu}, position_ids=RowAttention(cu, dist.group.WORLD).positions(device),
+                   attention_mask=causal_only_masks(model))
+    _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx,
+                 f"{family}{' hybrid' if hybrid else ''} bounds={bounds}", checkpointing, tol, **row)
 
 
 def check_hf_model_cuda(family: str, bounds: list[int]) -> None:
@@ -263,3 +276,20 @@ def hf_model_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> No
 
 def hf_model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     _serve_interpreted(rank, world, port, cases, check_hf_model)
+
+
+def check_hf_hybrid(family: str, bounds: list[int], checkpointing: bool = False) -> None:
+    check_hf_model(family, bounds, checkpointing, hybrid=True)
+
+
+def hf_hybrid_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve_interpreted(rank, world, port, cases, check_hf_hybrid)
+
+
+def check_hf_hybrid_cuda(family: str, bounds: list[int]) -> None:
+    check_hf_model(family, bounds, device="cuda", tol=3e-2, hybrid=True)
+
+
+def hf_hybrid_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    torch.cuda.set_device(0)
+    _serve(rank, world, port, cases, check_hf_hybrid_cuda, 300)

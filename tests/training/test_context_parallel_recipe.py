@@ -1,6 +1,7 @@
 """--context-parallel on CPU: two gloo processes each train half of every packed row of the
 tiny-fla-gdn2 preset (no short convolution: FLA's exchange for it does not run in the Triton
-interpreter) and log the losses one process logs on the whole rows; bad settings are refused first."""
+interpreter) and of the tiny-qwen3.5 hybrid, and log the losses one process logs on the whole rows;
+bad settings are refused first."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ COMMON = ["--model", "tiny-fla-gdn2", "--seq-len", "96", "--batch-size", "2", "-
           "--max-steps", "3", "--no-progress", "--compile", "off"]
 
 
-def test_two_processes_log_the_one_process_losses(tmp_path):
+@pytest.mark.parametrize("model,sizes", [("tiny-fla-gdn2", []), ("tiny-qwen3.5", ["--batch-size", "3", "--seq-len", "64"])])
+def test_two_processes_log_the_one_process_losses(tmp_path, model, sizes):
+    """tiny-qwen3.5 is a hybrid: its attention layer attends over the all-gathered row, its delta-rule
+    layer's short convolution takes rewy's exchange; 3 windows of 64 put a window across the ranks'
+    boundary, so rank 1's positions and attention reach back into rank 0's tokens."""
     from rewy_hf.training import recipe
 
+    argv = [*COMMON, "--model", model, *sizes]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert recipe.main([*COMMON, "--output-dir", str(one)]) == 0
-    mp.spawn(rank_main, args=(2, free_port(), [*COMMON, "--context-parallel", "--output-dir", str(two)]), nprocs=2,
+    assert recipe.main([*argv, "--output-dir", str(one)]) == 0
+    mp.spawn(rank_main, args=(2, free_port(), [*argv, "--context-parallel", "--output-dir", str(two)]), nprocs=2,
              join=True)
     ref, split = losses(one), losses(two)
     assert len(ref) == len(split) == 3
