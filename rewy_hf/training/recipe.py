@@ -339,6 +339,10 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
         say(f"  dispatch report:  {out_dir / 'dispatch_report.json'}")
         if per_rank[0].get("ops"):
             say(f"  delta-rule cores: {_served_by(per_rank[0])} (rank 0)")
+            on_torch = any("torch" in c.get("backends", {}) for c in per_rank[0]["ops"].values())
+            if accelerator.device.type == "cuda" and on_torch:
+                say("  warning: some delta-rule calls ran rewy's torch backend on the GPU, which is slower than "
+                    "the Triton kernels: see --backend and the dispatch report's fallback reasons")
         for c in ckpt.list_checkpoints(out_dir):
             say(f"  checkpoint:       {c[1]}")
         if result.final_model_dir:
