@@ -64,12 +64,18 @@ class RowAttention:
         keys = torch.cat(all_gather(key.contiguous(), group=self.group), dim=2)
         values = torch.cat(all_gather(value.contiguous(), group=self.group), dim=2)
         groups = query.shape[1] // keys.shape[1]
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         outs = []
         for a, q, e in self.pieces:
             qs = query[:, :, q - self.lo:e - self.lo]
             ks, vs = keys[:, :, a:e], values[:, :, a:e]
+            if q == a:      # the sequence starts in this slice: plain causal, SDPA's own GQA
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=groups > 1))
+                continue
+            # It began on an earlier rank: the lower-right causal kernels take no GQA, so repeat this
+            # stretch's keys and values to the query heads.
+            if groups > 1:
+                ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(e - q, e - a),
                                                        dropout_p=dropout, scale=scaling))
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
