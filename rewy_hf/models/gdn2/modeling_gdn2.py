@@ -7,7 +7,9 @@ copied): pre-norm blocks of ``RMSNorm -> mixer -> RMSNorm -> GatedMLP`` with
 residuals, FLA's ``FLAModel`` / ``FLAForCausalLM`` forward passes and loss, and
 ``get_attention`` for the full-attention layers of hybrid configs. Parameter
 names match FLA's models (``model.embeddings``, ``model.layers.N.attn``,
-``model.layers.N.mlp``, ``model.norm``, ``lm_head``).
+``model.layers.N.mlp``, ``model.norm``, ``lm_head``). On the CPU the mixers'
+short convolutions run in plain torch (cpu_conv.py), not in the Triton
+interpreter.
 
 FLA's block-attention-residual ("attnres") option is not supported.
 """
@@ -26,6 +28,7 @@ from fla.modules import GatedMLP, RMSNorm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_gdn2 import GDN2Config
+from .cpu_conv import use_torch_convolutions_on_cpu
 
 if TYPE_CHECKING:
     from fla.models.cache_utils import Cache
@@ -62,6 +65,7 @@ class GDN2Block(GradientCheckpointingLayer):
                 layer_idx=layer_idx,
                 norm_eps=config.norm_eps,
             )
+            use_torch_convolutions_on_cpu(self.attn)
         self.mlp_norm = _norm(config)
         self.mlp = GatedMLP(
             hidden_size=config.hidden_size,
