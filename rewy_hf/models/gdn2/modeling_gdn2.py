@@ -7,9 +7,9 @@ copied): pre-norm blocks of ``RMSNorm -> mixer -> RMSNorm -> GatedMLP`` with
 residuals, FLA's ``FLAModel`` / ``FLAForCausalLM`` forward passes and loss, and
 ``get_attention`` for the full-attention layers of hybrid configs. Parameter
 names match FLA's models (``model.embeddings``, ``model.layers.N.attn``,
-``model.layers.N.mlp``, ``model.norm``, ``lm_head``). On the CPU the mixers'
-short convolutions run in plain torch (cpu_conv.py), not in the Triton
-interpreter.
+``model.layers.N.mlp``, ``model.norm``, ``lm_head``). On the CPU the blocks'
+short convolutions, gated norms and SwiGLU run in plain torch
+(cpu_modules.py), not in the Triton interpreter.
 
 FLA's block-attention-residual ("attnres") option is not supported.
 """
@@ -28,7 +28,7 @@ from fla.modules import GatedMLP, RMSNorm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_gdn2 import GDN2Config
-from .cpu_conv import use_torch_convolutions_on_cpu
+from .cpu_modules import use_torch_forms_on_cpu
 
 if TYPE_CHECKING:
     from fla.models.cache_utils import Cache
@@ -65,7 +65,6 @@ class GDN2Block(GradientCheckpointingLayer):
                 layer_idx=layer_idx,
                 norm_eps=config.norm_eps,
             )
-            use_torch_convolutions_on_cpu(self.attn)
         self.mlp_norm = _norm(config)
         self.mlp = GatedMLP(
             hidden_size=config.hidden_size,
@@ -74,6 +73,7 @@ class GDN2Block(GradientCheckpointingLayer):
             hidden_act=config.hidden_act,
             fuse_swiglu=config.fuse_swiglu,
         )
+        use_torch_forms_on_cpu(self)
 
     def forward(
         self,
