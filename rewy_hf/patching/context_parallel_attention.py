@@ -13,7 +13,8 @@ load-balanced order, not FLA's contiguous slices.
 
 The layers reach this through transformers' attention interface: inside the block their config's
 ``_attn_implementation`` names :data:`NAME`. Positions are the caller's: pass ``position_ids``
-(each token's place in its own sequence), so rotary embeddings see global positions.
+(each token's place in its own sequence, not in the slice), so that rotary embeddings on every
+rank see the positions one process would.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ class RowSplit:
         summed = torch.nn.functional.cross_entropy(logits[0].float(), targets[self.tokens], reduction="sum")
         return summed * (self.world / self.total)
 
-
     def _row_kwargs(self, model) -> dict:
         """What tells the model its slice is part of a packed row: FLA's models take the local
         ``cu_seqlens``; transformers' hybrids take the positions and a mask mapping of None (their
