@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..patching.context_parallel_attention import RowAttention
 from .options import RecipeError
 
 
@@ -42,7 +43,7 @@ class RowSplit:
         part = self.total // world
         self.tokens = slice(rank * part, (rank + 1) * part)
         # Each local token's place in its window, for a transformers hybrid's rotary embeddings.
-        self.positions = (torch.arange(self.total) % seq_len)[self.tokens][None].to(device)
+        self.positions = RowAttention(self.bounds, dist.group.WORLD).positions(device)
 
     def describe(self) -> str:
         return f"context parallel: rows of {self.total} tokens in {self.world} slices"
@@ -53,23 +54,18 @@ class RowSplit:
 
         return rewy_hf.context_parallel(model, self.context, cu_seqlens=self.bounds)
 
-    def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
-        """This process's share of the row's loss; call it, and its backward, inside ``active``."""
+    def loss(self, model, batch: torch.Tensor, masks: dict | None) -> torch.Tensor:
+        """This process's share of the row's loss; call it, and its backward, inside ``active``.
+
+        ``masks``: ``causal_only_masks`` of the model. What tells the model its slice is part of a
+        packed row: FLA's models (None) take the local ``cu_seqlens``; transformers' hybrids take the
+        positions and that mapping (their attention layers read the row's bounds inside ``active``)."""
         row, targets = batch[:, :-1].reshape(1, -1), batch[:, 1:].reshape(-1)
-        logits = model(input_ids=row[:, self.tokens], use_cache=False, **self._row_kwargs(model)).logits
+        packed = ({"cu_seqlens": self.context.cu_seqlens} if masks is None
+                  else {"position_ids": self.positions, "attention_mask": masks})
+        logits = model(input_ids=row[:, self.tokens], use_cache=False, **packed).logits
         summed = torch.nn.functional.cross_entropy(logits[0].float(), targets[self.tokens], reduction="sum")
         return summed * (self.world / self.total)
-
-    def _row_kwargs(self, model) -> dict:
-        """What tells the model its slice is part of a packed row: FLA's models take the local
-        ``cu_seqlens``; transformers' hybrids take the positions and a mask mapping of None (their
-        attention layers read the row's bounds inside ``active``)."""
-        from ..models.causal_masks import causal_only_masks
-
-        masks = causal_only_masks(getattr(model, "module", model))
-        if masks is None:
-            return {"cu_seqlens": self.context.cu_seqlens}
-        return {"position_ids": self.positions, "attention_mask": masks}
 
 
 def row_split(args, world: int, rank: int, device: torch.device) -> RowSplit | None:

@@ -285,7 +285,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
             # Context parallel: the backward too runs in the split, as checkpointed layers rerun forwards there.
             with ctx, (split.active(model) if split else _null()):
                 if split:
-                    loss = split.loss(model, batch)
+                    loss = split.loss(model, batch, masks)
                 else:
                     logits = model(input_ids=batch[:, :-1], attention_mask=masks, **no_cache).logits
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
