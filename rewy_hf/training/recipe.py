@@ -342,7 +342,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
             on_torch = any("torch" in c.get("backends", {}) for c in per_rank[0]["ops"].values())
             if accelerator.device.type == "cuda" and on_torch:
                 say("  warning: some delta-rule calls ran rewy's torch backend on the GPU, which is slower than "
-                    "the Triton kernels: see --backend and the dispatch report's fallback reasons")
+                    "the Triton kernels (--backend auto picks it for float64 inputs and key head dims above 256; "
+                    "--backend triton refuses such calls with the reason)")
         for c in ckpt.list_checkpoints(out_dir):
             say(f"  checkpoint:       {c[1]}")
         if result.final_model_dir:
