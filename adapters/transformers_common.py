@@ -52,8 +52,32 @@ def torch_reference(module, attr: str) -> Callable:
     return plain_torch(getattr(fn, "original", fn))          # under a rewy CoreDispatcher
 
 
+def hub_function(fn: Callable) -> Callable:
+    """The function behind a Hugging Face ``kernels`` function module; ``fn`` itself for anything else.
+
+    With ``kernels`` installed (a dependency of transformers from 5.25), ``use_kernel_forward_from_hub``
+    turns each decorated modeling function into an ``nn.Module`` instance whose ``forward`` calls the
+    function it was made from (unless ``kernelize`` swapped in a hub kernel), so the kernel-or-fallback
+    wrapper sits one level further in."""
+    if getattr(fn, "kernel_layer_name", None) is None or not callable(getattr(type(fn), "forward", None)):
+        return fn
+    import inspect
+
+    try:
+        inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return fn
+    return inner if callable(inner) else fn
+
+
+def is_hub_function(fn: Callable) -> bool:
+    """Whether ``fn`` is a ``kernels`` function module (see ``hub_function``)."""
+    return hub_function(fn) is not fn
+
+
 def plain_torch(fn: Callable) -> Callable:
     """The torch function behind transformers' kernel-or-fallback wrapper (itself if unwrapped)."""
+    fn = hub_function(fn)
     return getattr(fn, "__wrapped__", fn)
 
 
@@ -63,6 +87,7 @@ def runs_torch_fallback(fn: Callable) -> bool:
     the package's kernel, a function of the user's), which is then left to run as it is."""
     import inspect
 
+    fn = hub_function(fn)
     if not hasattr(fn, "__wrapped__"):
         return False
     try:

@@ -4,9 +4,9 @@ Both sides compute gated delta rule forward + backward on the same inputs:
 
 * rewy:         ``rewy_hf.chunk_gated_delta_rule(..., backend="torch", policy=P)``
                 (hand-written ReWY backward), for P in {"recompute", "full"};
-* transformers: ``modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__``
-                (the pure-torch chunked path, differentiated by autograd; the
-                ``__wrapped__`` skips the hub-kernel dispatch decorator).
+* transformers: the pure-torch chunked path behind
+                ``modeling_qwen3_5.torch_chunk_gated_delta_rule`` (its hub-kernel
+                dispatch skipped), differentiated by autograd.
 
 The transformers path takes [B, T, H, D] tensors like FLA and always scales q by
 K ** -0.5 after the (optional) l2norm, so rewy is called with that same scale.
@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 import rewy_hf
+from rewy_hf.adapters.transformers_common import plain_torch
 from rewy_hf.rel_error import rel_err
 
-HF_REF = modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__
+HF_REF = plain_torch(modeling_qwen3_5.torch_chunk_gated_delta_rule)
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
 

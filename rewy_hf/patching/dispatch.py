@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..adapters.transformers_common import plain_torch, runs_torch_fallback
+from ..adapters.transformers_common import is_hub_function, plain_torch, runs_torch_fallback
 from ..kernels.short_conv import causal_short_conv
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
@@ -140,13 +140,25 @@ def total_calls(report: dict, key: str) -> int:
 class CoreDispatcher:
     """Stands in for a module-level core function; see the module docstring."""
 
+    # Set on the per-site subclass that stands in for a ``kernels`` function module (make_dispatcher).
+    _stands_in_for: type | None = None
+
+    def __new__(cls, *args, **kwargs):
+        # kernels unpickles a layer's private copy of a function module as ``type(module.<name>)()``;
+        # while rewy stands in for that name, the copy must still come back as the function module.
+        if not args and not kwargs and cls._stands_in_for is not None:
+            return cls._stands_in_for()
+        return super().__new__(cls)
+
     def __init__(self, original: Callable, site: str, role: str = "core"):
         self.original = original
         self.site = site
         self.role = role
         # Decided once: whether a compiled patched layer's convolution may run rewy's fused form.
         self.torch_fallback = role == "conv" and runs_torch_fallback(original)
-        functools.update_wrapper(self, original)
+        # A function module's __dict__ is its nn.Module state, not function attributes: not copied.
+        functools.update_wrapper(self, original, updated=() if isinstance(original, torch.nn.Module)
+                                 else functools.WRAPPER_UPDATES)
 
     def __call__(self, *args, **kwargs):
         stack = active_layers()
@@ -161,6 +173,16 @@ class CoreDispatcher:
 
     def __repr__(self) -> str:
         return f"<rewy CoreDispatcher for {self.site} wrapping {self.original!r}>"
+
+
+def make_dispatcher(original: Callable, site: str, role: str) -> CoreDispatcher:
+    """The stand-in for ``original`` at ``site``: a CoreDispatcher, of a subclass that rebuilds
+    ``original``'s type when that is a ``kernels`` function module (transformers >= 5.25)."""
+    cls = CoreDispatcher
+    if is_hub_function(original):
+        cls = type(CoreDispatcher.__name__, (CoreDispatcher,),
+                   {"_stands_in_for": type(original), "__module__": __name__})
+    return cls(original, site, role)
 
 
 def _count_core_event(event: str, op: str, backend: str, policy: str, why: str) -> None:

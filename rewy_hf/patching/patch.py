@@ -33,7 +33,7 @@ from ..adapters import find_adapter, looks_like_delta_rule
 from ..adapters.base import Adapter, split_site
 from ..errors import UnsupportedConfigError
 from ..validation import BACKENDS, POLICIES
-from .dispatch import CoreDispatcher, active_layers, prepare_fallback_count, route
+from .dispatch import CoreDispatcher, active_layers, make_dispatcher, prepare_fallback_count, route
 from . import flash_qla
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
@@ -144,7 +144,7 @@ def _install_dispatcher(adapter: Adapter, layer: nn.Module) -> None:
             module = importlib.import_module(module_name)
             current = getattr(module, attr)
             if not isinstance(current, CoreDispatcher):
-                setattr(module, attr, CoreDispatcher(current, site, adapter.role(site)))
+                setattr(module, attr, make_dispatcher(current, site, adapter.role(site)))
         _SITE_LAYERS.setdefault(adapter.site, weakref.WeakSet()).add(layer)
         # A patched model dropped without unpatch_model must not leave the dispatcher behind.
         # One finalizer per layer, however often it is patched and unpatched.

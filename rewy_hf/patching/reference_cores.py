@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..adapters import find_adapter
 from ..adapters.base import Adapter
+from ..adapters.transformers_common import plain_torch
 from ..kernels import reference
 from .dispatch import CoreDispatcher
 
@@ -53,7 +54,7 @@ def fla_reference(op: str) -> Callable:
 def reference_for(adapter: Adapter, original: Callable) -> Callable:
     if adapter.family == "fla":
         return fla_reference(adapter.op)
-    return getattr(original, "__wrapped__", original)
+    return plain_torch(original)
 
 
 @contextlib.contextmanager
