@@ -186,6 +186,20 @@ def test_new_lengths_do_not_recompile_per_length():
     assert counter.frame_count == 2
 
 
+def test_a_length_marked_dynamic_from_the_start_compiles_once():
+    """usage.md's way to train over varying lengths without the one automatic-dynamic recompile:
+    mark the token dimension dynamic on the batches."""
+    model = hf.one_layer_qwen3_5()
+    patch_model(model, backend="torch")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    for T in (70, 100, 130):
+        ids = hf.input_ids(2, T)
+        torch._dynamo.mark_dynamic(ids, 1)
+        hf.loss_of(compiled, ids, "qwen3_5").backward()
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("family", ["gdn", "kda"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
 @pytest.mark.parametrize("batch,value_heads", [(1, 16), (2, 16), (2, 32)])
