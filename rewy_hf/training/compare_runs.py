@@ -4,8 +4,12 @@
 
 DIR holds NAME.metrics.jsonl (a run's ``metrics.jsonl``) and, optionally,
 NAME.dispatch.json (its ``dispatch_report.json``) per run. Prints one Markdown
-table row per run. Step times are medians over the steps after the third (the
-first steps include compilation and autotuning).
+table row per run: the loss gap to the reference at its worst step and at the
+median step, and how many steps are within ``--within`` of it. Step times are
+medians over the steps after the third (the first steps include compilation and
+autotuning). The plot has the loss curves above and, below, each run's
+relative loss difference from the reference per step, with the ``--within``
+band drawn in.
 """
 
 from __future__ import annotations
@@ -47,38 +51,60 @@ def summary(recs: list[dict], ranks: list[dict]) -> dict:
             "rewy_backward_per_rank": bwd}
 
 
-def table(d: Path, ref_name: str, others: list[str]) -> tuple[list[str], list[tuple[str, list[dict]]]]:
+def relative_gaps(recs: list[dict], ref: list[dict]) -> list[float]:
+    """Per step both runs logged, (loss - reference loss) / |reference loss|."""
+    return [(r["loss"] - q["loss"]) / abs(q["loss"]) for r, q in zip(recs, ref)]
+
+
+def table(d: Path, ref_name: str, others: list[str],
+          within: float = 0.005) -> tuple[list[str], list[tuple[str, list[dict]]]]:
     """The Markdown table lines, and each run's records (reference first) for the plot."""
     ref, ref_ranks = load(d, ref_name)
-    rows = [(ref_name, ref, summary(ref, ref_ranks), 0.0, 0.0)]
+    lines = [f"| run | steps | final loss | max abs loss diff vs {ref_name} | max rel | median rel "
+             f"| steps within {within:.1%} | median step s | tokens/s | peak GB | rewy backward calls per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(name: str, s: dict, gap_cells: str) -> str:
+        return (f"| {name} | {s['steps']} | {s['final_loss']:.4f} | {gap_cells} | {s['step_s']:.3f} "
+                f"| {s['tok_s']:.0f} | {s['peak_gb']:.1f} | {s['rewy_backward_per_rank']} |")
+
+    lines.append(row(ref_name, summary(ref, ref_ranks), "- | - | - | -"))
+    runs = [(ref_name, ref)]
     for name in others:
         recs, ranks = load(d, name)
-        n = min(len(recs), len(ref))
-        diffs = [abs(recs[i]["loss"] - ref[i]["loss"]) for i in range(n)]
-        rel = [diff / abs(ref[i]["loss"]) for i, diff in enumerate(diffs)]
-        rows.append((name, recs, summary(recs, ranks), max(diffs), max(rel)))
-    lines = [f"| run | steps | final loss | max abs loss diff vs {ref_name} | max rel | median step s | tokens/s "
-             f"| peak GB | rewy backward calls per rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, _, s, diff, rel in rows:
-        lines.append(f"| {name} | {s['steps']} | {s['final_loss']:.4f} | {diff:.4f} | {rel:.2%} | {s['step_s']:.3f} "
-                     f"| {s['tok_s']:.0f} | {s['peak_gb']:.1f} | {s['rewy_backward_per_rank']} |")
-    return lines, [(name, recs) for name, recs, *_ in rows]
+        diff = max(abs(r["loss"] - q["loss"]) for r, q in zip(recs, ref))
+        gaps = [abs(g) for g in relative_gaps(recs, ref)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        lines.append(row(name, summary(recs, ranks),
+                         f"{diff:.4f} | {gaps[worst]:.2%} (step {recs[worst]['step']}) | "
+                         f"{statistics.median(gaps):.2%} | {sum(g <= within for g in gaps)} / {len(gaps)}"))
+        runs.append((name, recs))
+    return lines, runs
 
 
-def plot(runs: list[tuple[str, list[dict]]], path: Path) -> None:
+def plot(runs: list[tuple[str, list[dict]]], path: Path, within: float = 0.005) -> None:
     import matplotlib
 
     matplotlib.use("Agg")   # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    # Curves that overlap at the loss's scale part in the lower panel, which shows the gaps themselves.
+    fig, (ax, gap_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
+    (ref_name, ref), *others = runs
     for name, recs in runs:
         ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label=name, lw=1.2)
-    ax.set_xlabel("optimizer step")
+    for i, (name, recs) in enumerate(others, 1):
+        steps = [r["step"] for r in recs][:len(ref)]
+        gap_ax.plot(steps, [100 * g for g in relative_gaps(recs, ref)], color=f"C{i}", lw=1.2, label=name)
+    gap_ax.axhspan(-100 * within, 100 * within, color="0.85", zorder=0, label=f"within {within:.1%}")
+    gap_ax.axhline(0, color="C0", lw=1)
     ax.set_ylabel("training loss")
+    gap_ax.set_ylabel(f"loss vs {ref_name}, %")
+    gap_ax.set_xlabel("optimizer step")
     ax.legend()
-    ax.grid(alpha=.3)
+    gap_ax.legend(fontsize="small")
+    for a in (ax, gap_ax):
+        a.grid(alpha=.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -91,15 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ref", help="the reference run's NAME")
     p.add_argument("others", nargs="+", help="the runs compared against it")
     p.add_argument("--png", type=Path, default=None, help="also draw the loss curves to this PNG (needs matplotlib)")
+    p.add_argument("--within", type=float, default=0.5, metavar="PERCENT",
+                   help="count the steps whose loss is within this many percent of the reference's (default 0.5)")
     a = p.parse_args(argv)
+    if not 0 <= a.within < 100:
+        p.error(f"--within must be a percentage from 0 to below 100, got {a.within}")
     try:
-        lines, runs = table(a.dir, a.ref, a.others)
+        lines, runs = table(a.dir, a.ref, a.others, a.within / 100)
     except RunsError as exc:
         print(f"compare_runs: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))
     if a.png:
-        plot(runs, a.png)
+        plot(runs, a.png, a.within / 100)
         print(f"plot: {a.png}")
     return 0
 

@@ -30,10 +30,26 @@ def test_table_reports_loss_gap_speed_and_ranks(tmp_path, capsys):
     _write(tmp_path, "ddp", [4.0, 3.1, 2.5, 2.0, 1.9], 0.1, [10, 10])
     assert main([str(tmp_path), "single", "ddp"]) == 0
     rows = _rows(capsys.readouterr().out)
-    steps, final, diff, rel, step_s, tok_s, peak, ranks = rows["ddp"]
+    steps, final, diff, rel, median, within, step_s, tok_s, peak, ranks = rows["ddp"]
     assert (steps, final, step_s, tok_s, peak, ranks) == ("5", "1.9000", "0.100", "10000", "6.0", "[10, 10]")
-    assert float(diff) == pytest.approx(0.1) and rel == "5.56%"      # worst step: |1.9 - 1.8| / 1.8
-    assert rows["single"][7] == "[10]"
+    assert float(diff) == pytest.approx(0.1) and rel == "5.56% (step 5)"      # worst step: |1.9 - 1.8| / 1.8
+    # gaps 0, 3.33 %, 0, 0, 5.56 %: the median step is on the reference, three of five within 0.5 %
+    assert median == "0.00%" and within == "3 / 5"
+    assert rows["single"][:2] == ["5", "1.8000"] and rows["single"][2:6] == ["-"] * 4
+    assert rows["single"][9] == "[10]"
+
+
+def test_the_tolerance_counts_steps_and_the_plot_is_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _write(tmp_path, "ref", [4.0, 3.0, 2.0, 1.0], 0.2, [4])
+    _write(tmp_path, "run", [4.0, 3.02, 2.1, 0.995], 0.2, [4])     # gaps 0, 0.67 %, 5 %, -0.5 %
+    png = tmp_path / "loss.png"
+    assert main([str(tmp_path), "ref", "run", "--within", "1", "--png", str(png)]) == 0
+    assert _rows(capsys.readouterr().out)["run"][5] == "3 / 4"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "ref", "run", "--within", "-1"])
+    assert "--within must be a percentage" in capsys.readouterr().err
 
 
 def test_a_missing_run_names_the_file(tmp_path, capsys):
