@@ -88,8 +88,9 @@ def baseline_description(device: str, versions: dict | None = None) -> str:
     if device == "cuda":
         if qla := (versions or {}).get("flash-qla"):
             return (f"FLA 0.6.0 (fla.ops chunk_* ops) with flash-qla {qla} installed: FLA runs GDN "
-                    "(chunk_gated_delta_rule) through FlashQLA's TileLang kernels, the other ops through its Triton "
-                    "kernels")
+                    "(chunk_gated_delta_rule) through FlashQLA's TileLang kernels and, with tilelang and nvcc "
+                    "present, KDA's fused backward (chunk_kda_bwd_wy_dqkg_fused) through TileLang, the rest "
+                    "through its Triton kernels; each table says which backends served its op")
         return "FLA 0.6.0 (fla.ops chunk_* ops, Triton kernels)"
     return ("autograd through rewy's token-by-token reference recurrence (rewy_hf.kernels.reference, computes in "
             "float64): a CPU comparison against the reference path, NOT against FLA")
