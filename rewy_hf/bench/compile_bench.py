@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..models.causal_masks import causal_only_masks
 from ..patching.dispatch import dispatch_report, reset_dispatch_report, total_calls
 from ..patching.patch import unpatch_model
-from .installed_kernels import installed_kernels_under_compile
+from ..installed_kernels import installed_kernels_under_compile
 from .model_bench import ModelSettings, ModelSides, Snapshot, optimizer_for, timed_step, train_step
 from .model_profile import DELTA_RULE
 

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-tolerance", type=tolerance, default=None,
                         help="relative loss tolerance (default per dtype: float32 1e-5, bfloat16 2e-2)")
     parser.add_argument("--no-update", action="store_true", help="skip the optimizer-step comparison")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="run both sides through torch.compile (default backend: inductor): rewy's core "
+                             "against the model's own, compiled; beside an eager run it separates what patching "
+                             "changes from what compiling changes")
     parser.add_argument("--reference", choices=("auto", "original", "torch"), default="auto",
                         help="what the unpatched side runs: its original core ('original'), the plain-torch / "
                              "float64 reference core ('torch'), or 'auto' = original on CUDA, torch on CPU")
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                                     steps=args.steps, seed=args.seed, text_file=args.text_file, name=args.model)
             with progress_bar(args.steps, f"parity {args.model}") as advance:
                 result = run_parity(model, batches, tolerance=tol, backend=args.backend, policy=args.policy,
-                                    check_update=not args.no_update, progress=advance,
+                                    check_update=not args.no_update, progress=advance, compile=args.compile,
                                     reference_cores=None if args.reference == "auto" else args.reference == "torch")
         except OriginalCoreError as exc:  # e.g. FLA's Hopper guard refusing its GDN backward
             return could_not_run(f"the unpatched model's own core failed: {exc}; try --reference torch "

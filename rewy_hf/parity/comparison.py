@@ -8,6 +8,12 @@ similarity). The unpatched side runs its original core; where that cannot run
 (CPU with FLA installed, FLA-hub layers on CPU) it runs the reference core of
 ``rewy_hf.patching.reference_cores``. Optionally one optimizer step is taken
 on both sides and the parameter updates are compared too.
+
+With ``compile`` both sides run through ``torch.compile`` (the unpatched one
+keeping the installed kernels with their graph breaks, installed_kernels.py),
+so the comparison is rewy's core against the model's own under compilation;
+set beside an eager comparison it tells what patching changes from what
+compiling changes.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from ..installed_kernels import installed_kernels_under_compile
 from ..patching.dispatch import dispatch_report, reset_dispatch_report
 from ..patching.patch import patch_model, unpatch_model
 from ..patching.reference_cores import use_reference_cores
@@ -74,6 +81,7 @@ class ParityResult:
     backward_ms: dict[str, list[float]] = field(default_factory=lambda: {"unpatched": [], "patched": []})
     patch_report: dict | None = None
     dispatch: dict | None = None
+    compile: str | None = None             # the torch.compile backend both sides ran under, or None: eager
 
     @property
     def loss_rel_err(self) -> float:
@@ -95,6 +103,7 @@ class ParityResult:
     def to_dict(self) -> dict:
         return {
             "ok": self.ok,
+            "compile": self.compile,
             "tolerance": asdict(self.tolerance),
             "loss": [{"unpatched": u, "patched": p, "abs_diff": abs(p - u),
                       "rel_diff": abs(p - u) / max(abs(u), 1e-30)} for u, p in self.losses],
@@ -176,11 +185,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step(model: nn.Module, input_ids: torch.Tensor, reference: bool) -> tuple[float, float, dict]:
+def _step(model: nn.Module, input_ids: torch.Tensor, reference: bool,
+          forward: nn.Module | None = None) -> tuple[float, float, dict]:
+    """One forward + backward of ``model`` (through ``forward``, its compiled form, where given)."""
     model.zero_grad(set_to_none=True)
     ctx = use_reference_cores(model) if reference else contextlib.nullcontext()
     with ctx:
-        loss = _loss(model, input_ids)
+        loss = _loss(model if forward is None else forward, input_ids)
         _sync(input_ids.device)
         t0 = time.perf_counter()
         loss.backward()
@@ -200,6 +211,7 @@ def run_parity(
     check_update: bool = True,
     reference_cores: bool | None = None,
     progress=None,
+    compile: str | None = None,
 ) -> ParityResult:
     """Compare ``model`` patched vs unpatched on ``batches`` of token ids.
 
@@ -207,28 +219,38 @@ def run_parity(
     reference. ``reference_cores`` makes the unpatched side run the reference
     cores instead of its original ones (default: on CPU only, where the
     originals cannot run); where the originals run and fail, ``OriginalCoreError``
-    is raised. ``progress`` is an optional callable(step).
+    is raised. ``compile`` (a ``torch.compile`` backend name, e.g. "inductor")
+    runs both sides compiled. ``progress`` is an optional callable(step).
     """
     reference_model = copy.deepcopy(model)
     unpatch_model(reference_model)          # in case the caller had patched it already
     device = next(model.parameters()).device
     use_reference = device.type != "cuda" if reference_cores is None else reference_cores
-    result = ParityResult(tolerance=tolerance)
+    result = ParityResult(tolerance=tolerance, compile=compile)
     result.patch_report = patch_model(model, backend=backend, policy=policy).to_dict()
+    compiled = {} if compile is None else {"unpatched": torch.compile(reference_model, backend=compile),
+                                           "patched": torch.compile(model, backend=compile)}
+
+    def unpatched_scope():
+        # Traced with the installed kernels, as a user's compiled unpatched model runs on any torch.
+        return installed_kernels_under_compile() if compile is not None else contextlib.nullcontext()
+
     reset_dispatch_report()
     worst: dict[str, ParamResult] = {}
     last_grads = None
     for step, input_ids in enumerate(batches):
         input_ids = input_ids.to(device)
         try:
-            loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference)
+            with unpatched_scope():
+                loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference,
+                                              forward=compiled.get("unpatched"))
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
             if use_reference:
                 raise
             raise OriginalCoreError(f"{type(exc).__name__}: {exc}") from exc
-        loss_p, ms_p, grads_p = _step(model, input_ids, reference=False)
+        loss_p, ms_p, grads_p = _step(model, input_ids, reference=False, forward=compiled.get("patched"))
         result.losses.append((loss_u, loss_p))
         result.backward_ms["unpatched"].append(ms_u)
         result.backward_ms["patched"].append(ms_p)

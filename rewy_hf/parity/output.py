@@ -23,7 +23,8 @@ def _fmt(x: float | None, spec: str = ".2e") -> str:
 def format_result(result: ParityResult, *, model: str, dtype: str, device: str) -> str:
     tol = result.tolerance
     d = result.to_dict()
-    lines = [f"rewy-hf parity: {model} ({dtype}, {device}, {len(result.losses)} step(s))", ""]
+    compiled = "" if result.compile is None else f", both sides compiled ({result.compile})"
+    lines = [f"rewy-hf parity: {model} ({dtype}, {device}, {len(result.losses)} step(s){compiled})", ""]
     u, p = result.losses[-1]
     lines.append(f"loss (last step)  unpatched {u:.6f}  patched {p:.6f}  "
                  f"max rel diff {result.loss_rel_err:.2e}  (tol {tol.loss_rel:.0e})  "

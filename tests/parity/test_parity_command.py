@@ -3,6 +3,7 @@ a deliberately broken core, models it cannot serve, and the presets."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -71,6 +72,33 @@ def test_broken_core_fails_and_names_layers(tmp_path, capsys, monkeypatch):
     bad = {g["name"] for g in data["gradients"] if g["rel_err"] > data["tolerance"]["grad_rel"]}
     assert "model.layers.0.linear_attn.A_log" in bad
     assert not any(name.startswith("lm_head") for name in bad), "upstream-only parameters are unaffected"
+
+
+@pytest.mark.parametrize("fault", [None, "grad_scale=1.06"])   # a spec of its own: each warns once
+def test_compiled_parity_compiles_both_sides_and_still_catches_a_broken_core(fault, tmp_path, capsys, monkeypatch):
+    """--compile: both sides run through torch.compile (graphs are made for both), the comparison
+    holds for rewy's core, and a corrupted core gradient still fails it."""
+    import torch
+
+    if fault:
+        monkeypatch.setenv("REWY_HF_TEST_FAULT", fault)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    report = tmp_path / "parity.json"
+    with pytest.warns(RuntimeWarning, match="deliberately corrupting") if fault else contextlib.nullcontext():
+        code, out, _ = _run(["--model", "tiny-qwen3.5", "--compile", "aot_eager", "--json", str(report), *QUICK],
+                            capsys)
+    data = json.loads(report.read_text())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs >= 2, "both sides were compiled"
+    assert data["compile"] == "aot_eager" and "both sides compiled (aot_eager)" in out
+    assert data["optimized_backward_calls"] == 1
+    if fault:
+        assert code == 1 and "PARITY VIOLATED" in out
+        bad = {g["name"] for g in data["gradients"] if g["rel_err"] > data["tolerance"]["grad_rel"]}
+        assert "model.layers.0.linear_attn.A_log" in bad
+    else:
+        assert code == 0, out
+        assert all(g["rel_err"] <= data["tolerance"]["grad_rel"] for g in data["gradients"])
 
 
 def test_model_without_delta_rule_layer_exits_2(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""The kernels an unpatched model runs in the end-to-end bench's compiled side.
+"""The kernels a compiled unpatched model runs where rewy compares against one (the
+end-to-end bench's unpatched compiled side, ``rewy-hf parity --compile``).
 
 transformers' kernel-or-fallback wrapper (``use_kernel_func_from_hub_with_fallback``,
 around each model's delta-rule core) runs its plain-torch function instead of the
@@ -8,8 +9,8 @@ a compiled unpatched model traces transformers' reference core -- a Python loop 
 chunks, unrolled once per layer -- and a ~1 B hybrid did not finish compiling in nine
 minutes on an H200. The baseline the compiled comparison means is the installed
 kernels with their graph breaks, which is what newer torch (2.13) traces, so while
-the unpatched compiled side runs the wrapper's export check reads False. Nothing here
-is used outside the bench: a patched model's layers call rewy's op, never the wrapper.
+the unpatched compiled side runs the wrapper's export check reads False. A patched
+model needs none of this: its layers call rewy's op, never the wrapper.
 """
 
 from __future__ import annotations

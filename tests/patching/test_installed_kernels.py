@@ -8,7 +8,7 @@ import torch
 
 from transformers.integrations import hub_kernels
 
-from rewy_hf.bench.installed_kernels import installed_kernels_under_compile
+from rewy_hf.installed_kernels import installed_kernels_under_compile
 
 
 @pytest.fixture
