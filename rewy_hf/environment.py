@@ -30,6 +30,13 @@ PACKAGES = (
     "accelerate",
     "peft",
     "safetensors",
+    # Optional; each changes what runs: `kernels` makes transformers' modeling functions kernel
+    # modules (5.25 on), flash-qla / tilelang take over some of FLA's GDN and KDA kernels, and
+    # causal-conv1d replaces transformers' torch short convolution.
+    "kernels",
+    "flash-qla",
+    "tilelang",
+    "causal-conv1d",
 )
 
 
