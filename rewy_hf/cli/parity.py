@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                                     steps=args.steps, seed=args.seed, text_file=args.text_file, name=args.model)
             with progress_bar(args.steps, f"parity {args.model}") as advance:
                 result = run_parity(model, batches, tolerance=tol, backend=args.backend, policy=args.policy,
-                                    check_update=not args.no_update, progress=advance, compile=args.compile,
+                                    check_update=not args.no_update, progress=advance, compile_backend=args.compile,
                                     reference_cores=None if args.reference == "auto" else args.reference == "torch")
         except OriginalCoreError as exc:  # e.g. FLA's Hopper guard refusing its GDN backward
             return could_not_run(f"the unpatched model's own core failed: {exc}; try --reference torch "

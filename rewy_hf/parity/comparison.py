@@ -9,7 +9,7 @@ similarity). The unpatched side runs its original core; where that cannot run
 ``rewy_hf.patching.reference_cores``. Optionally one optimizer step is taken
 on both sides and the parameter updates are compared too.
 
-With ``compile`` both sides run through ``torch.compile`` (the unpatched one
+With ``compile_backend`` both sides run through ``torch.compile`` (the unpatched one
 keeping the installed kernels with their graph breaks, installed_kernels.py),
 so the comparison is rewy's core against the model's own under compilation;
 set beside an eager comparison it tells what patching changes from what
@@ -81,7 +81,7 @@ class ParityResult:
     backward_ms: dict[str, list[float]] = field(default_factory=lambda: {"unpatched": [], "patched": []})
     patch_report: dict | None = None
     dispatch: dict | None = None
-    compile: str | None = None             # the torch.compile backend both sides ran under, or None: eager
+    compile_backend: str | None = None     # the torch.compile backend both sides ran under, or None: eager
 
     @property
     def loss_rel_err(self) -> float:
@@ -103,7 +103,7 @@ class ParityResult:
     def to_dict(self) -> dict:
         return {
             "ok": self.ok,
-            "compile": self.compile,
+            "compile": self.compile_backend,
             "tolerance": asdict(self.tolerance),
             "loss": [{"unpatched": u, "patched": p, "abs_diff": abs(p - u),
                       "rel_diff": abs(p - u) / max(abs(u), 1e-30)} for u, p in self.losses],
@@ -211,7 +211,7 @@ def run_parity(
     check_update: bool = True,
     reference_cores: bool | None = None,
     progress=None,
-    compile: str | None = None,
+    compile_backend: str | None = None,
 ) -> ParityResult:
     """Compare ``model`` patched vs unpatched on ``batches`` of token ids.
 
@@ -219,21 +219,22 @@ def run_parity(
     reference. ``reference_cores`` makes the unpatched side run the reference
     cores instead of its original ones (default: on CPU only, where the
     originals cannot run); where the originals run and fail, ``OriginalCoreError``
-    is raised. ``compile`` (a ``torch.compile`` backend name, e.g. "inductor")
+    is raised. ``compile_backend`` (a ``torch.compile`` backend name, e.g. "inductor")
     runs both sides compiled. ``progress`` is an optional callable(step).
     """
     reference_model = copy.deepcopy(model)
     unpatch_model(reference_model)          # in case the caller had patched it already
     device = next(model.parameters()).device
     use_reference = device.type != "cuda" if reference_cores is None else reference_cores
-    result = ParityResult(tolerance=tolerance, compile=compile)
+    result = ParityResult(tolerance=tolerance, compile_backend=compile_backend)
     result.patch_report = patch_model(model, backend=backend, policy=policy).to_dict()
-    compiled = {} if compile is None else {"unpatched": torch.compile(reference_model, backend=compile),
-                                           "patched": torch.compile(model, backend=compile)}
+    compiled = {} if compile_backend is None else {
+        "unpatched": torch.compile(reference_model, backend=compile_backend),
+        "patched": torch.compile(model, backend=compile_backend)}
 
     def unpatched_scope():
         # Traced with the installed kernels, as a user's compiled unpatched model runs on any torch.
-        return installed_kernels_under_compile() if compile is not None else contextlib.nullcontext()
+        return installed_kernels_under_compile() if compile_backend is not None else contextlib.nullcontext()
 
     reset_dispatch_report()
     worst: dict[str, ParamResult] = {}

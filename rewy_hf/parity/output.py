@@ -23,7 +23,7 @@ def _fmt(x: float | None, spec: str = ".2e") -> str:
 def format_result(result: ParityResult, *, model: str, dtype: str, device: str) -> str:
     tol = result.tolerance
     d = result.to_dict()
-    compiled = "" if result.compile is None else f", both sides compiled ({result.compile})"
+    compiled = "" if result.compile_backend is None else f", both sides compiled ({result.compile_backend})"
     lines = [f"rewy-hf parity: {model} ({dtype}, {device}, {len(result.losses)} step(s){compiled})", ""]
     u, p = result.losses[-1]
     lines.append(f"loss (last step)  unpatched {u:.6f}  patched {p:.6f}  "
