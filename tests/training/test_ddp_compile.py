@@ -1,7 +1,7 @@
 """The recipe under DDP with --compile on (the GPU default) trains as one process does: two gloo
 processes on CPU, each compiling its DDP-wrapped model, log the losses of one eager process on the
-same global batches. (Accelerate wraps FSDP only on accelerator devices, so FSDP's compiled path has
-no CPU check.)"""
+same global batches. (Accelerate wraps FSDP only on accelerator devices; test_fsdp_compile.py builds
+the FSDP wrapping of the recipe's config with torch directly.)"""
 
 from __future__ import annotations
 
