@@ -175,13 +175,15 @@ class CoreDispatcher:
         return f"<rewy CoreDispatcher for {self.site} wrapping {self.original!r}>"
 
 
+@functools.lru_cache(maxsize=None)
+def _standing_in_for(module_type: type) -> type[CoreDispatcher]:
+    return type(CoreDispatcher.__name__, (CoreDispatcher,), {"_stands_in_for": module_type, "__module__": __name__})
+
+
 def make_dispatcher(original: Callable, site: str, role: str) -> CoreDispatcher:
     """The stand-in for ``original`` at ``site``: a CoreDispatcher, of a subclass that rebuilds
     ``original``'s type when that is a ``kernels`` function module (transformers >= 5.25)."""
-    cls = CoreDispatcher
-    if is_hub_function(original):
-        cls = type(CoreDispatcher.__name__, (CoreDispatcher,),
-                   {"_stands_in_for": type(original), "__module__": __name__})
+    cls = _standing_in_for(type(original)) if is_hub_function(original) else CoreDispatcher
     return cls(original, site, role)
 
 

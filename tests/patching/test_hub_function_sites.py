@@ -68,6 +68,8 @@ def test_a_stand_in_for_a_function_module_rebuilds_the_module_type():
     assert "_parameters" not in vars(stand_in)
     # unpatched, the stand-in calls the original (no patched layer is running)
     assert stand_in(torch.tensor(1.0)).item() == 2.0
+    # a second stand-in for the same module type (patch, unpatch, patch again) reuses its class
+    assert type(make_dispatcher(module, "some.module:add_one", "core")) is type(stand_in)
 
 
 def test_a_stand_in_for_a_plain_function_is_a_plain_core_dispatcher():
