@@ -154,8 +154,10 @@ class CoreDispatcher:
         self.original = original
         self.site = site
         self.role = role
-        # Decided once: whether a compiled patched layer's convolution may run rewy's fused form.
+        # Decided once, not per call (both look through transformers' wrappers): whether a compiled
+        # patched layer's convolution may run rewy's fused form, and the decode step's CPU function.
         self.torch_fallback = role == "conv" and runs_torch_fallback(original)
+        self.cpu_decode = plain_torch(original) if role == "decode" else None
         # A function module's __dict__ is its nn.Module state, not function attributes: not copied.
         functools.update_wrapper(self, original, updated=() if isinstance(original, torch.nn.Module)
                                  else functools.WRAPPER_UPDATES)
@@ -166,7 +168,7 @@ class CoreDispatcher:
         if state is None or self.site not in state.adapter.sites:
             return self.original(*args, **kwargs)
         if self.role == "decode":
-            return route_decode(self.original, args, kwargs)
+            return route_decode(self.original, self.cpu_decode, args, kwargs)
         if self.role == "conv":
             return route_conv(self.original, self.torch_fallback, args, kwargs)
         return state.call_core(self.original, args, kwargs)
@@ -199,13 +201,13 @@ def _count_core_event(event: str, op: str, backend: str, policy: str, why: str) 
 LISTENERS.append(_count_core_event)
 
 
-def route_decode(original: Callable, args: tuple, kwargs: dict):
+def route_decode(original: Callable, cpu_decode: Callable, args: tuple, kwargs: dict):
     """A patched layer's decode step: its own implementation, except on CPU, where transformers'
-    choice (FLA's recurrent kernel whenever FLA is importable) cannot run; the plain-torch function
-    behind transformers' wrapper computes the same recurrence there."""
+    choice (FLA's recurrent kernel whenever FLA is importable) cannot run; ``cpu_decode``, the
+    plain-torch function behind transformers' wrapper, computes the same recurrence there."""
     query = args[0] if args else kwargs.get("query")
     if isinstance(query, torch.Tensor) and query.device.type == "cpu":
-        return plain_torch(original)(*args, **kwargs)
+        return cpu_decode(*args, **kwargs)
     return original(*args, **kwargs)
 
 
