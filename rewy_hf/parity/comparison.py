@@ -76,6 +76,7 @@ class ParamResult:
 class ParityResult:
     tolerance: Tolerance
     losses: list[tuple[float, float]] = field(default_factory=list)        # (unpatched, patched) per step
+    grad_norms: list[tuple[float, float]] = field(default_factory=list)    # global L2 norm, (unpatched, patched) per step
     params: list[ParamResult] = field(default_factory=list)               # worst over steps
     update: list[ParamResult] = field(default_factory=list)               # optimizer-step comparison
     backward_ms: dict[str, list[float]] = field(default_factory=lambda: {"unpatched": [], "patched": []})
@@ -108,6 +109,9 @@ class ParityResult:
             "loss": [{"unpatched": u, "patched": p, "abs_diff": abs(p - u),
                       "rel_diff": abs(p - u) / max(abs(u), 1e-30)} for u, p in self.losses],
             "loss_rel_err": self.loss_rel_err,
+            # The global norm is what a training run's gradient clipping and its logs see.
+            "grad_norm": [{"unpatched": u, "patched": p, "rel_diff": abs(p - u) / max(u, 1e-30)}
+                          for u, p in self.grad_norms],
             "gradients": [asdict(p) for p in self.params],
             "update": [asdict(p) for p in self.update],
             "groups": group_summary(self.params),
@@ -160,6 +164,11 @@ def compare(name: str, x: torch.Tensor, ref: torch.Tensor, tol: Tolerance, floor
     tiny = ref_norm < floor
     ok = diff <= tol.grad_rel * max(ref_norm, floor) and (tiny or cosine >= tol.min_cosine or rel <= tol.grad_rel * 1e-3)
     return ParamResult(name, param_group(name), x.numel(), rel, cosine, ok, tiny)
+
+
+def global_norm(grads: dict[str, torch.Tensor]) -> float:
+    """The L2 norm over all gradients together, accumulated in float64."""
+    return math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
 
 
 def group_summary(params: list[ParamResult]) -> list[dict]:
@@ -253,6 +262,7 @@ def run_parity(
             raise OriginalCoreError(f"{type(exc).__name__}: {exc}") from exc
         loss_p, ms_p, grads_p = _step(model, input_ids, reference=False, forward=compiled.get("patched"))
         result.losses.append((loss_u, loss_p))
+        result.grad_norms.append((global_norm(grads_u), global_norm(grads_p)))
         result.backward_ms["unpatched"].append(ms_u)
         result.backward_ms["patched"].append(ms_p)
         floor = TINY_GRADIENT * max((g.double().norm().item() for g in grads_u.values()), default=0.0)

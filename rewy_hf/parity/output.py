@@ -29,6 +29,9 @@ def format_result(result: ParityResult, *, model: str, dtype: str, device: str) 
     lines.append(f"loss (last step)  unpatched {u:.6f}  patched {p:.6f}  "
                  f"max rel diff {result.loss_rel_err:.2e}  (tol {tol.loss_rel:.0e})  "
                  f"{'OK' if result.loss_rel_err <= tol.loss_rel else 'FAIL'}")
+    gu, gp = result.grad_norms[-1]
+    lines.append(f"gradient norm     unpatched {gu:.6g}  patched {gp:.6g}  "
+                 f"rel diff {abs(gp - gu) / max(gu, 1e-30):.2e}  (last step, all trainable parameters)")
     lines.append("")
     rows = [(g["group"], str(g["params"]), _fmt(g["max_rel_err"]), f"{g['min_cosine']:.8f}",
              g["worst_param"], "OK" if g["ok"] else "FAIL") for g in group_summary(result.params)]

@@ -44,6 +44,9 @@ def test_local_directory_parity_holds(saved_qwen, tmp_path, capsys):
     assert all(g["rel_err"] <= data["tolerance"]["grad_rel"] for g in data["gradients"])
     assert [p["name"] for p in data["patch_report"]["patched"]] == ["model.layers.0.linear_attn"]
     assert data["update"], "the optimizer-step comparison is on by default"
+    (norms,) = data["grad_norm"]
+    assert norms["unpatched"] > 0 and norms["rel_diff"] <= data["tolerance"]["grad_rel"]
+    assert "gradient norm     unpatched" in out
 
 
 def test_hub_id_from_offline_cache(saved_qwen, tmp_path):
@@ -72,6 +75,8 @@ def test_broken_core_fails_and_names_layers(tmp_path, capsys, monkeypatch):
     bad = {g["name"] for g in data["gradients"] if g["rel_err"] > data["tolerance"]["grad_rel"]}
     assert "model.layers.0.linear_attn.A_log" in bad
     assert not any(name.startswith("lm_head") for name in bad), "upstream-only parameters are unaffected"
+    (norms,) = data["grad_norm"]
+    assert norms["patched"] != norms["unpatched"], "the corrupted core's gradients reach the global norm"
 
 
 @pytest.mark.parametrize("fault", [None, "grad_scale=1.06"])   # a spec of its own: each warns once
@@ -363,3 +368,16 @@ def test_tolerance_zero_is_honoured_and_negative_refused(saved_qwen, tmp_path, c
     for bad in ("-1", "nan", "inf"):
         code, _, err = _run(["--model", str(saved_qwen), "--tolerance", bad, *QUICK], capsys)
         assert code == 2 and "a tolerance is a finite number, 0 or more" in err, (bad, err)
+
+
+def test_global_norm_is_the_l2_norm_over_all_gradients():
+    import math
+
+    import torch
+
+    from rewy_hf.parity.comparison import global_norm
+
+    grads = {"a": torch.tensor([3.0, 0.0], dtype=torch.bfloat16), "b": torch.tensor([[4.0], [12.0]])}
+    assert global_norm(grads) == 13.0
+    big = {"x": torch.full((4,), 1e30, dtype=torch.float32)}      # float32 squares would overflow
+    assert math.isclose(global_norm(big), 2 * float(big["x"][0]), rel_tol=1e-12)
