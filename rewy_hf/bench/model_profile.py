@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import torch
+
+from .kernel_profile import summed
 
 DELTA_RULE = ("chunk_", "rewy_", "recompute_w_u", "prepare_wy", "l2norm", "solve_tril", "merge_16x16")
 
@@ -34,18 +35,12 @@ def kernel_totals(fn) -> tuple[float, dict[str, float], int, dict[str, int], dic
         fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
-    totals: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    host: dict[str, float] = defaultdict(float)
-    launches = 0
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and "Memset" not in e.name:
-            totals[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1000.0
-            counts[e.name[:90]] += 1
-            launches += 1
-        elif e.device_type.name == "CPU":
-            host[e.name[:90]] += e.self_cpu_time_total / 1000.0
-    return wall, dict(totals), launches, dict(counts), dict(host)
+    kernels = summed(prof.events(), "cuda")
+    host = {name: v["ms"] for name, v in summed(prof.events(), "cpu").items()}
+    totals = {name: v["ms"] for name, v in kernels.items()}
+    counts = {name: v["launches"] for name, v in kernels.items()}
+    launches = sum(counts.values())
+    return wall, totals, launches, counts, host
 
 
 def main() -> None:

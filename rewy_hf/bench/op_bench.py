@@ -37,6 +37,7 @@ from ..patching.fault import apply_grad_fault
 from ..patching.reference_cores import fla_reference
 from ..rel_error import rel_err
 from .config import check_T
+from .kernel_profile import kernel_times
 from . import fla_backends
 from .timing import Scope, describe, free_memory, leaves, measure, peak_mb, runner
 
@@ -61,6 +62,7 @@ class Settings:
     seed: int
     gdn_guard: dict          # {"requested": bool, "was_active": bool | None}
     peers: tuple[str, ...] = ()     # further baselines timed beside FLA as installed (PEERS)
+    kernel_profile: bool = False    # also profile one run per side and boundary (kernel_profile.py)
 
     @property
     def qkv_dtype(self) -> torch.dtype:
@@ -357,6 +359,20 @@ def check_peers(ctx: ShapeContext, policy: str, row: dict) -> dict[str, Impl]:
     return timed
 
 
+def profile_sides(runners: dict[str, Callable[[], None]], samples: dict[str, list[float]],
+                  device: str) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each timed side's kernels over one more of its runs, warm after the timing rounds; and why a
+    side has none (its timing stands either way)."""
+    profiles, errors = {}, {}
+    for name, run in runners.items():
+        if samples.get(name):
+            try:
+                profiles[name] = kernel_times(run, device)
+            except Exception as exc:
+                errors[name] = describe(exc)
+    return profiles, errors
+
+
 def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
     op, shape, s = ctx.op, ctx.shape, ctx.s
     t_start = time.perf_counter()
@@ -397,12 +413,17 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
                 errors[name] = describe(exc)
         samples, timing_errors = measure(runners, s.device, s.warmup, s.reps, s.rep_ms)
         errors.update(timing_errors)
+        profiles, unprofiled = profile_sides(runners, samples, s.device) if s.kernel_profile else ({}, {})
+        if unprofiled:
+            row.setdefault("kernel_profile_errors", {})[boundary] = unprofiled
         for name in ("baseline", "rewy"):
             ms = samples.get(name)
             row[f"{name}_{boundary}_ms"] = statistics.median(ms) if ms else None
             row[f"{name}_{boundary}_rounds"] = ms or []
             if name in errors:
                 row.setdefault(f"{name}_error", errors[name])
+            if name in profiles:
+                row[f"{name}_kernels_{boundary}"] = profiles[name]
         b, r = row["baseline_" + boundary + "_ms"], row["rewy_" + boundary + "_ms"]
         row[f"speedup_{boundary}"] = b / r if b and r else None
         for name in peers:
@@ -412,6 +433,8 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
             entry[f"speedup_{boundary}"] = entry[f"{boundary}_ms"] / r if ms and r else None
             if f"peer:{name}" in errors:
                 entry.setdefault("error", errors[f"peer:{name}"])
+            if f"peer:{name}" in profiles:
+                entry[f"kernels_{boundary}"] = profiles[f"peer:{name}"]
         del runners
         free_memory(s.device)
     if s.device == "cuda":

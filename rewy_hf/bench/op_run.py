@@ -55,7 +55,7 @@ def describe_run(run: OpRun) -> dict:
         "reps": s.reps, "warmup": s.warmup, "rep_ms": s.rep_ms if cuda else None, "timing": timing,
         "autotune": autotune if cuda else None,
         "check": check, "check_max_tokens": s.check_max_tokens, "gdn_guard": s.gdn_guard, "seed": s.seed,
-        "peers": list(s.peers)},
+        "peers": list(s.peers), "kernel_profile": s.kernel_profile},
         "fla_backends_on": fla_backends.active_backends() if cuda else {},
         "rows": [], "complete": False}
 

@@ -7,6 +7,7 @@ import contextlib
 import math
 import platform
 import sys
+from pathlib import Path
 
 from .. import settings
 
@@ -238,7 +239,46 @@ def format_op_tables(rows: list[dict], boundaries: list[str], base: str, device:
         out.append(format_op_table(group, boundaries, base, device, markdown=markdown, report_shapes=shapes))
         if any(r.get("peers") for r in group):
             out.append(format_peer_table(group, boundaries, base, markdown=markdown))
+        out += [format_kernel_table(r, bd, base, device, markdown=markdown) for r in group for bd in boundaries
+                if _profiled_sides(r, bd, base)]
     return out
+
+
+TOP_KERNELS = 10
+
+
+def _profiled_sides(r: dict, boundary: str, base: str) -> list[tuple[str, dict]]:
+    """(side label, its kernels) of one row and boundary, baseline first, then rewy, then the peers."""
+    sides = [(base, r.get(f"baseline_kernels_{boundary}")), ("rewy", r.get(f"rewy_kernels_{boundary}"))]
+    sides += [(f"peer {n}", p.get(f"kernels_{boundary}")) for n, p in (r.get("peers") or {}).items()]
+    return [(label, k) for label, k in sides if k]
+
+
+def format_kernel_table(r: dict, boundary: str, base: str, device: str, markdown: bool = False) -> str:
+    """Where each side's time goes in one row's profiled ``boundary`` run (--kernel-profile): its
+    TOP_KERNELS largest kernels (on CPU: ATen operators, self time) with launches, summed ms and
+    share of the side's total."""
+    from .kernel_profile import largest
+
+    unit = "kernel" if device == "cuda" else "operator"
+    body = []
+    for label, kernels in _profiled_sides(r, boundary, base):
+        total = sum(v["ms"] for v in kernels.values())
+        head, (n_rest, ms_rest, launches_rest) = largest(kernels, TOP_KERNELS)
+        share = lambda ms: f"{100 * ms / total:.0f} %" if total > 0 else "-"  # noqa: E731
+        body += [[label, name, str(n), f"{ms:.3f}", share(ms)] for name, ms, n in head]
+        if n_rest:
+            body.append([label, f"({n_rest} other {unit}s)", str(launches_rest), f"{ms_rest:.3f}", share(ms_rest)])
+        body.append([label, f"all {unit}s", str(sum(v["launches"] for v in kernels.values())), f"{total:.3f}",
+                     "100 %" if total > 0 else "-"])
+    what = {"B": "one backward", "FB": "one forward + backward"}.get(boundary, boundary)
+    how = "device time" if device == "cuda" else "self CPU time"
+    title = f"{r['op']}, rewy policy {r['policy']}, {shape_label(r)}: {unit}s of {what} ({how})"
+    lines = [f"##### {title}\n" if markdown else title,
+             *_table(["side", unit, "launches", "ms", "share"], body, markdown)]
+    notes = [f"{base if side == 'baseline' else side}: not profiled: {why}"
+             for side, why in (r.get("kernel_profile_errors") or {}).get(boundary, {}).items()]
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if markdown else [f"  {n}" for n in notes]))
 
 
 def format_peer_table(rows: list[dict], boundaries: list[str], base: str, markdown: bool = False) -> str:
@@ -407,6 +447,65 @@ def plot_op_speedups(rows: list[dict], boundaries: list[str], path: str, title: 
     axes[-1, 0].set_xlabel("shape B,T,H (,K,V where not 128)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def kernel_plot_path(path: str) -> str:
+    """Where the kernel-profile figure of a run plotted to ``path`` goes: beside it, ``-kernels`` added."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-kernels{p.suffix or '.png'}"))
+
+
+def plot_op_run(rows: list[dict], boundaries: list[str], path: str, base: str, device_name: str,
+                device: str) -> list[str]:
+    """The speedup figure at ``path`` and, where the run profiled its kernels (--kernel-profile), the
+    kernel figure beside it (``kernel_plot_path``); returns the paths written."""
+    plot_op_speedups(rows, boundaries, path, f"speedup = {base} time / rewy time ({device_name}; >1: rewy faster)")
+    panels = [(r, bd) for r in rows for bd in boundaries if _profiled_sides(r, bd, base)]
+    if not panels:
+        return [path]
+    plot_kernel_profiles(panels, kernel_plot_path(path), base, device, f"where the time goes ({device_name})")
+    return [path, kernel_plot_path(path)]
+
+
+def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, device: str, title: str) -> None:
+    """One panel per profiled (row, boundary): a horizontal bar per side, stacked by its largest kernels
+    (one colour per kernel name across all panels, the rest grey), so the sides' stages line up."""
+    from .kernel_profile import largest
+
+    plt = _pyplot()
+    top = 6
+    names: list[str] = []
+    for r, bd in panels:
+        for _, kernels in _profiled_sides(r, bd, base):
+            names += [n for n, _, _ in largest(kernels, top)[0] if n not in names]
+    cmap = plt.get_cmap("tab20")
+    colour = {n: cmap(i % 20) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.9 * sum(len(_profiled_sides(r, bd, base))
+                                                                           for r, bd in panels)), squeeze=False)
+    for ax, (r, bd) in zip(axes[:, 0], panels):
+        sides = _profiled_sides(r, bd, base)
+        for y, (label, kernels) in enumerate(sides):
+            left = 0.0
+            head, (_, ms_rest, _) = largest(kernels, top)
+            for name, ms, _ in head:
+                ax.barh(y, ms, left=left, color=colour[name], edgecolor="white", linewidth=0.5)
+                left += ms
+            ax.barh(y, ms_rest, left=left, color="#bbbbbb", edgecolor="white", linewidth=0.5)
+            ax.text(left + ms_rest, y, f" {left + ms_rest:.3f} ms", va="center", fontsize=8)
+        ax.set_yticks(range(len(sides)))
+        ax.set_yticklabels([label for label, _ in sides], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(sum(v["ms"] for v in k.values()) for _, k in sides) * 1.25)
+        what = "backward" if bd == "B" else "forward + backward"
+        ax.set_title(f"{r['op']} {r['policy']}, {shape_label(r)}: {what}", fontsize=9)
+    unit = "kernel" if device == "cuda" else "operator"
+    axes[-1, 0].set_xlabel(f"ms per {unit}, summed over launches (grey: the other {unit}s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[n]) for n in names]
+    fig.legend(handles, [n[:60] for n in names], fontsize=7, loc="lower center", ncol=2, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(names) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

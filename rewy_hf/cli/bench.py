@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "off, so no FlashQLA or TileLang kernels: what FLA_DISABLE_BACKEND_DISPATCH=1 gives), "
                           "flash-qla (FlashQLA's own entry, GDN only); all: both. A peer that does not apply here "
                           "(not installed, another op) is listed with the reason")
+    ops.add_argument("--kernel-profile", action="store_true",
+                     help="after each side's timing, profile one more of its runs with torch.profiler and list "
+                          "where its time goes: device time and launches per kernel on CUDA (per ATen operator, "
+                          "self time, on CPU), beside the other sides', per configuration and boundary")
     ops.add_argument("--rep-ms", type=float, default=50.0, help="CUDA: milliseconds of runs per round")
     ops.add_argument("--check-max-tokens", type=at_least(64), default=2**19, metavar="N",
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "
@@ -173,7 +177,7 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
     from ..bench.config import BOUNDARIES, OP_REPS, OP_WARMUP, expand, on_cpu, resolve_shapes
     from ..bench.op_bench import PEERS, Settings, baseline_label
     from ..bench.op_run import OpRun, conclude, describe_run, run_rows
-    from ..bench.output import format_op_tables, format_row_line, plot_op_speedups, progress, shape_label
+    from ..bench.output import format_op_tables, format_row_line, plot_op_run, progress, shape_label
     from ..op_inputs import OPS
 
     cuda = device == "cuda"
@@ -181,7 +185,7 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
     s = Settings(device=device, backend=args.backend, reps=args.reps or OP_REPS[on_cpu(device)],
                  warmup=OP_WARMUP[on_cpu(device)] if args.warmup is None else args.warmup, rep_ms=args.rep_ms,
                  check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard,
-                 peers=tuple(expand(args.peers, PEERS, "all", ())))
+                 peers=tuple(expand(args.peers, PEERS, "all", ())), kernel_profile=args.kernel_profile)
     plan = OpRun(ops=expand(args.op, OPS, "all", OPS), policies=expand(args.policy, POLICIES, "both", POLICIES),
                  boundaries=expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), shapes=shapes,
                  shapes_origin=origin, settings=s, keep_autotune_picks=args.keep_autotune_picks)
@@ -205,14 +209,12 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
     failed = conclude(data)
     report.save(data)
     write_markdown(args, data)
-    if args.plot:
-        plot_op_speedups(rows, plan.boundaries, args.plot,
-                         f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")
+    plots = plot_op_run(rows, plan.boundaries, args.plot, base, data["device_name"], device) if args.plot else []
     print(f"rewy-hf bench: {len(rows) - len(failed)} of {len(rows)} configurations passed the gradient check"
           + ("" if not failed else "; failed: " + ", ".join(f"{r['op']} {r['policy']} {shape_label(r)}"
                                                               for r in failed))
           + (f"; JSON: {args.json}" if args.json and not report.to_stdout else "")
-          + (f"; plot: {args.plot}" if args.plot else ""))
+          + (f"; plot: {', '.join(plots)}" if plots else ""))
     report.finish(data)
     return 1 if failed else 0
 
@@ -227,7 +229,8 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     from ..models.loading import ModelLoadError, load_causal_lm
 
     op_only = [flag for flag, value in (("--op", args.op), ("--shapes", args.shapes), ("--boundary", args.boundary),
-                                        ("--reps", args.reps), ("--peers", args.peers)) if value]
+                                        ("--reps", args.reps), ("--peers", args.peers),
+                                        ("--kernel-profile", args.kernel_profile)) if value]
     if op_only:
         return could_not_run(f"{', '.join(op_only)} apply to the op-level bench; drop them, or drop --model "
                              "(the model level times --steps training steps)")
@@ -334,8 +337,7 @@ def render(args) -> int:
     """--from-json: the tables (and plot, Markdown) of earlier runs, with their exit status."""
     from ..bench.merge import MergeError, merge_runs
     from ..bench.op_bench import baseline_label
-    from ..bench.output import (format_model_result, format_op_tables, plot_model_steps, plot_op_speedups,
-                                plot_unavailable)
+    from ..bench.output import format_model_result, format_op_tables, plot_model_steps, plot_op_run, plot_unavailable
 
     if args.plot and (reason := plot_unavailable()):
         return could_not_run(reason)
@@ -363,8 +365,7 @@ def render(args) -> int:
         for table in format_op_tables(rows, boundaries, base, data["device"]):
             print(table + "\n")
         if args.plot:
-            plot_op_speedups(rows, boundaries, args.plot,
-                             f"speedup = {base} time / rewy time ({data['device_name']}; >1: rewy faster)")
+            plot_op_run(rows, boundaries, args.plot, base, data["device_name"], data.get("device", "cuda"))
     if not data.get("complete", False):
         which = "one of these runs" if data.get("sources") else "that run"
         print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
