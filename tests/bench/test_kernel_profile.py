@@ -12,8 +12,8 @@ from rewy_hf import cli
 from rewy_hf.bench.kernel_profile import largest, summed
 from rewy_hf.bench.output import TOP_KERNELS, format_kernel_table
 
-# T = 256: four chunks for rewy's chunked backward, 256 token steps for the reference recurrence.
-PROFILED = ["--device", "cpu", "--shapes", "1,256,1,16,16", "--reps", "1", "--warmup", "1", "--op", "gdn",
+# T = 128: two chunks for rewy's chunked backward, 128 token steps for the reference recurrence.
+PROFILED = ["--device", "cpu", "--shapes", "1,128,1,16,16", "--reps", "1", "--warmup", "1", "--op", "gdn",
             "--policy", "recompute", "--kernel-profile"]
 
 
@@ -48,8 +48,8 @@ def test_the_profiles_tell_the_chunked_backward_from_the_token_recurrence(profil
     (row,) = profiled_run[0]["rows"]
     rewy, ref = row["rewy_kernels_B"], row["baseline_kernels_B"]
     launches = lambda k: sum(v["launches"] for v in k.values())  # noqa: E731
-    # The reference recurrence steps token by token (256 steps, each several operators, and their
-    # backward); rewy's torch backend works on four chunks at once.
+    # The reference recurrence steps token by token (128 steps, each several operators, and their
+    # backward); rewy's torch backend works on two chunks at once.
     assert launches(ref) > 10 * launches(rewy)
     assert any(name in rewy for name in ("aten::bmm", "aten::matmul", "aten::mm"))
     # The forward + backward profile holds the backward's operators and more launches.
