@@ -1,5 +1,5 @@
 """How `rewy-hf bench` shows its results: progress, the run's environment record, tables,
-Markdown and a PNG bar chart."""
+Markdown and PNG charts (speedups; with --kernel-profile, where each side's time goes)."""
 
 from __future__ import annotations
 
@@ -451,6 +451,10 @@ def plot_op_speedups(rows: list[dict], boundaries: list[str], path: str, title: 
     plt.close(fig)
 
 
+# A figure of more panels than this would be too tall to read; the tables carry every profile.
+MAX_KERNEL_PANELS = 16
+
+
 def kernel_plot_path(path: str) -> str:
     """Where the kernel-profile figure of a run plotted to ``path`` goes: beside it, ``-kernels`` added."""
     p = Path(path)
@@ -465,7 +469,10 @@ def plot_op_run(rows: list[dict], boundaries: list[str], path: str, base: str, d
     panels = [(r, bd) for r in rows for bd in boundaries if _profiled_sides(r, bd, base)]
     if not panels:
         return [path]
-    plot_kernel_profiles(panels, kernel_plot_path(path), base, device, f"where the time goes ({device_name})")
+    title = f"where the time goes ({device_name})"
+    if len(panels) > MAX_KERNEL_PANELS:
+        title += f"; the first {MAX_KERNEL_PANELS} of {len(panels)} profiled runs (the tables list all)"
+    plot_kernel_profiles(panels[:MAX_KERNEL_PANELS], kernel_plot_path(path), base, device, title)
     return [path, kernel_plot_path(path)]
 
 
