@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "never compared")
     add_json(parser, "settings, versions and every row")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="bar chart of the speedups (needs matplotlib)")
+                        help="bar chart of the speedups (needs matplotlib); with --kernel-profile also "
+                             "OUT-kernels.png, each side's time stacked by kernel")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and the model's weights)")
     parser.add_argument("--markdown", default=None, metavar="OUT.md",
                         help="also write the tables as Markdown (for docs/performance.md); works with --from-json")
