@@ -30,6 +30,7 @@ from rewy_hf.rel_error import rel_err
 def flash_qla(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_qla", fake_flash_qla)
     fake_flash_qla.calls.update(fwd=0, bwd=0)
+    fake_flash_qla.splits.update(issued=0, reused=0, rebuilt=0)
     return fake_flash_qla
 
 
@@ -48,7 +49,13 @@ def _inputs(B=2, T=90, H=2, HV=2, K=16, V=16, cu=None, h0=False, v_first=False, 
 
 CASES = [pytest.param({}, id="plain"), pytest.param(dict(HV=4), id="gva"),
          pytest.param(dict(cu=[0, 30, 100, 170], h0=True), id="packed-h0"),
-         pytest.param(dict(h0=True, v_first=True), id="h0-state_v_first")]
+         pytest.param(dict(h0=True, v_first=True), id="h0-state_v_first"),
+         pytest.param(dict(B=1, T=200, HV=4, h0=True, v_first=True), id="one-row-split")]
+
+
+def _split_expected(x) -> int:
+    """How many split caches the stand-in issues for these inputs (one row of two chunks or more)."""
+    return int(x["v"].shape[0] == 1 and x["v"].shape[1] >= 2 * fake_flash_qla.CHUNK)
 
 
 @pytest.mark.parametrize("qk_l2norm", [False, True])
@@ -76,9 +83,12 @@ def test_backend_matches_float64_autograd_through_the_reference(flash_qla, shape
         assert g.dtype == x[n].dtype and g.shape == x[n].shape, n
         assert rel_err(g, w) < 1e-5, (n, rel_err(g, w))
     assert flash_qla.calls == {"fwd": 1, "bwd": 1}
+    # A split made by the forward reaches the backward intact, and the backward rebuilds none.
+    n = _split_expected(x)
+    assert flash_qla.splits == {"issued": n, "reused": n, "rebuilt": 0}
 
 
-@pytest.mark.parametrize("shape", CASES[:3])
+@pytest.mark.parametrize("shape", CASES[:3] + CASES[4:])
 def test_fake_implementation_matches_what_the_backend_saves(flash_qla, shape):
     x, cu = _inputs(**shape)
     for qk_l2norm in (False, True):
@@ -99,6 +109,41 @@ def test_compiles_without_a_graph_break_and_gives_the_eager_gradients(flash_qla)
 
     leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
     assert_one_graph_with_eager_grads(f, leaves)
+
+
+def test_a_split_crosses_the_compiled_boundary(flash_qla):
+    """One row: the forward's split (its segment count known only at run time) is saved by the
+    compiled graph and handed to the backward intact, in one graph with the eager gradients."""
+    def f(q, k, v, g, beta):
+        o, _ = delta_rule(CoreArgs(q, k, v, g, beta, None, None, None, 16 ** -0.5, "gdn", "recompute", False, True,
+                                   False), "flash_qla")
+        return (o * o).sum()
+
+    x, _ = _inputs(B=1, T=200)
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    assert_one_graph_with_eager_grads(f, leaves)
+    assert flash_qla.splits["issued"] == flash_qla.splits["reused"] >= 2 and flash_qla.splits["rebuilt"] == 0
+
+
+def test_a_split_of_another_layout_is_refused_with_the_fix(flash_qla, monkeypatch):
+    """A flash-qla whose split cache is laid out otherwise than 0.1.3's would be saved under the
+    wrong fake shapes, so the forward refuses it and names the fix."""
+    from rewy_hf.errors import UnsupportedConfigError
+
+    issue = fake_flash_qla._split
+
+    def transposed(*args):
+        cache = issue(*args)
+        cache.num_warmup_bwd = cache.num_warmup_bwd.t().contiguous()
+        return cache
+
+    monkeypatch.setattr(fake_flash_qla, "_split", transposed)
+    x, _ = _inputs(B=1, T=300, HV=4)
+    a = CoreArgs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None, 0.25, "gdn", "recompute", False, False,
+                 False)
+    with pytest.raises(UnsupportedConfigError, match=r"split_warmup of shape \(4, 3\).*expects \(3, 4\).*"
+                                                     r"flash-qla 0\.1\.3.*backend='triton'"):
+        delta_rule(a, "flash_qla")
 
 
 def test_dispatch_report_says_where_a_call_went_and_why(flash_qla):

@@ -4,12 +4,15 @@
 gradients are compared with rewy's torch backend on the same BF16 values in float32, and must
 be as accurate as FlashQLA's own entry on the same call (within 10 %, plus a floor far below
 BF16 rounding). The call compiles without a graph break, where FlashQLA's own entry is
-``torch.compiler.disable``.
+``torch.compiler.disable``. Where FlashQLA splits one row (B = 1, dense or packed), its forward's
+split reaches its backward through rewy's saved tensors, shaped and typed as the fake
+implementation declares.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -45,7 +48,8 @@ def _case(B, T, H, HV, cu=None, h0=False, seed=0):
 @pytest.mark.parametrize("shape", [
     dict(B=2, T=1024, H=4, HV=4),
     dict(B=2, T=700, H=2, HV=8, h0=True),                  # GVA, ragged T
-    dict(B=1, T=0, H=4, HV=4, cu=[0, 300, 1100, 2048], h0=True),
+    dict(B=1, T=0, H=4, HV=4, cu=[0, 300, 1100, 2048], h0=True),   # FlashQLA splits this row
+    dict(B=1, T=4096, H=2, HV=4),                                      # and this one
 ])
 def test_auto_routes_to_flash_qla_and_matches_its_own_entry(shape):
     import flash_qla
@@ -80,3 +84,27 @@ def test_compiles_without_a_graph_break():
         return o.float().square().sum()
 
     assert_one_graph_with_eager_grads(f, leaves)
+
+
+@pytest.mark.parametrize("shape", [dict(B=1, T=4096, H=2, HV=4), dict(B=1, T=0, H=4, HV=4, cu=[0, 300, 1100, 2048])])
+def test_split_is_saved_as_the_fake_implementation_declares(shape):
+    """The op's real outputs, split tensors included, match its fake implementation, and the
+    backward takes the forward's split as it is (FlashQLA warns and rebuilds on a mismatch)."""
+    from rewy_hf.kernels import flash_qla_backend
+
+    args, kw = _case(**shape)
+    q, k, v, g, beta = args
+    cu = kw.get("cu_seqlens")
+    op_args = (q, k, v, g, beta, None, None, cu, 128 ** -0.5, "gdn", "recompute", False, False, False, "", "",
+               "flash_qla")
+    saved = torch.ops.rewy.delta_rule(*op_args)[2:]
+    assert saved[2].shape[0] > 0, "FlashQLA did not split this row; the case no longer tests the split"
+    result = torch.library.opcheck(torch.ops.rewy.delta_rule.default, op_args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert result == {name: "SUCCESS" for name in result} and len(result) == 2, result
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        leaves = [a.detach().requires_grad_() for a in args]
+        o, _ = rewy_hf.chunk_gated_delta_rule(*leaves, **kw)
+        o.float().square().sum().backward()
+    assert last_backend() == "flash_qla" and all(x.grad is not None for x in leaves)
