@@ -132,9 +132,19 @@ def check_cuda(op: str, bounds: list[int], H: int, HV: int) -> None:
         assert e_cp <= 2 * e_one + 1e-3, f"{op} d{name} rank {rank}: context parallel {e_cp:.2e}, one process {e_one:.2e}"
 
 
-def cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+def _serve_on_gpu(rank: int, world: int, port: int, cases: list, check_case) -> None:
+    # As tests/conftest.py does for the parent process: one config per autotuned kernel, set before
+    # FLA defines its kernels. A spawned rank does not read conftest.py, and without the cut both
+    # ranks tune every FLA and rewy kernel cold, for many minutes, before their first exchange.
+    from rewy_hf.cpu_triton import first_config_only
+
+    first_config_only()
     torch.cuda.set_device(0)
-    _serve(rank, world, port, cases, check_cuda, 300)
+    _serve(rank, world, port, cases, check_case, 300)
+
+
+def cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve_on_gpu(rank, world, port, cases, check_cuda)
 
 
 def check_model(kind: str, bounds: list[int], checkpointing: bool = False, tol: float = 2e-5) -> None:
@@ -270,8 +280,7 @@ def check_hf_model_cuda(family: str, bounds: list[int]) -> None:
 
 
 def hf_model_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
-    torch.cuda.set_device(0)
-    _serve(rank, world, port, cases, check_hf_model_cuda, 300)
+    _serve_on_gpu(rank, world, port, cases, check_hf_model_cuda)
 
 
 def hf_model_rank_main(rank: int, world: int, port: int, cases: list) -> None:
@@ -291,5 +300,4 @@ def check_hf_hybrid_cuda(family: str, bounds: list[int]) -> None:
 
 
 def hf_hybrid_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
-    torch.cuda.set_device(0)
-    _serve(rank, world, port, cases, check_hf_hybrid_cuda, 300)
+    _serve_on_gpu(rank, world, port, cases, check_hf_hybrid_cuda)
