@@ -90,8 +90,6 @@ def test_compiles_without_a_graph_break():
 def test_split_is_saved_as_the_fake_implementation_declares(shape):
     """The op's real outputs, split tensors included, match its fake implementation, and the
     backward takes the forward's split as it is (FlashQLA warns and rebuilds on a mismatch)."""
-    from rewy_hf.kernels import flash_qla_backend
-
     args, kw = _case(**shape)
     q, k, v, g, beta = args
     cu = kw.get("cu_seqlens")
