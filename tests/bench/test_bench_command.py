@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench_cli import run_bench
+
 from rewy_hf import cli
 from rewy_hf.bench.config import CustomShape, check_T, parse_shape, resolve_shapes, suite_file
 from rewy_hf.bench.merge import merge_runs
@@ -36,12 +38,6 @@ def without_check(path, clause: str, prefix: str, tmp_path) -> str:
     return str(old)
 
 
-def _bench(argv, capsys):
-    code = cli.main(["bench", *argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.fixture(scope="module")
 def full_policy_run(tmp_path_factory):
     """(op, tmp_path, capsys) -> a copy in tmp_path, named <op>.json, of the one TINY run of op under
@@ -52,7 +48,7 @@ def full_policy_run(tmp_path_factory):
     def copy(op, tmp_path, capsys):
         if op not in made:
             path = d / f"{op}.json"
-            assert _bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
+            assert run_bench([*TINY, "--op", op, "--policy", "full", "--json", str(path)], capsys)[0] == 0
             made[op] = path
         return Path(shutil.copy(made[op], tmp_path / f"{op}.json"))
 
@@ -88,7 +84,7 @@ def test_bad_shapes_name_the_problem_and_the_fix(text, problem, capsys):
     with pytest.raises(argparse.ArgumentTypeError, match="B,T,H") as info:
         parse_shape(text)
     assert problem in str(info.value) and "--shapes 2,4096,16" in str(info.value)
-    code, _, err = _bench(["--shapes", text], capsys)
+    code, _, err = run_bench(["--shapes", text], capsys)
     assert code == 2 and problem in err
 
 
@@ -115,7 +111,7 @@ def test_check_shape_reduction():
 
 def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    code, out, _ = _bench([*TINY, "--json", str(report)], capsys)
+    code, out, _ = run_bench([*TINY, "--json", str(report)], capsys)
     assert code == 0, out
     assert "not against FLA" in out and "geometric mean" in out
     data = json.loads(report.read_text())
@@ -149,11 +145,11 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     assert len(data["geomean"]) == 4 * 2 * 2
     assert all(g["speedup"] > 0 and g["shapes"] == 1 for g in data["geomean"])
     # The tables can be printed again from the JSON alone (e.g. after a GPU run without matplotlib).
-    code, again, _ = _bench(["--from-json", str(report)], capsys)
+    code, again, _ = run_bench(["--from-json", str(report)], capsys)
     assert code == 0 and again.count("geometric mean") == 8 and "gdn2, rewy policy full" in again
     # ... and as Markdown for docs/performance.md: one pipe table per (op, policy), same numbers.
     md = tmp_path / "bench.md"
-    code, _, _ = _bench(["--from-json", str(report), "--markdown", str(md)], capsys)
+    code, _, _ = run_bench(["--from-json", str(report), "--markdown", str(md)], capsys)
     text = md.read_text()
     assert code == 0 and text.count("#### ") == 8 and text.count("| geometric mean |") == 8
     assert text.count("| bound err ref | bound err rewy |") == 4    # the KDA and GDN2 tables only
@@ -167,14 +163,14 @@ def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys, full_po
     run; files from another setup are refused by name."""
     files = [full_policy_run(op, tmp_path, capsys) for op in ("delta_rule", "kda")]
     md = tmp_path / "all.md"
-    code, out, _ = _bench(["--from-json", *map(str, files), "--markdown", str(md)], capsys)
+    code, out, _ = run_bench(["--from-json", *map(str, files), "--markdown", str(md)], capsys)
     assert code == 0
     assert "delta_rule, rewy policy full" in out and "kda, rewy policy full" in out and "did not finish" not in out
     assert md.read_text().count("#### ") == 2
     other = json.loads(files[1].read_text())
     other["device_name"] = "another GPU"
     files[1].write_text(json.dumps(other))
-    code, _, err = _bench(["--from-json", *map(str, files)], capsys)
+    code, _, err = run_bench(["--from-json", *map(str, files)], capsys)
     assert code == 2 and "different device_name" in err and str(files[1]) in err
 
 
@@ -190,17 +186,17 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
         return without_check(paths[op], BOUND_CHECK, "bound_", tmp_path)
 
     md = tmp_path / "merged.md"
-    code, out, _ = _bench(["--from-json", older("delta_rule"), str(paths["kda"]), "--markdown", str(md)], capsys)
+    code, out, _ = run_bench(["--from-json", older("delta_rule"), str(paths["kda"]), "--markdown", str(md)], capsys)
     assert code == 0 and "delta_rule, rewy policy full" in out and "kda, rewy policy full" in out
     assert BOUND_CHECK in md.read_text() and "bound err" in md.read_text()
-    code, _, err = _bench(["--from-json", older("kda"), str(paths["gdn2"])], capsys)
+    code, _, err = run_bench(["--from-json", older("kda"), str(paths["gdn2"])], capsys)
     assert code == 2 and "not checked on gates near the safe lower bound" in err and "old_kda.json" in err
-    code, _, err = _bench(["--from-json", older("kda"), older("gdn2")], capsys)
+    code, _, err = run_bench(["--from-json", older("kda"), older("gdn2")], capsys)
     assert code == 0, err
     changed = json.loads(paths["gdn2"].read_text())
     changed["settings"]["check"] = changed["settings"]["check"].replace("relative", "absolute")
     paths["gdn2"].write_text(json.dumps(changed))
-    code, _, err = _bench(["--from-json", str(paths["kda"]), str(paths["gdn2"])], capsys)
+    code, _, err = run_bench(["--from-json", str(paths["kda"]), str(paths["gdn2"])], capsys)
     assert code == 2 and "checked differently" in err
 
 
@@ -217,7 +213,7 @@ def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys, fu
     data = json.loads(path.read_text())
     data["device"], data["versions"]["flash-qla"] = "cuda", "0.1.3"      # as a GPU run with flash-qla records it
     path.write_text(json.dumps(data))
-    code, out, _ = _bench(["--from-json", str(path)], capsys)
+    code, out, _ = run_bench(["--from-json", str(path)], capsys)
     assert code == 0 and "B: FLA+QLA ms" in out and "B: ref ms" not in out
 
 
@@ -226,24 +222,24 @@ def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, cap
     (op, shape) rows makes the combined report whole, and a row timed in both
     files is refused rather than silently picked."""
     cut, rest = tmp_path / "cut.json", full_policy_run("kda", tmp_path, capsys)
-    assert _bench([*TINY, "--op", "delta_rule", "kda", "--policy", "full", "--json", str(cut)], capsys)[0] == 0
+    assert run_bench([*TINY, "--op", "delta_rule", "kda", "--policy", "full", "--json", str(cut)], capsys)[0] == 0
     whole = json.loads(cut.read_text())
     short = {**whole, "rows": [r for r in whole["rows"] if r["op"] == "delta_rule"], "complete": False}
     short.pop("exit_code")
     cut.write_text(json.dumps(short))
-    code, out, _ = _bench(["--from-json", str(cut)], capsys)
+    code, out, _ = run_bench(["--from-json", str(cut)], capsys)
     assert code == 1 and "did not finish" in out
-    code, out, _ = _bench(["--from-json", str(cut), str(rest)], capsys)
+    code, out, _ = run_bench(["--from-json", str(cut), str(rest)], capsys)
     assert code == 0 and "did not finish" not in out and "kda, rewy policy full" in out
     assert "shapes)" not in out and "not timed" not in out
     # a shape one op lacks is named under its table, whose mean says it covers fewer shapes
     other = tmp_path / "other.json"
-    assert _bench([*TINY[:2], "--shapes", "1,64,2,16,16", *TINY[4:], "--op", "delta_rule", "--policy", "full",
+    assert run_bench([*TINY[:2], "--shapes", "1,64,2,16,16", *TINY[4:], "--op", "delta_rule", "--policy", "full",
                    "--json", str(other)], capsys)[0] == 0
-    code, out, _ = _bench(["--from-json", str(cut), str(rest), str(other)], capsys)
+    code, out, _ = run_bench(["--from-json", str(cut), str(rest), str(other)], capsys)
     assert "geometric mean (1 of 2 shapes)" in out and "not timed for this op and policy: 1,64,2" in out
     cut.write_text(json.dumps(whole))
-    code, _, err = _bench(["--from-json", str(cut), str(rest)], capsys)
+    code, _, err = run_bench(["--from-json", str(cut), str(rest)], capsys)
     assert code == 2 and "kda (policy full)" in err and "in both" in err
 
 
@@ -254,9 +250,9 @@ def test_runs_of_one_policy_each_combine_and_keep_their_settings(tmp_path, capsy
     for policy, flag in (("recompute", "0"), ("full", "1")):
         monkeypatch.setenv("REWY_HF_CHECK_FINITE", flag)
         files[policy] = tmp_path / f"{policy}.json"
-        assert _bench([*TINY, "--op", "gdn", "--policy", policy, "--json", str(files[policy])], capsys)[0] == 0
+        assert run_bench([*TINY, "--op", "gdn", "--policy", policy, "--json", str(files[policy])], capsys)[0] == 0
     paths = [str(files["recompute"]), str(files["full"])]
-    code, out, _ = _bench(["--from-json", *paths], capsys)
+    code, out, _ = run_bench(["--from-json", *paths], capsys)
     assert code == 0 and "gdn, rewy policy recompute" in out and "gdn, rewy policy full" in out
     assert "did not finish" not in out
     data = merge_runs(paths)
@@ -270,7 +266,7 @@ def test_json_to_stdout_is_only_json_and_records_rewys_two_settings(capsys, monk
     monkeypatch.setenv("REWY_HF_CHECK_FINITE", "0")
     monkeypatch.delenv("REWY_HF_TEST_FAULT", raising=False)
     monkeypatch.setenv("REWY_HF_NOT_A_SETTING", "1")
-    code, out, err = _bench([*TINY, "--op", "delta_rule", "--policy", "full", "--boundary", "B", "--json", "-"],
+    code, out, err = run_bench([*TINY, "--op", "delta_rule", "--policy", "full", "--boundary", "B", "--json", "-"],
                             capsys)
     assert code == 0, err
     data = json.loads(out)
@@ -284,7 +280,7 @@ def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("REWY_HF_TEST_FAULT", "grad_scale=1.07@kda")
     report = tmp_path / "bench.json"
     with pytest.warns(RuntimeWarning, match="deliberately corrupting"):
-        code, out, _ = _bench([*TINY, "--op", "kda", "gdn", "--policy", "full", "--boundary", "B",
+        code, out, _ = run_bench([*TINY, "--op", "kda", "gdn", "--policy", "full", "--boundary", "B",
                                "--json", str(report)], capsys)
     assert code == 1
     assert "FAIL" in out and "failed: kda full" in out
@@ -322,7 +318,7 @@ def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypa
 
     monkeypatch.setitem(REWY_OPS, "kda", wrong_with_safe_gate)
     report = tmp_path / "bench.json"
-    code, out, _ = _bench([*TINY, "--op", "kda", "--policy", "full", "--boundary", "B", "--json", str(report)],
+    code, out, _ = run_bench([*TINY, "--op", "kda", "--policy", "full", "--boundary", "B", "--json", str(report)],
                           capsys)
     assert code == 1 and "FAIL" in out
     (row,) = json.loads(report.read_text())["rows"]
@@ -332,7 +328,7 @@ def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypa
 
 def test_reduced_check_is_stated(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    code, out, _ = _bench(["--device", "cpu", "--shapes", "1,256,1,16,16", "--reps", "1", "--warmup", "0",
+    code, out, _ = run_bench(["--device", "cpu", "--shapes", "1,256,1,16,16", "--reps", "1", "--warmup", "0",
                            "--op", "gdn", "--policy", "recompute", "--boundary", "FB", "--check-max-tokens", "128",
                            "--json", str(report)], capsys)
     assert code == 0, out
@@ -343,7 +339,7 @@ def test_reduced_check_is_stated(tmp_path, capsys):
 
 def test_peers_that_do_not_apply_are_listed_with_the_reason(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    code, out, _ = _bench([*TINY, "--op", "gdn", "--policy", "recompute", "--peers", "all", "--json", str(report)],
+    code, out, _ = run_bench([*TINY, "--op", "gdn", "--policy", "recompute", "--peers", "all", "--json", str(report)],
                           capsys)
     assert code == 0, out
     data = json.loads(report.read_text())
@@ -355,7 +351,7 @@ def test_peers_that_do_not_apply_are_listed_with_the_reason(tmp_path, capsys):
 
 
 def test_peers_are_an_op_level_option(capsys):
-    code, _, err = _bench(["--model", "tiny-qwen3.5", "--peers", "all", "--device", "cpu"], capsys)
+    code, _, err = run_bench(["--model", "tiny-qwen3.5", "--peers", "all", "--device", "cpu"], capsys)
     assert code == 2 and "--peers apply to the op-level bench" in err
 
 
@@ -363,7 +359,7 @@ def test_fastest_rounds_leave_out_a_stalled_round(tmp_path, capsys):
     """With several rounds per side the tables add a geometric mean over each side's fastest
     round: a round in which the host stalled one side moves the median, not that line."""
     report = tmp_path / "bench.json"
-    assert _bench([*TINY[:4], "--reps", "3", "--warmup", "0", "--op", "delta_rule", "--policy", "full",
+    assert run_bench([*TINY[:4], "--reps", "3", "--warmup", "0", "--op", "delta_rule", "--policy", "full",
                    "--boundary", "B", "--json", str(report)], capsys)[0] == 0
     data = json.loads(report.read_text())
     (row,) = data["rows"]
@@ -374,20 +370,20 @@ def test_fastest_rounds_leave_out_a_stalled_round(tmp_path, capsys):
     row["baseline_B_ms"] = 10 * min(base)
     row["speedup_B"] = row["baseline_B_ms"] / row["rewy_B_ms"]
     report.write_text(json.dumps(data))
-    code, out, _ = _bench(["--from-json", str(report)], capsys)
+    code, out, _ = run_bench(["--from-json", str(report)], capsys)
     assert code == 0
     (median_line,) = [ln for ln in out.splitlines() if ln.startswith("geometric mean ")]
     (fast_line,) = [ln for ln in out.splitlines() if ln.startswith("geometric mean, fastest rounds")]
     assert f"{min(base) / min(rewy):.2f}x" in fast_line and f"{row['speedup_B']:.2f}x" in median_line
     assert "fastest rounds: each side's fastest" in out
     # one round per side: the line would repeat the median, so it is left out
-    assert "fastest rounds" not in _bench([*TINY, "--op", "delta_rule", "--policy", "full"], capsys)[1]
+    assert "fastest rounds" not in run_bench([*TINY, "--op", "delta_rule", "--policy", "full"], capsys)[1]
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "speedup.png"
-    code, out, _ = _bench([*TINY, "--op", "gdn2", "kda", "--policy", "recompute", "--plot", str(png)], capsys)
+    code, out, _ = run_bench([*TINY, "--op", "gdn2", "kda", "--policy", "recompute", "--plot", str(png)], capsys)
     assert code == 0, out
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -396,7 +392,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
 def test_plot_without_matplotlib_fails_before_timing(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` raise ImportError
     report = tmp_path / "bench.json"
-    code, out, err = _bench([*TINY, "--plot", str(tmp_path / "x.png"), "--json", str(report)], capsys)
+    code, out, err = run_bench([*TINY, "--plot", str(tmp_path / "x.png"), "--json", str(report)], capsys)
     assert code == 2
     assert "pip install matplotlib" in err
     assert not report.exists() and "geometric mean" not in out
@@ -417,7 +413,7 @@ def test_progress_without_tqdm_prints_flushed_lines(capsys, monkeypatch):
 
 def test_model_level_on_a_tiny_preset(tmp_path, capsys):
     report = tmp_path / "model.json"
-    code, out, _ = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--steps", "2", "--warmup", "0",
+    code, out, _ = run_bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--steps", "2", "--warmup", "0",
                            "--seq-len", "80", "--json", str(report)], capsys)
     assert code == 0, out
     assert "patched layers: 1" in out and "speedup" in out and "reference cores" in out
@@ -432,25 +428,25 @@ def test_model_level_on_a_tiny_preset(tmp_path, capsys):
     # Same weights, optimizer state and batch every step: both sides see the same loss, every step.
     assert data["loss_rel_diff"] < 1e-5
     assert data["unpatched"]["loss"][0] == pytest.approx(data["unpatched"]["loss"][1], rel=1e-6)
-    code, again, _ = _bench(["--from-json", str(report)], capsys)
+    code, again, _ = run_bench(["--from-json", str(report)], capsys)
     assert code == 0 and "patched layers: 1" in again and "guard lifted" not in again
     # A GPU run whose unpatched GDN backward ran with FLA's guard lifted says its gradients are not trusted.
     data["settings"]["gdn_guard"] = {"requested": True, "was_active": True}
     report.write_text(json.dumps(data))
-    code, lifted, _ = _bench(["--from-json", str(report)], capsys)
+    code, lifted, _ = run_bench(["--from-json", str(report)], capsys)
     assert code == 0 and "guard lifted" in lifted and "not trusted" in lifted
 
 
 def test_model_level_refuses_op_level_options(capsys):
-    code, _, err = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--shapes", "1,64,1"], capsys)
+    code, _, err = run_bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--shapes", "1,64,1"], capsys)
     assert code == 2 and "--shapes" in err and "op-level" in err
-    code, _, err = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--policy", "both"], capsys)
+    code, _, err = run_bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--policy", "both"], capsys)
     assert code == 2 and "one --policy" in err
 
 
 def test_model_level_unknown_model_lists_presets(capsys):
     # A path-like name fails the hub id check at once; a bare name would wait on the network.
-    code, _, err = _bench(["--model", "./no-such-model", "--device", "cpu"], capsys)
+    code, _, err = run_bench(["--model", "./no-such-model", "--device", "cpu"], capsys)
     assert code == 2
     assert "qwen3.5-1b" in err and "gdn2-1b" in err
 
@@ -473,7 +469,7 @@ def test_bench_presets():
 @pytest.mark.gpu
 def test_gpu_op_level_against_fla(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    code, out, _ = _bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "2", "--warmup", "1",
+    code, out, _ = run_bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "2", "--warmup", "1",
                            "--op", "kda", "gdn2", "delta_rule", "--lift-gdn-guard", "--json", str(report)], capsys)
     data = json.loads(report.read_text())
     assert code == 0, out
@@ -490,7 +486,7 @@ def test_gpu_op_level_against_fla(tmp_path, capsys):
 @pytest.mark.gpu
 def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    code, out, _ = _bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
+    code, out, _ = run_bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
                            "--policy", "recompute", "--lift-gdn-guard", "--json", str(report)], capsys)
     data = json.loads(report.read_text())
     assert code == 0, out
@@ -507,7 +503,7 @@ def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp
 @pytest.mark.gpu
 def test_gpu_peers_are_timed_and_checked_where_they_apply(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    code, out, _ = _bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
+    code, out, _ = run_bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
                            "kda", "--policy", "recompute", "--lift-gdn-guard", "--peers", "all", "--json",
                            str(report)], capsys)
     data = json.loads(report.read_text())
@@ -541,10 +537,10 @@ def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_
         return without_check(paths[op], STRONG_CHECK, "strong_", tmp_path)
 
     md = tmp_path / "merged.md"
-    code, out, err = _bench(["--from-json", older("delta_rule"), str(paths["gdn"]), "--markdown", str(md)], capsys)
+    code, out, err = run_bench(["--from-json", older("delta_rule"), str(paths["gdn"]), "--markdown", str(md)], capsys)
     assert code == 0, err
     assert STRONG_CHECK in md.read_text() and "strong-decay err" in md.read_text()
-    code, _, err = _bench(["--from-json", older("gdn"), str(paths["gdn"])], capsys)
+    code, _, err = run_bench(["--from-json", older("gdn"), str(paths["gdn"])], capsys)
     assert code == 2 and "not checked under strong decay" in err and "old_gdn.json" in err
 
 
@@ -567,7 +563,7 @@ def test_a_packed_row_is_checked_and_timed_with_its_sequences(tmp_path, capsys):
     from rewy_hf.op_inputs import make_inputs
 
     report = tmp_path / "bench.json"
-    code, out, _ = _bench(["--device", "cpu", "--shapes", "1,192,1,16,16,packed=3", "--reps", "1", "--warmup", "0",
+    code, out, _ = run_bench(["--device", "cpu", "--shapes", "1,192,1,16,16,packed=3", "--reps", "1", "--warmup", "0",
                            "--op", "gdn", "--policy", "recompute", "--json", str(report)], capsys)
     assert code == 0, out
     (row,) = json.loads(report.read_text())["rows"]

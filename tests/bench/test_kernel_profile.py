@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench_cli import run_bench
+
 from rewy_hf import cli
 from rewy_hf.bench.kernel_profile import largest, summed
 from rewy_hf.bench.output import TOP_KERNELS, format_kernel_table
@@ -15,12 +17,6 @@ from rewy_hf.bench.output import TOP_KERNELS, format_kernel_table
 # T = 128: two chunks for rewy's chunked backward, 128 token steps for the reference recurrence.
 PROFILED = ["--device", "cpu", "--shapes", "1,128,1,16,16", "--reps", "1", "--warmup", "1", "--op", "gdn",
             "--policy", "recompute", "--kernel-profile"]
-
-
-def _bench(argv, capsys):
-    code = cli.main(["bench", *argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def test_the_tables_print_live_and_again_from_the_json(profiled_run, tmp_path, c
     data, path = profiled_run
     (row,) = data["rows"]
     md = tmp_path / "run.md"
-    code, out, _ = _bench(["--from-json", str(path), "--markdown", str(md)], capsys)
+    code, out, _ = run_bench(["--from-json", str(path), "--markdown", str(md)], capsys)
     assert code == 0
     for text in (out, md.read_text()):
         assert "operators of one backward (self CPU time)" in text
@@ -75,14 +71,14 @@ def test_the_tables_print_live_and_again_from_the_json(profiled_run, tmp_path, c
 def test_a_run_without_the_option_records_and_prints_no_profile(tmp_path, capsys):
     path = tmp_path / "run.json"
     argv = [a for a in PROFILED if a != "--kernel-profile"] + ["--boundary", "B", "--json", str(path)]
-    code, out, _ = _bench(argv, capsys)
+    code, out, _ = run_bench(argv, capsys)
     assert code == 0 and "operators of one" not in out
     (row,) = json.loads(path.read_text())["rows"]
     assert not any("kernels" in k for k in row)
 
 
 def test_the_option_is_refused_at_model_level(capsys):
-    code, _, err = _bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--kernel-profile"], capsys)
+    code, _, err = run_bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--kernel-profile"], capsys)
     assert code == 2 and "--kernel-profile" in err and "op-level" in err
 
 
@@ -119,7 +115,7 @@ def test_the_table_keeps_the_largest_kernels_and_sums_the_rest():
 def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_path, capsys):
     _, path = profiled_run
     png = tmp_path / "speedup.png"
-    code, _, _ = _bench(["--from-json", str(path), "--plot", str(png)], capsys)
+    code, _, _ = run_bench(["--from-json", str(path), "--plot", str(png)], capsys)
     assert code == 0
     for figure in (png, tmp_path / "speedup-kernels.png"):
         data = figure.read_bytes()
@@ -127,8 +123,8 @@ def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_
     # an unprofiled run draws the speedups alone
     plain = tmp_path / "plain.json"
     argv = [a for a in PROFILED if a != "--kernel-profile"] + ["--boundary", "B", "--json", str(plain)]
-    assert _bench(argv, capsys)[0] == 0
-    code, out, _ = _bench(["--from-json", str(plain), "--plot", str(tmp_path / "plain.png")], capsys)
+    assert run_bench(argv, capsys)[0] == 0
+    code, out, _ = run_bench(["--from-json", str(plain), "--plot", str(tmp_path / "plain.png")], capsys)
     assert code == 0 and (tmp_path / "plain.png").exists() and not (tmp_path / "plain-kernels.png").exists()
 
 
@@ -145,7 +141,7 @@ def test_a_side_that_cannot_be_profiled_keeps_its_timing_and_says_why(tmp_path, 
 
     monkeypatch.setattr(op_bench, "kernel_times", fails_for_the_reference)
     path = tmp_path / "run.json"
-    code, out, _ = _bench([*PROFILED, "--boundary", "B", "--json", str(path)], capsys)
+    code, out, _ = run_bench([*PROFILED, "--boundary", "B", "--json", str(path)], capsys)
     assert code == 0, out
     (row,) = json.loads(path.read_text())["rows"]
     assert row["baseline_B_ms"] > 0 and "baseline_kernels_B" not in row and row["rewy_kernels_B"]
