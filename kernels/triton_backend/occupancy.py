@@ -1,11 +1,10 @@
-"""How much of the GPU a sequential state walk fills, the measure several launch choices share.
+"""How much of the GPU a sequential state walk fills, the measure the state checkpoints go by.
 
 FLA's state recurrences (and rewy's reverse walk) run one program per
 (sequence, value head, block of value columns), each walking its sequence's
 chunks in order: N x HV x V / BV programs is all the parallelism they have.
 Where that fills less than half the SMs, the state checkpoints cut the
-sequences into segments; where it fills half or more, the reverse walk with
-the local term inside pays off (docs/architecture.md).
+sequences into segments for the forward states' rebuild (docs/architecture.md).
 """
 
 from __future__ import annotations

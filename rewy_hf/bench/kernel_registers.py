@@ -14,7 +14,6 @@ so the counts are indicative; a profiler on the GPU has the final word.
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra gdn-local
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra --warps 2 --stages 2 --block-k 32
     python -m rewy_hf.bench.kernel_registers --kernel gdn-local --warps 8 --stages 2 --bv 32
-    python -m rewy_hf.bench.kernel_registers --kernel gdn-prestage --prestage-form scores
 """
 
 from __future__ import annotations
@@ -38,21 +37,17 @@ _BF16 = {
     "intra": {"q", "k", "beta"},
     "wy": {"q", "k", "v", "v_new", "beta", "wg", "A", "h", "dh", "do", "dv2", "dv", "dw"},
     "gdn-local": {"q", "k", "v", "v_new", "beta", "A", "h", "dh", "do", "dv2", "dv"},
-    "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv", "st"},
-    "gdn-walk": {"q", "k", "w", "st", "do", "dh", "dv2"},
+    "gdn-prestage": {"q", "k", "v", "beta", "A", "do", "w", "u", "dv"},
+    "gdn-walk": {"q", "k", "w", "dv", "do", "dh", "dv2"},
     "fla-dhu": {"q", "k", "w", "do", "dh", "dv", "dv2"},
 }
 _SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
 KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "gdn-walk", "fla-dhu")
-PRESTAGE_FORMS = ("local-dv", "scores")
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 
 
-def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None,
-                prestage_form: str = "local-dv"):
-    """(autotuned kernel, dtype group, constexpr values) of one rewy kernel at K, V and H heads.
-    ``prestage_form``: which output the prestage compiles for, the local dv (before FLA's
-    reverse recurrence) or the score tile S^T (before rewy's reverse walk)."""
+def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None):
+    """(autotuned kernel, dtype group, constexpr values) of one rewy kernel at K, V and H heads."""
     from rewy_hf.kernels.triton_backend.scalar_gate import local_backward, prestage, reverse_walk
     from rewy_hf.kernels.triton_backend.vector_gate import common, intra_backward, wy_backward
 
@@ -72,12 +67,9 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
         return local_backward.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
                                                                            IS_VARLEN=False, FULL_T=True)
     if name == "gdn-prestage":
-        if prestage_form not in PRESTAGE_FORMS:
-            raise ValueError(f"unknown prestage form {prestage_form!r}: {' or '.join(PRESTAGE_FORMS)}")
         bk = block_k or 64          # the tile over K and V
         return prestage.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
-                                                             IS_VARLEN=False, FULL_T=True,
-                                                             LOCAL_DV=prestage_form == "local-dv")
+                                                             IS_VARLEN=False, FULL_T=True)
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
         const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
@@ -159,8 +151,6 @@ def main() -> int:
     p.add_argument("--bv", type=int, default=None,
                    help="with --warps / --stages: value columns per step (BV) of the kernels that tune it")
     p.add_argument("--block-k", type=int, default=None, help="key channels per program (default: the wrapper's)")
-    p.add_argument("--prestage-form", choices=PRESTAGE_FORMS, default="local-dv",
-                   help="gdn-prestage: the output it compiles for (default: local-dv)")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
@@ -176,7 +166,7 @@ def main() -> int:
     rows = []
     for name in a.kernel:
         try:
-            kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k, prestage_form=a.prestage_form)
+            kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k)
         except ValueError as e:
             p.error(str(e))
         # a kernel without an autotune list is compiled as launched: 4 warps, Triton's default 3 stages

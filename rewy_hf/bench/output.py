@@ -489,8 +489,12 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
             names += [n for n, _, _ in largest(kernels, top)[0] if n not in names]
     cmap = plt.get_cmap("tab20")
     colour = {n: cmap(i % 20) for i, n in enumerate(names)}
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.9 * sum(len(_profiled_sides(r, bd, base))
-                                                                           for r, bd in panels)), squeeze=False)
+    # The legend and the title take fixed heights in inches, whatever the number of panels: as fractions
+    # of a tall figure they would leave a gap above the legend and put the title over the first panel.
+    legend_in, title_in = 0.3 + 0.17 * ((len(names) + 1) // 2), 0.45
+    height = legend_in + title_in + 0.5 * len(panels) + 0.45 * sum(len(_profiled_sides(r, bd, base))
+                                                                   for r, bd in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, height), squeeze=False)
     for ax, (r, bd) in zip(axes[:, 0], panels):
         sides = _profiled_sides(r, bd, base)
         for y, (label, kernels) in enumerate(sides):
@@ -511,8 +515,8 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
     axes[-1, 0].set_xlabel(f"ms per {unit}, summed over launches (grey: the other {unit}s)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[n]) for n in names]
     fig.legend(handles, [n[:60] for n in names], fontsize=7, loc="lower center", ncol=2, frameon=False)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(names) + 1) // 2), 1, 1))
+    fig.suptitle(title, fontsize=10, y=1 - 0.12 / height, va="top")
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1 - title_in / height))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

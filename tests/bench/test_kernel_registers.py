@@ -48,10 +48,7 @@ def _runs(d):
     local = lambda bv: ["--kernel", "gdn-local", "--warps", "4", "--stages", "2", "--bv", str(bv)]  # noqa: E731
     runs = {
         "stages": ["--kernel", "kda-intra", "gdn2-wy", "--opcodes", "40", *rows("stages")],
-        "prestage-local-dv": ["--kernel", "gdn-prestage", "--prestage-form", "local-dv", "--opcodes", "60",
-                              *rows("prestage-local-dv")],
-        "prestage-scores": ["--kernel", "gdn-prestage", "--prestage-form", "scores", "--opcodes", "60",
-                            *rows("prestage-scores")],
+        "prestage": ["--kernel", "gdn-prestage", "--opcodes", "60", *rows("prestage")],
         "walk": ["--kernel", "gdn-walk", "--opcodes", "60", *rows("walk")],
         "pair32": [*pair(32), *rows("pair32")],
         "pair64": [*pair(64), *rows("pair64")],
@@ -69,7 +66,7 @@ def _runs(d):
 
 # The runs go to two subprocesses at once (ptxas and Triton's compiler use one core each), split so
 # that the heaviest two, "walk" and "stages", are apart.
-_SECOND_PROCESS = {"stages", "prestage-local-dv", "prestage-scores", "uncapped", "capped", "bv128"}
+_SECOND_PROCESS = {"stages", "prestage", "uncapped", "capped", "bv128"}
 
 
 def _start(planned: dict, env: dict) -> subprocess.Popen:
@@ -131,12 +128,10 @@ def test_stages_take_shared_memory_and_registers_stay_in_range(runs):
     assert "HMMA" in lines[first + 1].split()           # the opcode line printed under that config
 
 
-@pytest.mark.parametrize("form", ["local-dv", "scores"])
-def test_fused_prestage_compiles_to_tensor_cores_without_spills(form, runs):
-    """The fused w/u recompute + local dv kernel is bound by memory: in both of its forms (the local
-    dv for FLA's reverse recurrence, the score tile for rewy's walk) it must not spill at any listed
+def test_fused_prestage_compiles_to_tensor_cores_without_spills(runs):
+    """The fused w/u recompute + local dv kernel is bound by memory: it must not spill at any listed
     config, and its products run on the tensor cores."""
-    r = runs[f"prestage-{form}"]
+    r = runs["prestage"]
     rows = _ok(r)
     assert len(rows) == 4 and all(x["spill_bytes"] == 0 and 0 < x["registers"] <= 255 for x in rows)
     ops = r.stdout.splitlines()[1].split()
@@ -144,11 +139,11 @@ def test_fused_prestage_compiles_to_tensor_cores_without_spills(form, runs):
 
 
 def test_walk_compiles_as_lean_as_flas_walk(runs):
-    """rewy's reverse walk adds one product per chunk (S^T dO, 7 against 6) to
-    FLA's walk, off the sequential chain. At every listed config it runs on the tensor cores within
+    """rewy's reverse walk has FLA's six products per chunk, with the gated queries' product on 16-bit
+    operands where FLA's takes fp32 ones. At every listed config it runs on the tensor cores within
     255 registers, and at the configs FLA's autotuner also lists (BV 32 / 64 at 4 warps) it compiles
-    to no more instructions per product and no more spill bytes than FLA's kernel (a walk holding
-    one 128-row key tile instead of two halves ran 1.7x slower than FLA's on the H200)."""
+    to no more instructions, registers and spill bytes than FLA's kernel (a walk holding one 128-row
+    key tile instead of two halves ran 1.7x slower than FLA's on the H200)."""
     r = runs["walk"]
     rows = _ok(r)
     assert len(rows) == 18 and all(0 < x["registers"] <= 255 for x in rows)
@@ -158,8 +153,8 @@ def test_walk_compiles_as_lean_as_flas_walk(runs):
         pair = {x["kernel"]: x for x in _ok(runs[f"pair{bv}"])}
         assert len(pair) == 2
         walk, fla = pair["gdn-walk"], pair["fla-dhu"]
-        assert walk["instructions"] / 7 <= fla["instructions"] / 6, (bv, walk, fla)
-        assert walk["spill_bytes"] <= fla["spill_bytes"], (bv, walk, fla)
+        assert walk["instructions"] <= fla["instructions"], (bv, walk, fla)
+        assert walk["registers"] <= fla["registers"] and walk["spill_bytes"] <= fla["spill_bytes"], (bv, walk, fla)
 
 
 def test_refusals_name_the_problem(runs):

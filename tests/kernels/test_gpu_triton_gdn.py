@@ -162,83 +162,56 @@ def _fla_forward_stages(op, args, kw):
 
 @pytest.mark.parametrize("op,shape,packed", [
     ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
-    ("delta_rule", (1, 597, 4, 4, 128, 64), True),
-])
-def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed):
-    """The fused prestage (scalar_gate/prestage.py): the op's gradients against the fp32
-    reference, and w, u, dV_loc against FLA's recompute_w_u_fwd and chunk_bwd_dv_local on the
-    same BF16 inputs (the two round at different points, so to BF16 accuracy, not bit for bit)."""
-    from fla.ops.common.chunk_o import chunk_bwd_dv_local
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-
-    from rewy_hf.kernels.triton_backend.scalar_gate.prestage import recompute_wu_and_dv_local
-
-    B, T, H, HV, K, V = shape
-    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=6)
-    if packed:
-        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
-    do, _ = _recompute_against_reference(op, args, kw, B, T, HV, K, V, 3 if packed else B)
-
-    q, k, v, beta, pk, g2, _, _, A = _fla_forward_stages(op, args, kw)
-    do16 = do.bfloat16()
-    mine = recompute_wu_and_dv_local(q, k, v, beta, A, do16, g=g2, scale=K ** -0.5, **pk)
-    theirs = (*recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **pk),
-              chunk_bwd_dv_local(q=q, k=k, do=do16, g=g2, scale=K ** -0.5, chunk_size=64, **pk))
-    for name, a, b in zip(("w", "u", "dv_local"), mine, theirs):
-        assert rel_err(a.float(), b.float()) < 1e-2, name
-
-
-@pytest.mark.parametrize("op,shape,packed", [
-    ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
     ("gdn", (1, 1100, 2, 2, 64, 128), True),       # one 64-row half
+    ("gdn", (1, 16384, 1, 1, 128, 128), False),    # a long walk: 256 chunks, BV 16 (the narrow rule)
     ("delta_rule", (1, 597, 4, 4, 128, 64), True),
 ])
 def test_walk_matches_fp32_reference_and_flas_reverse_recurrence(op, shape, packed, monkeypatch):
-    """rewy's reverse walk (scalar_gate/reverse_walk.py), taken at every shape here: the op's
-    gradients against the fp32 reference,
-    and the walk's dh, dh0, dv2 against FLA's bwd_dhu fed FLA's local dv on the same BF16 inputs
-    (the local dv rounds to BF16 before FLA's walk adds it, and not in rewy's, so to BF16 accuracy)."""
+    """rewy's reverse walk (scalar_gate/reverse_walk.py): the op's gradients against the fp32
+    reference, and the walk's dh, dh0, dv2 against FLA's bwd_dhu fed the same local dv on the same
+    BF16 inputs. The two differ in one rounding: the walk multiplies the gated queries as BF16, FLA
+    as fp32, so they agree to BF16 accuracy."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
-    from rewy_hf.kernels.triton_backend.scalar_gate import reverse_walk as walk_module
-    from rewy_hf.kernels.triton_backend.scalar_gate.prestage import recompute_wu_and_scores
     from rewy_hf.kernels.triton_backend.scalar_gate.reverse_walk import reverse_walk
 
-    monkeypatch.setattr(walk_module, "chosen", lambda *_: True)
     args, kw, N = _walk_inputs(op, shape, packed, seed=7)
     B, T, H, HV, K, V = shape
     do, dht = _recompute_against_reference(op, args, kw, B, T, HV, K, V, N)
 
     q, k, v, beta, pk, g2, w, _, A = _fla_forward_stages(op, args, kw)
     do16, h0 = do.bfloat16(), kw["initial_state"].float()
-    _, _, st = recompute_wu_and_scores(q, k, v, beta, A, g=g2, scale=K ** -0.5, dtype=do16.dtype, **pk)
-    mine = reverse_walk(q, k, w, st, do16, g=g2, h0=h0, dht=dht, scale=K ** -0.5, **pk)
     dv = chunk_bwd_dv_local(q=q, k=k, do=do16, g=g2, scale=K ** -0.5, chunk_size=64, **pk)
+    mine = reverse_walk(q, k, w, do16, dv, g=g2, h0=h0, dht=dht, scale=K ** -0.5, **pk)
     theirs = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do16, dv=dv, g=g2, h0=h0, dht=dht, scale=K ** -0.5,
                                             **pk)
     for name, a, b in zip(("dh", "dh0", "dv2"), mine, theirs):
         assert rel_err(a.float(), b.float()) < 1e-2, name
 
 
-@pytest.mark.parametrize("op,B,HV,walks", [
-    ("gdn", 8, 16, True),           # N x HV x V / 64 = 256 programs: at least half the SMs, the walk
-    ("delta_rule", 1, 16, False),   # 32 programs, under half of them: FLA's bwd_dhu
+@pytest.mark.parametrize("op,B,HV", [
+    ("gdn", 8, 16),           # N x HV x V / 32 = 512 programs: the GPU is full
+    ("gdn", 1, 4),            # 16: most SMs idle, BV 16
+    ("delta_rule", 1, 16),
 ])
-def test_walk_auto_picks_by_shape_and_matches_fp32_reference(op, B, HV, walks, monkeypatch):
-    """The op runs rewy's walk exactly where the sequential launch fills half the GPU's SMs, FLA's
-    bwd_dhu elsewhere, with gradients against the fp32 reference."""
-    from rewy_hf.kernels.triton_backend.scalar_gate import prestage, reverse_walk
+def test_the_walk_serves_every_shape_and_matches_fp32_reference(op, B, HV, monkeypatch):
+    """The op's reverse recurrence is rewy's walk whatever the launch fills (FLA's bwd_dhu does not
+    run), with gradients against the fp32 reference."""
+    from rewy_hf.kernels.triton_backend import state_launch
+    from rewy_hf.kernels.triton_backend.scalar_gate import reverse_walk
+
+    def refuse(*_, **__):
+        raise AssertionError("FLA's bwd_dhu ran where the walk serves")
 
     ran = []
-    walk, scores = reverse_walk.reverse_walk, prestage.recompute_wu_and_scores
+    walk = reverse_walk.reverse_walk
     monkeypatch.setattr(reverse_walk, "reverse_walk", lambda *a, **k: ran.append(1) or walk(*a, **k))
-    monkeypatch.setattr(prestage, "recompute_wu_and_scores",
-                        lambda *a, **k: ran.append(2) or scores(*a, **k))
+    monkeypatch.setattr(state_launch, "bwd_dhu", refuse)
     T, K, V = 192, 128, 128
     args, kw = _inputs(op, B, T, HV, HV, K, V, h0=True, seed=9)
     _recompute_against_reference(op, args, kw, B, T, HV, K, V, B)
-    assert ran == ([2, 1] if walks else []), ran
+    assert ran == [1], ran
 
 
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 import rewy_hf
-from rewy_hf.kernels.triton_backend import occupancy
 from rewy_hf.kernels.triton_backend.scalar_gate import stages
 from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
@@ -26,12 +25,6 @@ from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
 
 def _refuse(*_, **__):
     raise AssertionError("a stage ran that this path must not run")
-
-
-def few_sms(monkeypatch, sms=4):
-    """A GPU of ``sms`` SMs: the reverse walk's rule (and the checkpoints') then see small test
-    shapes as filling the GPU. Off the GPU the rules otherwise count an H200's 132."""
-    monkeypatch.setattr(occupancy, "sm_count", lambda t: sms)
 
 
 @pytest.fixture(autouse=True)
@@ -119,16 +112,14 @@ def _watch(monkeypatch, module, name, ran):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("op", ["gdn", "delta_rule"])
 @pytest.mark.parametrize("policy", ["recompute", "full"])
-def test_each_policy_runs_its_local_dv_stage(op, packed, policy, monkeypatch):
-    """Where the reverse walk is not chosen (the default at these shapes: a few heads leave an H200's
-    SMs idle): under recompute w, u and the local dv come from rewy's fused prestage and FLA's local
-    dv does not run; under full FLA's local dv runs and the prestage does not. FLA's reverse
-    recurrence in both; gradients against the torch backend. GVA for GDN."""
+def test_each_policy_runs_its_local_dv_stage_then_the_walk(op, packed, policy, monkeypatch):
+    """Under recompute w, u and the local dv come from rewy's fused prestage and FLA's local dv does
+    not run; under full FLA's local dv runs and the prestage does not. The reverse recurrence is
+    rewy's walk under both (FLA's bwd_dhu made to fail); gradients against the torch backend. GVA
+    for GDN."""
     ran = set()
-    replace_recurrences(monkeypatch)
-    _watch(monkeypatch, stages.state_launch, "bwd_dhu", ran)
-    monkeypatch.setattr(stages.prestage, "recompute_wu_and_scores", _refuse)
-    monkeypatch.setattr(stages.reverse_walk, "reverse_walk", _refuse)
+    replace_recurrences(monkeypatch, loop_fwd_h, _refuse)
+    _watch(monkeypatch, stages.reverse_walk, "reverse_walk", ran)
     if policy == "recompute":
         _watch(monkeypatch, stages.prestage, "recompute_wu_and_dv_local", ran)
         monkeypatch.setattr(stages.fla_stages, "dv_local", _refuse)
@@ -139,15 +130,28 @@ def test_each_policy_runs_its_local_dv_stage(op, packed, policy, monkeypatch):
     inputs, do, dht = _inputs(op, T=230, H=1 if op == "gdn" else 2, HV=2, K=32, V=16, N=3 if packed else 1,
                               seed=16)
     _compare(op, inputs, do, dht, policy, cu_seqlens=cu)
-    assert ran == {"bwd_dhu", "recompute_wu_and_dv_local" if policy == "recompute" else "dv_local"}
+    assert ran == {"reverse_walk", "recompute_wu_and_dv_local" if policy == "recompute" else "dv_local"}
 
 
-@pytest.mark.parametrize("path", ["recompute", "recompute-walk", "full"])
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+def test_keys_wider_than_the_walk_take_flas_reverse_recurrence(policy, monkeypatch):
+    """K = 256 is beyond the walk's two 64-row halves: FLA's bwd_dhu runs (here its torch loop) and the
+    walk does not."""
+    ran = set()
+    replace_recurrences(monkeypatch)
+    _watch(monkeypatch, stages.state_launch, "bwd_dhu", ran)
+    monkeypatch.setattr(stages.reverse_walk, "reverse_walk", _refuse)
+    inputs, do, dht = _inputs("gdn", T=130, H=1, HV=1, K=256, V=16, N=1, seed=17)
+    _compare("gdn", inputs, do, dht, policy)
+    assert ran == {"bwd_dhu"}
+
+
+@pytest.mark.parametrize("path", ["recompute", "full"])
 def test_backward_drops_u_and_the_local_dv_once_read(path, monkeypatch):
     """Peak memory: under recompute the backward holds u only until h is rebuilt, and the local
-    dv (or the walk's scores S^T) only until the reverse pass has folded it into dv2; neither is
-    alive when the next stage allocates its outputs (dh, dv2; the local kernel's gradients). Under
-    full, FLA's local dv is dropped as soon."""
+    dv only until the reverse walk has folded it into dv2; neither is alive when the next stage
+    allocates its outputs (dh, dv2; the local kernel's gradients). Under full, FLA's local dv is
+    dropped as soon."""
     refs = {}
     if path == "recompute":
         produce = stages.prestage.recompute_wu_and_dv_local
@@ -158,23 +162,6 @@ def test_backward_drops_u_and_the_local_dv_once_read(path, monkeypatch):
             return w, u, dv
 
         monkeypatch.setattr(stages.prestage, "recompute_wu_and_dv_local", recompute)
-    elif path == "recompute-walk":
-        few_sms(monkeypatch)
-        produce = stages.prestage.recompute_wu_and_scores
-
-        def recompute(*a, **kw):
-            w, u, st = produce(*a, **kw)
-            refs["u"], refs["dv_local"] = weakref.ref(u), weakref.ref(st)
-            return w, u, st
-
-        monkeypatch.setattr(stages.prestage, "recompute_wu_and_scores", recompute)
-        walk = stages.reverse_walk.reverse_walk
-
-        def reverse_walk(*a, **kw):
-            assert refs["u"]() is None, "u is still held when the reverse walk runs"
-            return walk(*a, **kw)
-
-        monkeypatch.setattr(stages.reverse_walk, "reverse_walk", reverse_walk)
     else:
         produce = stages.fla_stages.dv_local
 
@@ -184,12 +171,13 @@ def test_backward_drops_u_and_the_local_dv_once_read(path, monkeypatch):
             return dv
 
         monkeypatch.setattr(stages.fla_stages, "dv_local", dv_local)
+    walk = stages.reverse_walk.reverse_walk
 
-    def bwd_dhu(**kw):
-        assert path != "recompute-walk", "FLA's reverse recurrence ran where the walk was chosen"
-        assert "u" not in refs or refs["u"]() is None, "u is still held when the reverse recurrence runs"
-        return loop_bwd_dhu(**kw)
+    def reverse_walk(*a, **kw):
+        assert "u" not in refs or refs["u"]() is None, "u is still held when the reverse walk runs"
+        return walk(*a, **kw)
 
+    monkeypatch.setattr(stages.reverse_walk, "reverse_walk", reverse_walk)
     local = stages.rewy_gdn_bwd_local
 
     def local_kernel(*a, **kw):
@@ -197,10 +185,10 @@ def test_backward_drops_u_and_the_local_dv_once_read(path, monkeypatch):
         refs["local ran"] = True
         return local(*a, **kw)
 
-    replace_recurrences(monkeypatch, loop_fwd_h, bwd_dhu)
+    replace_recurrences(monkeypatch, loop_fwd_h, _refuse)
     monkeypatch.setattr(stages, "rewy_gdn_bwd_local", local_kernel)
     inputs, do, dht = _inputs("gdn", T=130, H=1, HV=2, K=32, V=16, N=1, seed=18)
-    _compare("gdn", inputs, do, dht, "full" if path == "full" else "recompute")
+    _compare("gdn", inputs, do, dht, path)
     assert refs.get("local ran") and ("u" in refs) == (path != "full")
 
 

@@ -17,11 +17,6 @@ budget allows:
   made causal (i >= j) once;
 - over value tiles: u = A (beta V) and dV_loc = S^T dO.
 
-With LOCAL_DV off (``recompute_wu_and_scores``, for rewy's reverse walk) the
-program stores the scaled, gated, causal S^T itself ([T, 64] per value head)
-instead of forming dV_loc: the reverse walk (reverse_walk.py) multiplies
-it by dO on its way, so dO is not read here at all.
-
 Operand dtypes follow the stages it replaces: products take the inputs'
 16-bit dtype in training, accumulate in fp32, and store in the input dtype.
 One launch instead of two and the keys read once: on the H200 the kernel
@@ -41,15 +36,15 @@ from ..tiles import bounds_mask
 _CONFIGS = [triton.Config({}, num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (2, 3)]
 
 
-@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN", "LOCAL_DV"])
+@triton.autotune(configs=_CONFIGS, key=["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN"])
 @triton.jit(do_not_specialize=["T"])
 def rewy_gdn_prestage_kernel(
-    q, k, v, g, beta, A, do, w, u, dv, st,
+    q, k, v, g, beta, A, do, w, u, dv,
     cu_seqlens, chunk_indices,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    FULL_T: tl.constexpr, LOCAL_DV: tl.constexpr,
+    FULL_T: tl.constexpr,
 ):
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -75,7 +70,6 @@ def rewy_gdn_prestage_kernel(
     do += row_hv * V
     u += row_hv * V
     dv += row_hv * V
-    st += row_hv * BT
     w += row_hv * K
     q += (tok0 * H + i_h) * K
     k += (tok0 * H + i_h) * K
@@ -106,11 +100,8 @@ def rewy_gdn_prestage_kernel(
     causal = (o_i[:, None] <= o_i[None, :]) & (valid[:, None] & valid[None, :])
     gam = tl.exp2(tl.where(causal, b_g[None, :] - b_g[:, None], float("-inf")))
     b_st = (b_st * gam * scale).to(do.dtype.element_ty)
-    if not LOCAL_DV:
-        # For the reverse walk that forms S^T dO itself (reverse_walk.py).
-        tl.store(st + (o_i * HV)[:, None] * BT + o_i[None, :], b_st, mask=valid[:, None])
 
-    # Value tiles: u = A (beta V), dV_loc = S^T dO (LOCAL_DV).
+    # Value tiles: u = A (beta V), dV_loc = S^T dO.
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = valid[:, None] & bounds_mask(o_v, V, V % BV == 0)[None, :]
@@ -119,10 +110,9 @@ def rewy_gdn_prestage_kernel(
         b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(b_v.dtype)
         b_u = tl.dot(b_A.to(b_v.dtype), b_vb)
         tl.store(u + off_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
-        if LOCAL_DV:
-            b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
-            b_dv = tl.dot(b_st, b_do)
-            tl.store(dv + off_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
+        b_dv = tl.dot(b_st, b_do)
+        tl.store(dv + off_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
 def recompute_wu_and_dv_local(q, k, v, beta, A, do, g=None, scale: float = 1.0, cu_seqlens=None,
@@ -134,19 +124,6 @@ def recompute_wu_and_dv_local(q, k, v, beta, A, do, g=None, scale: float = 1.0, 
     w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's and dV_loc in do's.
     ``block``: the key and value tile width (64 or 128).
     """
-    return _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, local_dv=True)
-
-
-def recompute_wu_and_scores(q, k, v, beta, A, g=None, scale: float = 1.0, cu_seqlens=None, chunk_indices=None,
-                            block: int = 64, dtype=None):
-    """w, u and S^T [B, T, HV, 64], S^T[j, i] = scale q_i . k_j 2^(G_i - G_j) for i >= j within each
-    chunk (0 elsewhere), in ``dtype`` (default k's): what the reverse walk (reverse_walk.py)
-    multiplies dO by to form the local value gradient itself."""
-    return _launch(q, k, v, beta, A, None, g, scale, cu_seqlens, chunk_indices, block, local_dv=False,
-                   dtype=dtype or k.dtype)
-
-
-def _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, local_dv: bool, dtype=None):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = A.shape[-1]
@@ -158,16 +135,13 @@ def _launch(q, k, v, beta, A, do, g, scale, cu_seqlens, chunk_indices, block, lo
     NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
     w = k.new_empty(B, T, HV, K)
     u = torch.empty_like(v)
-    # The output the kernel does not write is a placeholder it never touches (as are an absent
-    # gate or packing table, passed as beta); S^T's dtype is the products' (do's when it exists).
-    dv = torch.empty_like(do) if local_dv else None
-    st = None if local_dv else k.new_empty(B, T, HV, BT, dtype=dtype)
+    dv = torch.empty_like(do)
+    # An absent gate or packing table is passed as beta: the kernel never reads it then.
     launch(
         rewy_gdn_prestage_kernel, (NT, B * HV), q=q, k=k, v=v, g=g if g is not None else beta, beta=beta, A=A,
-        do=do if local_dv else st, w=w, u=u, dv=dv if local_dv else st, st=st if st is not None else dv,
-        cu_seqlens=cu_seqlens if varlen else beta,
+        do=do, w=w, u=u, dv=dv, cu_seqlens=cu_seqlens if varlen else beta,
         chunk_indices=chunk_indices if varlen else beta, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT,
         BK=min(block, max(16, triton.next_power_of_2(K))), BV=min(block, max(16, triton.next_power_of_2(V))),
-        USE_G=g is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0, LOCAL_DV=local_dv,
+        USE_G=g is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0,
     )
-    return (w, u, dv) if local_dv else (w, u, st)
+    return w, u, dv

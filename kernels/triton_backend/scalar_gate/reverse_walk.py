@@ -1,28 +1,30 @@
-"""Triton kernel: GDN / DeltaNet's reverse state recurrence with the local value gradient inside.
+"""Triton kernel: GDN / DeltaNet's reverse state recurrence (the state gradients and dv2).
 
-Under ``recompute`` the backward runs this kernel in place of FLA's
-``bwd_dhu`` where the sequential walks fill the GPU (``chosen``). FLA's walk
-reads the local value gradient dV_loc = S^T dO (S^T[j, i] =
-scale q_i . k_j 2^(G_i - G_j) for i >= j, the chunk's causal, gated
-attention transposed) from a [T, V] tensor that an earlier pass wrote; here
-the fused prestage (prestage.py) writes S^T itself, [T, 64] per value head
-in the inputs' dtype, and the walk forms S^T dO for its value block on the
-way. That saves the prestage its dO read and half its output, and the walk
-reads half as many bytes for its local term. S^T dO depends on neither dh
-nor the previous chunk, so it sits beside the sequential chain.
+The backward runs this walk in place of FLA's ``bwd_dhu`` for key head dims up
+to 128 (``takes``), under both policies. It takes the same inputs (the local
+value gradient dV_loc from the prestage or FLA's local dv stage) and returns
+the same outputs. The difference is one product: FLA forms the gated queries
+q e^G in fp32 and multiplies them with dO as fp32 operands (tf32 on tensor
+cores, twice the shared memory); here the gated queries are rounded to the
+inputs' 16-bit dtype first, as FLA's KDA walk does with its gated queries. G
+is the chunk-local cumulative log-gate (<= 0), so e^G <= 1 and the rounding is
+relative, the same size as that of the bf16 state gradient the walk stores.
+On the H200 the gated walk takes 0.87 ms where FLA's takes 1.07 ms at
+(1, 32768, 32), with its dh error against an fp64 recurrence 2.35e-3 against
+FLA's 2.24e-3 (docs/performance.md).
 
 Per program (sequence, value head, block of BV value columns), chunks from
 last to first, the state gradient held as two 64-row halves over K in fp32
 (as FLA's walk holds it: one [K, BV] tile spills and runs slower):
 
     dh_t stored (the gradient of the state leaving chunk t)
-    dV_t   = S^T_t dO_t + diag(2^(G_C - G)) K_t dh_t        -> dv2
+    dV_t   = dV_loc_t + diag(2^(G_C - G)) K_t dh_t           -> dv2
     dh_t-1 = 2^(G_C) dh_t + scale (Q_t diag(2^G))^T dO_t - W_t^T dV_t
 
-G the chunk-local cumulative gate in log2 units (none for DeltaNet), G_C its
-value at the chunk's last row. dh0 = the gradient after the first chunk.
-Layouts are FLA's: q, k [B, T, H, K]; w [B, T, HV, K]; do, dv2 [B, T, HV, V];
-st [B, T, HV, 64]; dh [B, NT, HV, K, V]. K up to 128 (two halves).
+G in log2 units as FLA keeps it (none for DeltaNet), G_C its value at the
+chunk's last row. dh0 = the gradient after the first chunk. Layouts are FLA's:
+q, k [B, T, H, K]; w [B, T, HV, K]; do, dv, dv2 [B, T, HV, V];
+dh [B, NT, HV, K, V]. K up to 128 (two halves).
 """
 
 from __future__ import annotations
@@ -33,21 +35,15 @@ import triton.language as tl
 
 from ..chunks import chunk_count_and_offsets
 from ..launch import launch
-from ..occupancy import launch_fills_half
 from ..state_launch import narrow_block_v
 
 MAX_K = 128
 
 
-def chosen(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
-    """Whether this backward's reverse pass is this walk (k [B, T, H, K], v [B, T, HV, V]).
-
-    Where N x HV x V / 64 programs fill half the SMs or more (``launch_fills_half``, the
-    measure that keeps the state checkpoints off) the walk's extra product per chunk hides
-    behind other programs' loads and the traffic it saves shows; below it one program's
-    chain is the critical path and the extra product lengthens it (CHANGELOG.md has
-    both sides measured). K above MAX_K keeps FLA's walk."""
-    return k.shape[-1] <= MAX_K and launch_fills_half(v, cu_seqlens)
+def takes(k: torch.Tensor) -> bool:
+    """Whether the walk can serve this backward's reverse pass (k [B, T, H, K]): K up to MAX_K.
+    Wider keys keep FLA's bwd_dhu."""
+    return k.shape[-1] <= MAX_K
 
 
 def prune_widths(configs, named_args, **kwargs):
@@ -117,7 +113,7 @@ def store_halves(p, b1, b2, off_s, m_s1, m_s2, K: tl.constexpr, V: tl.constexpr)
                  prune_configs_by={"early_config_prune": prune_widths})
 @triton.jit(do_not_specialize=["T"])
 def rewy_gdn_walk_kernel(
-    q, k, w, g, st, do, dht, dh0, dh, dv2,
+    q, k, w, g, dv, do, dht, dh0, dh, dv2,
     cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -129,7 +125,7 @@ def rewy_gdn_walk_kernel(
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     w += (bos * HV + i_hv) * K
-    st += (bos * HV + i_hv) * BT
+    dv += (bos * HV + i_hv) * V
     do += (bos * HV + i_hv) * V
     dv2 += (bos * HV + i_hv) * V
     dh += (boh * HV + i_hv) * K * V
@@ -153,9 +149,7 @@ def rewy_gdn_walk_kernel(
         off_tv = (c0 + o_r)[:, None] * (HV * V) + o_v[None, :]
         b_do = tl.load(do + off_tv, mask=m_tv, other=0.0)
 
-        # The local term, off the chain: S^T dO for this value block.
-        b_st = tl.load(st + (c0 + o_r)[:, None] * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
-        b_dv = tl.dot(b_st, b_do)
+        b_dv = tl.load(dv + off_tv, mask=m_tv, other=0.0).to(tl.float32)     # the local term, off the chain
 
         # The chain: K dh (gated to the chunk's end), then the state gradient one chunk back.
         off_tk = (c0 + o_r)[:, None] * (H * K) + o_k[None, :]
@@ -181,8 +175,8 @@ def rewy_gdn_walk_kernel(
         if USE_G:
             b_eg = tl.exp2(b_g)
             b_eglast = tl.exp2(b_glast)
-            # as FLA's walk: the gated queries stay fp32 and the product takes fp32 operands
-            b_dh1 = b_dh1 * b_eglast + tl.dot(b_qT * b_eg[None, :], b_do.to(tl.float32)) * scale
+            # the gated queries in the inputs' dtype (module docstring): a 16-bit product, as dO's
+            b_dh1 = b_dh1 * b_eglast + tl.dot((b_qT * b_eg[None, :]).to(b_qT.dtype), b_do) * scale
         else:
             b_dh1 += tl.dot(b_qT, b_do) * scale
         b_dh1 -= tl.dot(b_wT, b_dv_lp)
@@ -190,7 +184,7 @@ def rewy_gdn_walk_kernel(
             b_qT = tl.load(q + off_kt + 64, mask=m_k2[:, None] & m_t[None, :], other=0.0)
             b_wT = tl.load(w + off_wkt + 64, mask=m_k2[:, None] & m_t[None, :], other=0.0)
             if USE_G:
-                b_dh2 = b_dh2 * b_eglast + tl.dot(b_qT * b_eg[None, :], b_do.to(tl.float32)) * scale
+                b_dh2 = b_dh2 * b_eglast + tl.dot((b_qT * b_eg[None, :]).to(b_qT.dtype), b_do) * scale
             else:
                 b_dh2 += tl.dot(b_qT, b_do) * scale
             b_dh2 -= tl.dot(b_wT, b_dv_lp)
@@ -199,11 +193,10 @@ def rewy_gdn_walk_kernel(
         store_halves(dh0 + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, off_s, m_s1, m_s2, K, V)
 
 
-def reverse_walk(q, k, w, st, do, g=None, h0=None, dht=None, scale: float = 1.0, cu_seqlens=None,
+def reverse_walk(q, k, w, do, dv, g=None, h0=None, dht=None, scale: float = 1.0, cu_seqlens=None,
                  chunk_indices=None, chunk_size: int = 64):
-    """dh, dh0, dv2 as FLA's ``chunk_gated_delta_rule_bwd_dhu`` returns them (K-first state),
-    with the local value gradient formed inside from ``st`` (the prestage's S^T, [B, T, HV, 64])
-    instead of read as a [B, T, HV, V] tensor."""
+    """dh, dh0, dv2 as FLA's ``chunk_gated_delta_rule_bwd_dhu`` returns them (K-first state), from the
+    same inputs (``dv``: the local value gradient, [B, T, HV, V])."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     if K > MAX_K:
@@ -214,12 +207,12 @@ def reverse_walk(q, k, w, st, do, g=None, h0=None, dht=None, scale: float = 1.0,
     NT, offsets = chunk_count_and_offsets(T, cu_seqlens, chunk_size, chunk_indices)
     dh = q.new_empty(B, NT, HV, K, V)
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
-    dv2 = torch.empty_like(do)
+    dv2 = torch.empty_like(dv)
     varlen = cu_seqlens is not None
     # Absent optional tensors are passed as do: the kernel never reads them then.
     launch(
         rewy_gdn_walk_kernel, lambda meta: (triton.cdiv(V, meta["BV"]) * N * HV,),
-        q=q, k=k, w=w, g=g if g is not None else do, st=st, do=do, dht=dht if dht is not None else do,
+        q=q, k=k, w=w, g=g if g is not None else do, dv=dv, do=do, dht=dht if dht is not None else do,
         dh0=dh0 if dh0 is not None else do, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens if varlen else do,
         chunk_offsets=offsets if varlen else do, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         USE_G=g is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=varlen,

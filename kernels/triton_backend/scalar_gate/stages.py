@@ -6,14 +6,12 @@ recurrence h / v_new, the output). Backward, after the shared skeleton's
 rebuild of h (function.py):
 
 - ``recompute`` rebuilds w and u in rewy's fused prestage (prestage.py),
-  which also forms the local value gradient's inputs: either dV_loc = Aqk^T dO
-  itself, for FLA's reverse recurrence ``bwd_dhu``, or the score tile S^T,
-  for rewy's reverse walk (reverse_walk.py), which forms dV_loc on its way.
-  The walk runs where the sequential launch fills half the GPU
-  (``reverse_walk.chosen``).
+  which also forms the local value gradient dV_loc = Aqk^T dO.
 - ``full`` saves w, h and v_new (u is not needed: the local kernel reads
   neither w nor u, and the reverse recurrence needs only w) and runs FLA's
-  local dv and ``bwd_dhu``.
+  local dv.
+- Under both, the reverse state recurrence is rewy's walk (reverse_walk.py)
+  for key head dims up to 128, FLA's ``bwd_dhu`` above.
 - rewy's local kernel (local_backward.py) then computes every input gradient
   of the chunk: all that ReWY rewrites, in place of FLA's ``chunk_bwd_dqkwg``
   (which FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1) and
@@ -71,23 +69,18 @@ class ScalarGate:
 
     @staticmethod
     def recompute(t: Tensors, do, call, pk):
-        if reverse_walk.chosen(t.k, t.v, pk.get("cu_seqlens")):
-            t.w, t.u, t.st = prestage.recompute_wu_and_scores(t.q, t.k, t.v, t.beta, t.A, g=t.g2, scale=call.scale,
-                                                              dtype=do.dtype, **pk)
-        else:
-            t.w, t.u, t.dv_local = prestage.recompute_wu_and_dv_local(t.q, t.k, t.v, t.beta, t.A, do, g=t.g2,
-                                                                      scale=call.scale, **pk)
+        t.w, t.u, t.dv_local = prestage.recompute_wu_and_dv_local(t.q, t.k, t.v, t.beta, t.A, do, g=t.g2,
+                                                                  scale=call.scale, **pk)
 
     @staticmethod
     def reverse(t: Tensors, do, dht, call, pk):
-        st = getattr(t, "st", None)
-        if st is not None:
-            t.st = None
-            return reverse_walk.reverse_walk(t.q, t.k, t.w, st, do, g=t.g2, h0=t.h0, dht=dht, scale=call.scale, **pk)
         dv_local = getattr(t, "dv_local", None)     # dv2 holds it after the recurrence; freed before the local kernel
         t.dv_local = None
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=t.q, k=t.k, do=do, g=t.g2, scale=call.scale, chunk_size=CHUNK, **pk)
+        if reverse_walk.takes(t.k):
+            return reverse_walk.reverse_walk(t.q, t.k, t.w, do, dv_local, g=t.g2, h0=t.h0, dht=dht,
+                                             scale=call.scale, **pk)
         return state_launch.bwd_dhu(q=t.q, k=t.k, w=t.w, do=do, dv=dv_local, g=t.g2, h0=t.h0, dht=dht,
                                     scale=call.scale, chunk_size=CHUNK, **pk)
 
