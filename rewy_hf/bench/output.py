@@ -489,11 +489,10 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
             names += [n for n, _, _ in largest(kernels, top)[0] if n not in names]
     cmap = plt.get_cmap("tab20")
     colour = {n: cmap(i % 20) for i, n in enumerate(names)}
-    # The legend and the title take fixed heights in inches, whatever the number of panels: as fractions
-    # of a tall figure they would leave a gap above the legend and put the title over the first panel.
-    legend_in, title_in = 0.3 + 0.17 * ((len(names) + 1) // 2), 0.45
-    height = legend_in + title_in + 0.5 * len(panels) + 0.45 * sum(len(_profiled_sides(r, bd, base))
-                                                                   for r, bd in panels)
+    # The legend takes a fixed height in inches, whatever the number of panels: as a fraction of a tall
+    # figure it would leave a gap above itself, and the title would sit over the first panel.
+    legend_in = 0.25 + 0.17 * ((len(names) + 1) // 2)
+    height = legend_in + 0.6 + 0.5 * len(panels) + 0.45 * sum(len(_profiled_sides(r, bd, base)) for r, bd in panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, height), squeeze=False)
     for ax, (r, bd) in zip(axes[:, 0], panels):
         sides = _profiled_sides(r, bd, base)
@@ -516,7 +515,7 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[n]) for n in names]
     fig.legend(handles, [n[:60] for n in names], fontsize=7, loc="lower center", ncol=2, frameon=False)
     fig.suptitle(title, fontsize=10, y=1 - 0.12 / height, va="top")
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1 - title_in / height))
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1))    # tight_layout makes room for the suptitle itself
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
