@@ -35,9 +35,12 @@ def test_every_timed_side_and_boundary_has_its_profile(profiled_run):
         for boundary in ("B", "FB"):
             kernels = row[f"{side}_kernels_{boundary}"]
             assert kernels and all(v["launches"] >= 1 and v["ms"] >= 0 for v in kernels.values())
-            # one profiled run is one of the timed runs again: its operators' self times cannot add up to more
-            # than a few timed runs (the profiler's own overhead stays well inside that)
-            assert 0 < sum(v["ms"] for v in kernels.values()) < 5 * row[f"{side}_{boundary}_ms"]
+            assert sum(v["ms"] for v in kernels.values()) > 0
+        # Each profile holds one run: the backward's autograd nodes run as often in the backward's profile
+        # as in the forward + backward's (a profile that also caught warm-up or timed runs would not agree).
+        # Counted, not timed: the operators' self times move with the host's load.
+        nodes = lambda k: {n: v["launches"] for n, v in k.items() if n.startswith("autograd::engine")}  # noqa: E731
+        assert nodes(row[f"{side}_kernels_B"]) and nodes(row[f"{side}_kernels_B"]) == nodes(row[f"{side}_kernels_FB"])
 
 
 def test_the_profiles_tell_the_chunked_backward_from_the_token_recurrence(profiled_run):
