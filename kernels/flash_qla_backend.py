@@ -66,10 +66,11 @@ def _split_like(a: CoreArgs, segments) -> dict:
 
 def _split_tensors(a: CoreArgs, cache) -> list[torch.Tensor]:
     """The forward's split cache as the four saved tensors (empty, zero segments, without a split)."""
-    like = _split_like(a, 0 if cache is None else cache.h0.shape[0])
     if cache is None:
+        like = _split_like(a, 0)
         return [a.q.new_empty(like[n][0], dtype=like[n][1]) for n in SPLIT_NAMES]
-    got = (cache.h0, cache.mt, cache.num_warmup_bwd, cache.fallback_bwd)
+    got = tuple(getattr(cache, n, None) for n in ("h0", "mt", "num_warmup_bwd", "fallback_bwd"))
+    like = _split_like(a, 0 if got[0] is None else got[0].shape[0])
     for n, t in zip(SPLIT_NAMES, got):
         if t is None or tuple(t.shape) != like[n][0]:
             from ..errors import UnsupportedConfigError

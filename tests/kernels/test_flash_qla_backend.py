@@ -146,6 +146,26 @@ def test_a_split_of_another_layout_is_refused_with_the_fix(flash_qla, monkeypatc
         delta_rule(a, "flash_qla")
 
 
+def test_a_split_without_a_field_is_refused_with_the_fix(flash_qla, monkeypatch):
+    """A flash-qla whose split cache has no entering states under 0.1.3's name gets the same refusal,
+    not an AttributeError from inside rewy."""
+    from rewy_hf.errors import UnsupportedConfigError
+
+    issue = fake_flash_qla._split
+
+    def renamed(*args):
+        cache = issue(*args)
+        cache.h_init = cache.__dict__.pop("h0")
+        return cache
+
+    monkeypatch.setattr(fake_flash_qla, "_split", renamed)
+    x, _ = _inputs(B=1, T=300, HV=4)
+    a = CoreArgs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None, 0.25, "gdn", "recompute", False, False,
+                 False)
+    with pytest.raises(UnsupportedConfigError, match=r"split_h0 of shape None.*flash-qla 0\.1\.3.*backend='triton'"):
+        delta_rule(a, "flash_qla")
+
+
 def test_dispatch_report_says_where_a_call_went_and_why(flash_qla):
     x, _ = _inputs(T=64)
     reset_dispatch_report()
