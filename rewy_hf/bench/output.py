@@ -483,19 +483,19 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
 
     plt = _pyplot()
     top = 6
+    panel_sides = [_profiled_sides(r, bd, base) for r, bd in panels]
     names: list[str] = []
-    for r, bd in panels:
-        for _, kernels in _profiled_sides(r, bd, base):
+    for sides in panel_sides:
+        for _, kernels in sides:
             names += [n for n, _, _ in largest(kernels, top)[0] if n not in names]
     cmap = plt.get_cmap("tab20")
     colour = {n: cmap(i % 20) for i, n in enumerate(names)}
     # The legend takes a fixed height in inches, whatever the number of panels: as a fraction of a tall
     # figure it would leave a gap above itself, and the title would sit over the first panel.
     legend_in = 0.25 + 0.17 * ((len(names) + 1) // 2)
-    height = legend_in + 0.6 + 0.5 * len(panels) + 0.45 * sum(len(_profiled_sides(r, bd, base)) for r, bd in panels)
+    height = legend_in + 0.6 + 0.5 * len(panels) + 0.45 * sum(len(sides) for sides in panel_sides)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, height), squeeze=False)
-    for ax, (r, bd) in zip(axes[:, 0], panels):
-        sides = _profiled_sides(r, bd, base)
+    for ax, (r, bd), sides in zip(axes[:, 0], panels, panel_sides):
         for y, (label, kernels) in enumerate(sides):
             left = 0.0
             head, (_, ms_rest, _) = largest(kernels, top)

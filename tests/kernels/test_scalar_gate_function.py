@@ -20,7 +20,7 @@ from rewy_hf.kernels.triton_backend.scalar_gate import stages
 from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
 from fake_shapes import watch_saved_like
-from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
+from state_loops import loop_fwd_h, replace_recurrences
 
 
 def _refuse(*_, **__):

@@ -17,7 +17,7 @@ from rewy_hf.kernels.triton_backend.scalar_gate.prestage import recompute_wu_and
 from rewy_hf.kernels.triton_backend.scalar_gate.reverse_walk import reverse_walk
 from rewy_hf.rel_error import rel_err
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
-from walk_cases import CASES, C, named_case, nan_filled, walk_case
+from walk_cases import CASES, named_case, nan_filled, walk_case
 
 
 @pytest.mark.parametrize("name", list(CASES))
