@@ -32,6 +32,9 @@ and only where ``chunks_per_segment`` finds the sequential rebuild starved.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 import triton
 
@@ -39,13 +42,39 @@ from ..constants import CHUNK
 from . import state_launch
 from .chunks import host_bounds
 from .occupancy import fills_half, launch_fills_half, sm_count
-from .segments import Segments, cut, row_bounds
 
 # Segments of at least MIN_CHUNKS chunks, about PROGRAMS_PER_SM programs per SM in all. Both measured on
 # the H200: where the rebuild gained, 32 chunks per segment was the fastest or close to it at every shape,
 # and 9 segments of 57 chunks at (1, 32768, 32) lost a third of the gain to a second wave of long programs.
 PROGRAMS_PER_SM = 8
 MIN_CHUNKS = 32
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Every sequence cut into segments of ``length`` chunks (its last one shorter).
+
+    cu_seqlens: [NS + 1] token bounds of the segments in the rows-joined layout
+    (row b's tokens at b T .. b T + T - 1); chunk_indices: FLA's (segment, chunk)
+    table for them; starts: [NS] the joined chunk index of each segment's first
+    chunk; sequence_starts: the segment that begins each sequence with tokens, and
+    sequences: which sequence that is (an empty packed sequence has no segment)."""
+
+    length: int
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+    starts: torch.Tensor
+    sequence_starts: torch.Tensor
+    sequences: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
+
+    @property
+    def cuts(self) -> bool:
+        """Whether some sequence has more than one segment (else the rebuild is the sequential one)."""
+        return self.count > len(self.sequence_starts)
 
 
 def chunks_per_segment(sequence_chunks: list[int], value_heads: int, V: int, sms: int) -> int | None:
@@ -85,10 +114,10 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     if launch_fills_half(v, cu_seqlens):
         return None         # decided from shapes alone: packed lengths are not read (a device sync)
     B, T, HV, V = v.shape
-    bounds = row_bounds(B, T) if cu_seqlens is None else host_bounds(cu_seqlens)
+    bounds = tuple(range(0, B * T + 1, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
     L = chunks_per_segment([triton.cdiv(e - b, CHUNK) for b, e in zip(bounds[:-1], bounds[1:])], HV, V,
                            sm_count(v))
-    return None if L is None else cut(bounds, L, v.device)
+    return None if L is None else _segments(bounds, L, v.device)
 
 
 def packed_count(chunks, sequences: int, value_heads: int, V: int, sms: int):
@@ -117,6 +146,28 @@ def kept(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments | None, si
     out = states.new_empty(size)
     out[:states.numel()] = states
     return out
+
+
+@lru_cache(maxsize=64)
+def _segments(bounds: tuple[int, ...], L: int, device: torch.device) -> Segments:
+    # Cached: a model's layers (and every step of a fixed-shape run) ask for the same
+    # segments, and building them costs host-to-device copies.
+    cu, table, starts, firsts, sequences = [0], [], [], [], []
+    chunk = 0
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        nt = triton.cdiv(eos - bos, CHUNK)
+        if nt:
+            firsts.append(len(starts))
+            sequences.append(n)
+        for j in range(0, nt, L):
+            starts.append(chunk + j)
+            table.extend((len(starts) - 1, i) for i in range(min(L, nt - j)))
+            cu.append(min(bos + (j + L) * CHUNK, eos))
+        chunk += nt
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    return Segments(L, torch.tensor(cu, dtype=torch.int32, device=device),
+                    torch.tensor(table, dtype=torch.int32, device=device).view(-1, 2),
+                    as_long(starts), as_long(firsts), as_long(sequences))
 
 
 def save(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments) -> torch.Tensor:

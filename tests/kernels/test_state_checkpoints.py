@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import rewy_hf
 from rewy_hf.kernels.triton_backend import state_checkpoints as C
-from rewy_hf.kernels.triton_backend import segments, state_launch
+from rewy_hf.kernels.triton_backend import state_launch
 from rewy_hf.kernels.triton_backend.scalar_gate import stages
 from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
@@ -78,7 +78,7 @@ def test_rebuild_from_checkpoints_gives_the_whole_sequence_states(monkeypatch):
         h0 = torch.randn(N, 2, 16, 8, generator=gen)
         h, v_new, _ = loop_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, cu_seqlens=cu)
         for L in (1, 2, 3):
-            seg = segments.cut(tuple(_bounds(B, T, cu)), L, torch.device("cpu"))
+            seg = C._segments(tuple(_bounds(B, T, cu)), L, torch.device("cpu"))
             states = C.save(h, h0, seg)
             assert states.shape == (seg.count, 2, 16, 8)
             assert torch.equal(states[seg.sequence_starts], h0[seg.sequences])
@@ -90,7 +90,7 @@ def test_rebuild_from_checkpoints_gives_the_whole_sequence_states(monkeypatch):
 
 def test_checkpoints_keep_h_dtype_without_initial_state():
     h = torch.randn(2, 5, 2, 16, 8).to(torch.bfloat16)
-    seg = segments.cut((0, 300, 600), 2, torch.device("cpu"))
+    seg = C._segments((0, 300, 600), 2, torch.device("cpu"))
     states = C.save(h, None, seg)
     assert states.dtype == torch.bfloat16 and torch.equal(states, h.flatten(0, 1)[[0, 2, 4, 5, 7, 9]])
 

@@ -11,9 +11,7 @@ rebuild of h (function.py):
   neither w nor u, and the reverse recurrence needs only w) and runs FLA's
   local dv.
 - Under both, the reverse state recurrence is rewy's walk (reverse_walk.py)
-  for key head dims up to 128, FLA's ``bwd_dhu`` above; where few sequences
-  x heads leave most SMs idle, that walk runs split along the sequence
-  (split_reverse.py).
+  for key head dims up to 128, FLA's ``bwd_dhu`` above.
 - rewy's local kernel (local_backward.py) then computes every input gradient
   of the chunk: all that ReWY rewrites, in place of FLA's ``chunk_bwd_dqkwg``
   (which FLA 0.6.0 refuses to run on Hopper with Triton < 3.7.1) and
@@ -29,7 +27,7 @@ from functools import cache
 from types import SimpleNamespace
 
 from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
-from .. import fla_stages, split_reverse, state_launch
+from .. import fla_stages, state_launch
 from ..function import Tensors
 from . import prestage, reverse_walk
 from .local_backward import rewy_gdn_bwd_local
@@ -81,14 +79,10 @@ class ScalarGate:
         if dv_local is None:
             dv_local = fla_stages.dv_local(q=t.q, k=t.k, do=do, g=t.g2, scale=call.scale, chunk_size=CHUNK, **pk)
         if reverse_walk.takes(t.k):
-            walk = lambda state_v_first, **kw: reverse_walk.reverse_walk(**kw, scale=call.scale)
-        else:
-            walk = lambda **kw: state_launch.bwd_dhu(**kw, scale=call.scale, chunk_size=CHUNK)
-        inputs = dict(q=t.q, k=t.k, w=t.w, g=t.g2)
-        segments = split_reverse.plan(do, pk.get("cu_seqlens"))
-        if segments is not None:
-            return split_reverse.reverse(walk, segments, inputs, do, dv_local, dht, t.h0)
-        return walk(**inputs, do=do, dv=dv_local, h0=t.h0, dht=dht, state_v_first=False, **pk)
+            return reverse_walk.reverse_walk(t.q, t.k, t.w, do, dv_local, g=t.g2, h0=t.h0, dht=dht,
+                                             scale=call.scale, **pk)
+        return state_launch.bwd_dhu(q=t.q, k=t.k, w=t.w, do=do, dv=dv_local, g=t.g2, h0=t.h0, dht=dht,
+                                    scale=call.scale, chunk_size=CHUNK, **pk)
 
     @staticmethod
     def local_backward(t: Tensors, do, dh, dv2, call, pk):

@@ -31,7 +31,7 @@ from functools import cache
 from types import SimpleNamespace
 
 from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
-from .. import split_reverse, state_launch
+from .. import state_launch
 from ..function import Tensors
 from .backward import rewy_kda_bwd
 
@@ -97,13 +97,8 @@ class VectorGate:
         t.dAqk, dv_local = _fla(False).dAv(q=t.q, k=t.k, v=t.v_new, do=do, A=t.Aqk, scale=call.scale,
                                            chunk_size=CHUNK, **pk)
         # dv_local is dropped on return: dv2 holds it then, before the local kernels allocate
-        walk = lambda **kw: state_launch.bwd_dhu(**kw, scale=call.scale, chunk_size=CHUNK)
-        inputs = dict(q=t.qg, k=t.kg, w=t.w, gk=t.g2)
-        segments = split_reverse.plan(do, pk.get("cu_seqlens"))
-        if segments is not None:
-            return split_reverse.reverse(walk, segments, inputs, do, dv_local, dht, t.h0,
-                                         state_v_first=call.state_v_first)
-        return walk(**inputs, do=do, dv=dv_local, h0=t.h0, dht=dht, state_v_first=call.state_v_first, **pk)
+        return state_launch.bwd_dhu(q=t.qg, k=t.kg, w=t.w, do=do, dv=dv_local, gk=t.g2, h0=t.h0, dht=dht,
+                                    scale=call.scale, state_v_first=call.state_v_first, chunk_size=CHUNK, **pk)
 
     @staticmethod
     def local_backward(t: Tensors, do, dh, dv2, call, pk):
