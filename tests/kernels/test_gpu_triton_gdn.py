@@ -162,6 +162,34 @@ def _fla_forward_stages(op, args, kw):
 
 @pytest.mark.parametrize("op,shape,packed", [
     ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
+    ("delta_rule", (1, 597, 4, 4, 128, 64), True),
+])
+def test_fused_prestage_matches_fp32_reference_and_flas_stages(op, shape, packed):
+    """The fused prestage (scalar_gate/prestage.py): the op's gradients against the fp32
+    reference, and w, u, dV_loc against FLA's recompute_w_u_fwd and chunk_bwd_dv_local on the
+    same BF16 inputs (the two round at different points, so to BF16 accuracy, not bit for bit)."""
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    from rewy_hf.kernels.triton_backend.scalar_gate.prestage import recompute_wu_and_dv_local
+
+    B, T, H, HV, K, V = shape
+    args, kw = _inputs(op, B, T, H, HV, K, V, h0=not packed, seed=6)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 200, 264, 597], device="cuda")
+    do, _ = _recompute_against_reference(op, args, kw, B, T, HV, K, V, 3 if packed else B)
+
+    q, k, v, beta, pk, g2, _, _, A = _fla_forward_stages(op, args, kw)
+    do16 = do.bfloat16()
+    mine = recompute_wu_and_dv_local(q, k, v, beta, A, do16, g=g2, scale=K ** -0.5, **pk)
+    theirs = (*recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **pk),
+              chunk_bwd_dv_local(q=q, k=k, do=do16, g=g2, scale=K ** -0.5, chunk_size=64, **pk))
+    for name, a, b in zip(("w", "u", "dv_local"), mine, theirs):
+        assert rel_err(a.float(), b.float()) < 1e-2, name
+
+
+@pytest.mark.parametrize("op,shape,packed", [
+    ("gdn", (2, 300, 2, 4, 128, 128), False),      # GVA, ragged T
     ("gdn", (1, 1100, 2, 2, 64, 128), True),       # one 64-row half
     ("gdn", (1, 16384, 1, 1, 128, 128), False),    # a long walk: 256 chunks, BV 16 (the narrow rule)
     ("delta_rule", (1, 597, 4, 4, 128, 64), True),
