@@ -235,7 +235,7 @@ def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, cap
     # a shape one op lacks is named under its table, whose mean says it covers fewer shapes
     other = tmp_path / "other.json"
     assert run_bench([*TINY[:2], "--shapes", "1,64,2,16,16", *TINY[4:], "--op", "delta_rule", "--policy", "full",
-                   "--json", str(other)], capsys)[0] == 0
+                      "--json", str(other)], capsys)[0] == 0
     code, out, _ = run_bench(["--from-json", str(cut), str(rest), str(other)], capsys)
     assert "geometric mean (1 of 2 shapes)" in out and "not timed for this op and policy: 1,64,2" in out
     cut.write_text(json.dumps(whole))
@@ -267,7 +267,7 @@ def test_json_to_stdout_is_only_json_and_records_rewys_two_settings(capsys, monk
     monkeypatch.delenv("REWY_HF_TEST_FAULT", raising=False)
     monkeypatch.setenv("REWY_HF_NOT_A_SETTING", "1")
     code, out, err = run_bench([*TINY, "--op", "delta_rule", "--policy", "full", "--boundary", "B", "--json", "-"],
-                            capsys)
+                               capsys)
     assert code == 0, err
     data = json.loads(out)
     assert data["complete"] is True and [r["op"] for r in data["rows"]] == ["delta_rule"]
@@ -281,7 +281,7 @@ def test_a_broken_core_fails_the_check(tmp_path, capsys, monkeypatch):
     report = tmp_path / "bench.json"
     with pytest.warns(RuntimeWarning, match="deliberately corrupting"):
         code, out, _ = run_bench([*TINY, "--op", "kda", "gdn", "--policy", "full", "--boundary", "B",
-                               "--json", str(report)], capsys)
+                                  "--json", str(report)], capsys)
     assert code == 1
     assert "FAIL" in out and "failed: kda full" in out
     rows = {r["op"]: r for r in json.loads(report.read_text())["rows"]}
@@ -319,7 +319,7 @@ def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypa
     monkeypatch.setitem(REWY_OPS, "kda", wrong_with_safe_gate)
     report = tmp_path / "bench.json"
     code, out, _ = run_bench([*TINY, "--op", "kda", "--policy", "full", "--boundary", "B", "--json", str(report)],
-                          capsys)
+                             capsys)
     assert code == 1 and "FAIL" in out
     (row,) = json.loads(report.read_text())["rows"]
     assert row["err_rewy"] < 1e-4 and row["bound_ok"] is False and row["ok"] is False
@@ -329,8 +329,8 @@ def test_the_lower_bound_check_fails_a_row_on_its_own(tmp_path, capsys, monkeypa
 def test_reduced_check_is_stated(tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, _ = run_bench(["--device", "cpu", "--shapes", "1,256,1,16,16", "--reps", "1", "--warmup", "0",
-                           "--op", "gdn", "--policy", "recompute", "--boundary", "FB", "--check-max-tokens", "128",
-                           "--json", str(report)], capsys)
+                              "--op", "gdn", "--policy", "recompute", "--boundary", "FB", "--check-max-tokens", "128",
+                              "--json", str(report)], capsys)
     assert code == 0, out
     (row,) = json.loads(report.read_text())["rows"]
     assert row["check_T"] == 128 and row["check_reduced"] is True and row["T"] == 256
@@ -340,7 +340,7 @@ def test_reduced_check_is_stated(tmp_path, capsys):
 def test_peers_that_do_not_apply_are_listed_with_the_reason(tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, _ = run_bench([*TINY, "--op", "gdn", "--policy", "recompute", "--peers", "all", "--json", str(report)],
-                          capsys)
+                             capsys)
     assert code == 0, out
     data = json.loads(report.read_text())
     assert data["settings"]["peers"] == ["fla-triton", "flash-qla"] and data["fla_backends_on"] == {}
@@ -360,7 +360,7 @@ def test_fastest_rounds_leave_out_a_stalled_round(tmp_path, capsys):
     round: a round in which the host stalled one side moves the median, not that line."""
     report = tmp_path / "bench.json"
     assert run_bench([*TINY[:4], "--reps", "3", "--warmup", "0", "--op", "delta_rule", "--policy", "full",
-                   "--boundary", "B", "--json", str(report)], capsys)[0] == 0
+                      "--boundary", "B", "--json", str(report)], capsys)[0] == 0
     data = json.loads(report.read_text())
     (row,) = data["rows"]
     base, rewy = row["baseline_B_rounds"], row["rewy_B_rounds"]
@@ -414,7 +414,7 @@ def test_progress_without_tqdm_prints_flushed_lines(capsys, monkeypatch):
 def test_model_level_on_a_tiny_preset(tmp_path, capsys):
     report = tmp_path / "model.json"
     code, out, _ = run_bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--steps", "2", "--warmup", "0",
-                           "--seq-len", "80", "--json", str(report)], capsys)
+                              "--seq-len", "80", "--json", str(report)], capsys)
     assert code == 0, out
     assert "patched layers: 1" in out and "speedup" in out and "reference cores" in out
     data = json.loads(report.read_text())
@@ -470,7 +470,7 @@ def test_bench_presets():
 def test_gpu_op_level_against_fla(tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, _ = run_bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "2", "--warmup", "1",
-                           "--op", "kda", "gdn2", "delta_rule", "--lift-gdn-guard", "--json", str(report)], capsys)
+                              "--op", "kda", "gdn2", "delta_rule", "--lift-gdn-guard", "--json", str(report)], capsys)
     data = json.loads(report.read_text())
     assert code == 0, out
     assert data["baseline"].startswith("FLA") and data["settings"]["qkv_dtype"] == "bfloat16"
@@ -487,7 +487,7 @@ def test_gpu_op_level_against_fla(tmp_path, capsys):
 def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, _ = run_bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
-                           "--policy", "recompute", "--lift-gdn-guard", "--json", str(report)], capsys)
+                              "--policy", "recompute", "--lift-gdn-guard", "--json", str(report)], capsys)
     data = json.loads(report.read_text())
     assert code == 0, out
     (row,) = data["rows"]
@@ -504,8 +504,8 @@ def test_gpu_gdn_with_lifted_guard_is_timing_only_where_the_guard_was_active(tmp
 def test_gpu_peers_are_timed_and_checked_where_they_apply(tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, _ = run_bench(["--device", "cuda", "--shapes", "1,512,2", "--reps", "1", "--warmup", "1", "--op", "gdn",
-                           "kda", "--policy", "recompute", "--lift-gdn-guard", "--peers", "all", "--json",
-                           str(report)], capsys)
+                              "kda", "--policy", "recompute", "--lift-gdn-guard", "--peers", "all", "--json",
+                              str(report)], capsys)
     data = json.loads(report.read_text())
     assert code == 0, out
     for row in data["rows"]:
@@ -564,7 +564,7 @@ def test_a_packed_row_is_checked_and_timed_with_its_sequences(tmp_path, capsys):
 
     report = tmp_path / "bench.json"
     code, out, _ = run_bench(["--device", "cpu", "--shapes", "1,192,1,16,16,packed=3", "--reps", "1", "--warmup", "0",
-                           "--op", "gdn", "--policy", "recompute", "--json", str(report)], capsys)
+                              "--op", "gdn", "--policy", "recompute", "--json", str(report)], capsys)
     assert code == 0, out
     (row,) = json.loads(report.read_text())["rows"]
     assert row["N"] == 3 and row["ok"] and "1,192,1,16,16,packed=3" in out
