@@ -1,12 +1,26 @@
-"""FLA 0.6.0's local value gradient stage, launched by rewy.
+"""FLA 0.6.0's stages that rewy runs as they are, launched by rewy.
 
-Under policy ``full`` rewy's GDN / DeltaNet backward runs FLA's local value
-gradient dV_loc = A_qk^T dO (``chunk_bwd_dv_local``) before the reverse state
-recurrence (under ``recompute`` the fused prestage forms it). FLA's stage
-function wraps the kernel in its backend dispatch, heuristics and caching
-autotuner; here the output is allocated and the same kernel is launched with
-the same arguments and grid through ``launch.launch``. The kernel is FLA's
-own (imported, not copied).
+FLA's stage functions wrap each kernel in its backend dispatch, input guard,
+heuristics and caching autotuner: about a tenth of a millisecond of host time
+per launch, which at the bench's shapes is as long as many of these kernels
+run. Here each output is allocated as FLA's function allocates it and FLA's
+kernel is launched with the same arguments and grid through
+``launch.launch``, which skips the autotuner once it holds a pick. On CUDA
+these functions have no other backend in FLA 0.6.0 (its registries hold
+only NPU ones for them), so the same kernels run. The kernels are FLA's own
+(imported, not copied).
+
+- ``gate_cumsum``: the chunk-local cumulative gate (``chunk_local_cumsum``),
+  scalar [B, T, H] or key-wise [B, T, H, K], always float32 out.
+- ``gdn_intra``: GDN / DeltaNet's intra-chunk stage at chunk 64
+  (``chunk_gated_delta_rule_fwd_intra``): A = (I + tril(beta K K^T))^-1
+  gated, then the WY pair w, u (``recompute_w_u_fwd``).
+- ``gdn_output``: GDN / DeltaNet's output (``chunk_fwd_o``).
+- ``vector_output``: KDA / GDN2's output (``chunk_gla_fwd_o_gk``).
+- ``dv_local``: under policy ``full`` rewy's GDN / DeltaNet backward runs
+  FLA's local value gradient dV_loc = A_qk^T dO (``chunk_bwd_dv_local``)
+  before the reverse state recurrence (under ``recompute`` the fused
+  prestage forms it).
 """
 
 from __future__ import annotations
@@ -16,6 +30,70 @@ import triton
 
 from .chunks import chunk_table
 from .launch import launch
+
+
+def gate_cumsum(g, scale=None, chunk_size=64, cu_seqlens=None, chunk_indices=None):
+    """FLA's ``chunk_local_cumsum`` of g [B, T, H] or [B, T, H, S] (forward direction), float32."""
+    from fla.ops.utils import cumsum
+
+    B, T, H = g.shape[:3]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, chunk_size, chunk_indices)
+    o = torch.empty_like(g, dtype=torch.float32)
+    args = dict(s=g, o=o, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, B=B, H=H,
+                BT=chunk_size, REVERSE=False, USE_GRAPH=False)
+    if g.dim() == 3:
+        launch(cumsum.chunk_local_cumsum_scalar_kernel, (NT * B * H,), **args)
+    else:
+        launch(cumsum.chunk_local_cumsum_vector_kernel, lambda meta: (triton.cdiv(meta["S"], meta["BS"]) * NT, B * H),
+               **args, S=g.shape[3])
+    return o
+
+
+def gdn_intra(k, v, g, beta, cu_seqlens=None, chunk_indices=None):
+    """w, u, A as FLA's ``chunk_gated_delta_rule_fwd_intra`` returns them at chunk 64 (its fused
+    kkt + solve kernel, then ``recompute_w_u_fwd``); g: the log2 gate cumsum, None for DeltaNet."""
+    from fla.ops.gated_delta_rule import chunk_fwd, wy_fast
+
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = 64
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
+    A = torch.zeros(B, T, HV, BT, device=k.device, dtype=k.dtype)
+    launch(chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel, (NT, B * HV), k=k, g=g, beta=beta, A=A,
+           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=16)
+    w = k.new_empty(B, T, HV, K)
+    u = torch.empty_like(v)
+    launch(wy_fast.recompute_w_u_fwd_kernel, (NT, B * HV), k=k, v=v, beta=beta, w=w, u=u, A=A, g=g,
+           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=64, BV=64)
+    return w, u, A
+
+
+def gdn_output(q, k, v, h, g, scale, chunk_size=64, cu_seqlens=None, chunk_indices=None):
+    """o as FLA's ``chunk_fwd_o`` returns it (K-first states h)."""
+    from fla.ops.common import chunk_o
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, chunk_size, chunk_indices)
+    o = torch.empty_like(v)
+    launch(chunk_o.chunk_fwd_kernel_o, lambda meta: (triton.cdiv(V, meta["BV"]) * NT, B * HV), q=q, k=k, v=v, h=h,
+           g=g, g_gamma=None, o=o, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H,
+           HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+    return o
+
+
+def vector_output(q, v, g, A, h, scale, state_v_first=False, chunk_size=64, cu_seqlens=None, chunk_indices=None):
+    """o as FLA's ``chunk_gla_fwd_o_gk`` returns it (zero-initialised, as FLA allocates it)."""
+    from fla.ops.gla import chunk as gla
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, chunk_size, chunk_indices)
+    o = torch.zeros_like(v)
+    launch(gla.chunk_gla_fwd_kernel_o, lambda meta: (triton.cdiv(V, meta["BV"]) * NT, B * HV), q=q, v=v, g=g, h=h,
+           o=o, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
+           BT=chunk_size, STATE_V_FIRST=state_v_first, USE_GRAPH=False)
+    return o
 
 
 def dv_local(q, k, do, g=None, scale=None, chunk_size=64, cu_seqlens=None, chunk_indices=None):

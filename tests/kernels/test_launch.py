@@ -157,6 +157,53 @@ def test_flas_local_dv_launched_by_rewy_equals_flas_function(packed):
         assert torch.isfinite(ours).all() and torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_flas_forward_stages_launched_by_rewy_equal_flas_functions(packed):
+    """The gate cumsum (head-wise and key-wise), GDN's intra-chunk stage and output, and KDA / GDN2's
+    output (both state layouts), bit for bit against FLA's stage functions; outputs of rewy's side
+    start NaN-filled (the cumsum, w, u, o: torch.empty)."""
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.utils import chunk_local_cumsum
+
+    from nan_fill import nan_filled
+
+    gen = torch.Generator().manual_seed(4)
+    T, H, HV, K, V = 150, 1, 2, 32, 16
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    NT = 4 if packed else 3                 # sequences of 70 and 80 tokens: two chunks each
+    with pytest.MonkeyPatch.context() as mp:
+        nan_filled(mp)
+        for shape in ((1, T, HV), (1, T, HV, K)):
+            raw = F.logsigmoid(torch.randn(*shape, generator=gen))
+            ours = fla_stages.gate_cumsum(raw, scale=RCP_LN2, **pk)
+            theirs = chunk_local_cumsum(raw, chunk_size=64, scale=RCP_LN2, **pk)
+            assert ours.dtype == torch.float32 and torch.equal(ours, theirs), shape
+
+        q, k, v, g, beta, _, _ = _gdn_chunk_inputs(T, H, HV, K, V)
+        for gate in (g, None):
+            ours = fla_stages.gdn_intra(k, v, gate, beta, **pk)
+            theirs = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gate, beta=beta, chunk_size=64, **pk)
+            assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(ours, theirs))
+
+            h = torch.randn(1, NT, HV, K, V, generator=gen)
+            ours = fla_stages.gdn_output(q, k, v, h, gate, 0.3, **pk)
+            theirs = chunk_fwd_o(q=q, k=k, v=v, h=h, g=gate, scale=0.3, chunk_size=64, **pk)
+            assert torch.isfinite(ours).all() and torch.equal(ours, theirs)
+
+        gk = chunk_local_cumsum(F.logsigmoid(torch.randn(1, T, HV, K, generator=gen)), chunk_size=64, scale=RCP_LN2,
+                                **pk)
+        qv = torch.randn(1, T, HV, K, generator=gen)
+        A = torch.randn(1, T, HV, 64, generator=gen)
+        for v_first in (False, True):
+            h = torch.randn(1, NT, HV, *((V, K) if v_first else (K, V)), generator=gen)
+            ours = fla_stages.vector_output(qv, v, gk, A, h, 0.3, state_v_first=v_first, **pk)
+            theirs = chunk_gla_fwd_o_gk(q=qv, v=v, g=gk, A=A, h=h, scale=0.3, state_v_first=v_first, chunk_size=64,
+                                        **pk)
+            assert torch.isfinite(ours).all() and torch.equal(ours, theirs), v_first
+
+
 class _Recorder:
     """Stands in for one of FLA's recurrence kernels: records the grid and arguments it is launched with."""
 

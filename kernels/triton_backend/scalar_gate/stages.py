@@ -1,8 +1,9 @@
 """The stages of the Triton backend for GDN and DeltaNet (scalar gate per token and head; CUDA).
 
-Forward: FLA 0.6.0's stage functions, in FLA's order (chunk-local gate
-cumsum in log2 units, the intra-chunk WY pair w, u and A, the state
-recurrence h / v_new, the output). Backward, after the shared skeleton's
+Forward: FLA 0.6.0's stages in FLA's order, their kernels launched by rewy
+(fla_stages.py, state_launch.py): the chunk-local gate cumsum in log2 units,
+the intra-chunk WY pair w, u and A, the state recurrence h / v_new, the
+output. Backward, after the shared skeleton's
 rebuild of h (function.py):
 
 - ``recompute`` rebuilds w and u in rewy's fused prestage (prestage.py),
@@ -23,23 +24,11 @@ The gate and beta arrive activated. Layout [B, T, H, D]; the state is
 
 from __future__ import annotations
 
-from functools import cache
-from types import SimpleNamespace
-
 from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
 from .. import fla_stages, state_launch
 from ..function import Tensors
 from . import prestage, reverse_walk
 from .local_backward import rewy_gdn_bwd_local
-
-
-@cache
-def _fla():
-    from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-
-    return SimpleNamespace(fwd_o=chunk_fwd_o, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum)
 
 
 class ScalarGate:
@@ -53,11 +42,11 @@ class ScalarGate:
     def gate_cumsum(g, pk):
         if g is None:
             return None
-        return _fla().cumsum(g.float().clamp_min(LOG_GATE_FLOOR), chunk_size=CHUNK, scale=RCP_LN2, **pk)
+        return fla_stages.gate_cumsum(g.float().clamp_min(LOG_GATE_FLOOR), scale=RCP_LN2, chunk_size=CHUNK, **pk)
 
     @staticmethod
     def intra(t: Tensors, call, pk):
-        t.w, t.u, t.A = _fla().intra(k=t.k, v=t.v, g=t.g2, beta=t.beta, chunk_size=CHUNK, **pk)
+        t.w, t.u, t.A = fla_stages.gdn_intra(t.k, t.v, t.g2, t.beta, **pk)
 
     @staticmethod
     def state_inputs(t: Tensors) -> dict:
@@ -65,7 +54,7 @@ class ScalarGate:
 
     @staticmethod
     def output(t: Tensors, call, pk):
-        return _fla().fwd_o(q=t.q, k=t.k, v=t.v_new, h=t.h, g=t.g2, scale=call.scale, chunk_size=CHUNK, **pk)
+        return fla_stages.gdn_output(t.q, t.k, t.v_new, t.h, t.g2, call.scale, chunk_size=CHUNK, **pk)
 
     @staticmethod
     def recompute(t: Tensors, do, call, pk):

@@ -1,10 +1,11 @@
 """The stages of the Triton backend for KDA and GDN2 (vector gates per key channel; CUDA).
 
-Forward: FLA 0.6.0's stage functions in FLA's order: the chunk-local gate
-cumsum in log2 units (``chunk_local_cumsum``), the intra-chunk stage
+Forward: FLA 0.6.0's stages in FLA's order: the chunk-local gate cumsum in
+log2 units (``chunk_local_cumsum``), the intra-chunk stage
 (``chunk_kda_fwd_intra`` / ``chunk_gdn2_fwd_intra``: Aqk, A = Akk, w, u,
 and kg, qg), the state recurrence (the states h entering each chunk, v_new)
-and the output (``chunk_gla_fwd_o_gk``).
+and the output (``chunk_gla_fwd_o_gk``). The cumsum, the recurrence and the
+output are FLA's kernels launched by rewy (fla_stages.py, state_launch.py).
 
 Backward, around the shared skeleton (function.py): FLA's stages that ReWY
 leaves alone -- the w/u/qg/kg recompute (``recompute`` only), the local dv
@@ -31,16 +32,14 @@ from functools import cache
 from types import SimpleNamespace
 
 from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
-from .. import state_launch
+from .. import fla_stages, state_launch
 from ..function import Tensors
 from .backward import rewy_kda_bwd
 
 
 @cache
 def _fla(gdn2: bool):
-    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
-    from fla.ops.utils import chunk_local_cumsum
 
     if gdn2:
         from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra as intra
@@ -48,8 +47,7 @@ def _fla(gdn2: bool):
     else:
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra as intra
         from fla.ops.kda.wy_fast import recompute_w_u_fwd as recompute
-    return SimpleNamespace(fwd_o=chunk_gla_fwd_o_gk, dAv=chunk_kda_bwd_dAv, cumsum=chunk_local_cumsum, intra=intra,
-                           recompute=recompute)
+    return SimpleNamespace(dAv=chunk_kda_bwd_dAv, intra=intra, recompute=recompute)
 
 
 def _gates(t: Tensors) -> dict:
@@ -68,7 +66,7 @@ class VectorGate:
     @staticmethod
     def gate_cumsum(g, pk):
         # floored in g's own dtype: a float32 copy of a [B, T, H, K] gate would cost memory traffic
-        return _fla(False).cumsum(g.clamp_min(LOG_GATE_FLOOR), chunk_size=CHUNK, scale=RCP_LN2, **pk)
+        return fla_stages.gate_cumsum(g.clamp_min(LOG_GATE_FLOOR), scale=RCP_LN2, chunk_size=CHUNK, **pk)
 
     @staticmethod
     def intra(t: Tensors, call, pk):
@@ -83,8 +81,8 @@ class VectorGate:
 
     @staticmethod
     def output(t: Tensors, call, pk):
-        return _fla(False).fwd_o(q=t.q, v=t.v_new, g=t.g2, A=t.Aqk, h=t.h, scale=call.scale,
-                                 state_v_first=call.state_v_first, chunk_size=CHUNK, **pk)
+        return fla_stages.vector_output(q=t.q, v=t.v_new, g=t.g2, A=t.Aqk, h=t.h, scale=call.scale,
+                                        state_v_first=call.state_v_first, chunk_size=CHUNK, **pk)
 
     @staticmethod
     def recompute(t: Tensors, do, call, pk):
