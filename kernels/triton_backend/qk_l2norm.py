@@ -9,14 +9,37 @@ the H200 spent about 12 ms of profiled host time in them). These helpers run
 the kernels of that function on the same inputs, so the results are
 bit-identical to it: the normalised rows in the input dtype, one float32
 inverse norm per row kept for backward, and the incoming gradient cast to the
-input dtype first, as autograd hands it to that function.
+input dtype first, as autograd hands it to that function. The kernels are
+launched here as FLA's ``l2norm_fwd`` / ``l2norm_bwd`` launch them, through
+``launch.launch``, without FLA's dispatch and autotuner wrappers: four
+launches per layer and step.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..reference import L2NORM_EPS
+from .launch import launch
+
+# FLA's row-per-program kernels above this width, its block kernels up to it
+BLOCK_KERNEL_MAX_D = 512
+
+
+def _widths(x: torch.Tensor) -> tuple[int, int, int]:
+    """(rows, D, BD) of x as FLA's l2norm functions size their launch."""
+    D = x.shape[-1]
+    BD = min(65536 // x.element_size(), triton.next_power_of_2(D))
+    if D > BD:
+        raise ValueError(f"the q/k l2norm takes rows of at most {BD} values at {x.dtype} (got {D})")
+    return x.numel() // D, D, BD
+
+
+def _l2norm_kernels():
+    from fla.modules.norm import l2norm
+
+    return l2norm
 
 
 def normalize(x: torch.Tensor, on: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -24,9 +47,17 @@ def normalize(x: torch.Tensor, on: bool) -> tuple[torch.Tensor, torch.Tensor | N
     inverse norms), or (x, None) when ``on`` is False."""
     if not on:
         return x, None
-    from fla.modules.norm.l2norm import l2norm_fwd
-
-    return l2norm_fwd(x.contiguous(), eps=L2NORM_EPS)
+    fla = _l2norm_kernels()
+    x = x.contiguous()
+    T, D, BD = _widths(x)
+    y = torch.empty_like(x)
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    if D <= BLOCK_KERNEL_MAX_D:
+        launch(fla.l2norm_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BT"]),), x=x, y=y, rstd=rstd,
+               eps=L2NORM_EPS, T=T, D=D, BD=BD, NB=triton.cdiv(T, 2048 * 32))
+    else:
+        launch(fla.l2norm_fwd_kernel_row, (T,), x=x, y=y, rstd=rstd, eps=L2NORM_EPS, D=D, BD=BD)
+    return y, rstd
 
 
 def normalize_backward(y: torch.Tensor, rstd: torch.Tensor | None, dy: torch.Tensor,
@@ -40,6 +71,13 @@ def normalize_backward(y: torch.Tensor, rstd: torch.Tensor | None, dy: torch.Ten
         dy = dy.to(y.dtype)
     if rstd is None:
         return dy
-    from fla.modules.norm.l2norm import l2norm_bwd
-
-    return l2norm_bwd(y, rstd, dy.contiguous(), eps=L2NORM_EPS)
+    fla = _l2norm_kernels()
+    dy = dy.contiguous()
+    T, D, BD = _widths(y)
+    dx = torch.empty_like(y)
+    if D <= BLOCK_KERNEL_MAX_D:
+        launch(fla.l2norm_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BT"]),), y=y, rstd=rstd, dy=dy, dx=dx,
+               eps=L2NORM_EPS, T=T, D=D, BD=BD, NB=triton.cdiv(T, 2048 * 32))
+    else:
+        launch(fla.l2norm_bwd_kernel_row, (T,), y=y, rstd=rstd, dy=dy, dx=dx, eps=L2NORM_EPS, D=D, BD=BD)
+    return dx

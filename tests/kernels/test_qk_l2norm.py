@@ -9,6 +9,7 @@ that copy, per layer, once made a patched Qwen3.5 step slower and larger.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rewy_hf.kernels.triton_backend.qk_l2norm import normalize, normalize_backward
@@ -35,10 +36,12 @@ def test_matches_float64_values_and_gradients():
     assert rel_err(dx, dx64) < 2e-3
 
 
-def test_bit_identical_to_fla_l2norm_function():
+@pytest.mark.parametrize("D", [64, 640])
+def test_bit_identical_to_fla_l2norm_function(D):
+    """FLA's block kernels (D up to 512) and its row kernels (wider), launched by rewy."""
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
 
-    x = _input(seed=1)
+    x = _input(seed=1, shape=(2, 37, 3, D))
     dy = torch.randn(x.shape).half()
     ref_in = x.clone().requires_grad_()
     ref_y = fla_l2norm(ref_in, eps=L2NORM_EPS)
