@@ -17,6 +17,9 @@ only NPU ones for them), so the same kernels run. The kernels are FLA's own
   gated, then the WY pair w, u (``recompute_w_u_fwd``).
 - ``gdn_output``: GDN / DeltaNet's output (``chunk_fwd_o``).
 - ``vector_output``: KDA / GDN2's output (``chunk_gla_fwd_o_gk``).
+- ``kda_recompute``: KDA's rebuild of w, u, kg (and qg) from Akk in the
+  ``recompute`` backward (``recompute_w_u_fwd`` of ``fla.ops.kda``).
+- ``vector_dAv``: KDA / GDN2's local dv with dAqk (``chunk_kda_bwd_dAv``).
 - ``dv_local``: under policy ``full`` rewy's GDN / DeltaNet backward runs
   FLA's local value gradient dV_loc = A_qk^T dO (``chunk_bwd_dv_local``)
   before the reverse state recurrence (under ``recompute`` the fused
@@ -94,6 +97,43 @@ def vector_output(q, v, g, A, h, scale, state_v_first=False, chunk_size=64, cu_s
            o=o, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
            BT=chunk_size, STATE_V_FIRST=state_v_first, USE_GRAPH=False)
     return o
+
+
+def kda_recompute(k, v, beta, A, gk, q=None, cu_seqlens=None, chunk_indices=None):
+    """w, u, qg (None without q), kg as KDA's ``recompute_w_u_fwd`` returns them."""
+    from fla.ops.kda import wy_fast
+
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = A.shape[-1]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
+    w = k.new_empty(B, T, HV, K)
+    u = torch.empty_like(v)
+    qg = k.new_empty(B, T, HV, K) if q is not None else None
+    kg = k.new_empty(B, T, HV, K)
+    launch(wy_fast.recompute_w_u_fwd_kda_kernel, (NT, B * HV), q=q, k=k, qg=qg, kg=kg, v=v, beta=beta, w=w, u=u,
+           A=A, gk=gk, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=64,
+           BV=64, USE_GRAPH=False)
+    return w, u, qg, kg
+
+
+def vector_dAv(q, k, v, do, A, scale, chunk_size=64, cu_seqlens=None, chunk_indices=None):
+    """dAqk (float32), dv as FLA's ``chunk_kda_bwd_dAv`` returns them."""
+    from fla.ops.kda import chunk_bwd
+    from fla.utils import check_shared_mem
+
+    B, T, H, K = k.shape
+    HV, V = do.shape[2], do.shape[3]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, chunk_size, chunk_indices)
+    tiling = 128 if check_shared_mem("hopper", k.device.index) else 64     # FLA's two cases on a GPU
+    BK = min(max(triton.next_power_of_2(K), 16), tiling)
+    BV = min(max(triton.next_power_of_2(V), 16), tiling)
+    dA = v.new_empty(B, T, HV, chunk_size, dtype=torch.float)
+    dv = torch.empty_like(do)
+    launch(chunk_bwd.chunk_kda_bwd_kernel_dAv, (NT, B * HV), q=q, k=k, v=v, A=A, do=do, dv=dv, dA=dA,
+           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
+           BT=chunk_size, BK=BK, BV=BV, USE_GRAPH=False)
+    return dA, dv
 
 
 def dv_local(q, k, do, g=None, scale=None, chunk_size=64, cu_seqlens=None, chunk_indices=None):

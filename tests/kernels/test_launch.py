@@ -204,6 +204,38 @@ def test_flas_forward_stages_launched_by_rewy_equal_flas_functions(packed):
             assert torch.isfinite(ours).all() and torch.equal(ours, theirs), v_first
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_flas_kda_backward_stages_launched_by_rewy_equal_flas_functions(packed):
+    """KDA's rebuild of w, u, qg, kg (with and without q) and KDA / GDN2's local dv with dAqk, bit for bit
+    against FLA's stage functions, outputs NaN-filled first."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    from nan_fill import nan_filled
+
+    gen = torch.Generator().manual_seed(6)
+    T, H, K, V = 150, 2, 32, 16
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    r = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
+    q, k, v, do = r(1, T, H, K), F.normalize(r(1, T, H, K), dim=-1), r(1, T, H, V), r(1, T, H, V)
+    gk = chunk_local_cumsum(F.logsigmoid(r(1, T, H, K)), chunk_size=64, scale=RCP_LN2, **pk)
+    beta = torch.rand(1, T, H, generator=gen)
+    A = r(1, T, H, 64) * 0.1
+    with pytest.MonkeyPatch.context() as mp:
+        nan_filled(mp)
+        for query in (q, None):
+            ours = fla_stages.kda_recompute(k, v, beta, A, gk, q=query, **pk)
+            theirs = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, gk=gk, q=query, **pk)
+            assert (ours[2] is None) == (query is None)
+            assert all(x is None and y is None or torch.isfinite(x).all() and torch.equal(x, y)
+                       for x, y in zip(ours, theirs))
+        ours = fla_stages.vector_dAv(q, k, v, do, A, 0.3, **pk)
+        theirs = chunk_kda_bwd_dAv(q=q, k=k, v=v, do=do, A=A, scale=0.3, chunk_size=64, **pk)
+        assert ours[0].dtype == torch.float32
+        assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(ours, theirs))
+
+
 class _Recorder:
     """Stands in for one of FLA's recurrence kernels: records the grid and arguments it is launched with."""
 

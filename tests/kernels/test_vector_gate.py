@@ -542,19 +542,12 @@ def test_recompute_backward_drops_u_and_the_local_dv_once_read(monkeypatch):
     """Peak memory: under recompute the backward holds u only until h is rebuilt, and the local
     dv only until the reverse recurrence has folded it into dv2 (the GDN backward does the same)."""
     refs = {}
-    fla, local = vector_gate._fla, vector_gate.rewy_kda_bwd
+    recompute, local = vector_gate.fla_stages.kda_recompute, vector_gate.rewy_kda_bwd
 
-    def fla_watched(gdn2):
-        f = SimpleNamespace(**vars(fla(gdn2)))      # a copy: the stages' table of FLA functions is cached
-        recompute = f.recompute
-
-        def recompute_and_watch(**kw):
-            w, u, qg, kg = recompute(**kw)
-            refs["u"] = weakref.ref(u)
-            return w, u, qg, kg
-
-        f.recompute = recompute_and_watch
-        return f
+    def recompute_and_watch(*a, **kw):
+        w, u, qg, kg = recompute(*a, **kw)
+        refs["u"] = weakref.ref(u)
+        return w, u, qg, kg
 
     def bwd_dhu(**kw):
         assert refs["u"]() is None, "u is still held when the reverse recurrence runs"
@@ -566,7 +559,7 @@ def test_recompute_backward_drops_u_and_the_local_dv_once_read(monkeypatch):
         refs["local ran"] = True
         return local(*a, **kw)
 
-    monkeypatch.setattr(vector_gate, "_fla", fla_watched)
+    monkeypatch.setattr(vector_gate.fla_stages, "kda_recompute", recompute_and_watch)
     monkeypatch.setattr(vector_gate, "rewy_kda_bwd", local_and_check)
     errors = _function_errors(monkeypatch, loop_fwd_h, bwd_dhu, B=1, T=70, H=1, HV=1, K=32, V=32,
                               state_v_first=False, policy="recompute", seed=9)

@@ -9,7 +9,8 @@ output are FLA's kernels launched by rewy (fla_stages.py, state_launch.py).
 
 Backward, around the shared skeleton (function.py): FLA's stages that ReWY
 leaves alone -- the w/u/qg/kg recompute (``recompute`` only), the local dv
-with dAqk (``chunk_kda_bwd_dAv``, shared by KDA and GDN2 in FLA) and the
+with dAqk (``chunk_kda_bwd_dAv``, shared by KDA and GDN2 in FLA; KDA's
+recompute and the dAv kernel launched by rewy, fla_stages.py) and the
 reverse state recurrence -- then rewy's two kernels (backward.py) for what
 ReWY rewrites: Residual WY plus the inter-chunk dq/dk/dg terms, and the
 intra-chunk Gram backward by Matrix Intra with the gate's reverse cumulative
@@ -29,7 +30,6 @@ handled natively by FLA's stages and by rewy's kernels.
 from __future__ import annotations
 
 from functools import cache
-from types import SimpleNamespace
 
 from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
 from .. import fla_stages, state_launch
@@ -38,16 +38,13 @@ from .backward import rewy_kda_bwd
 
 
 @cache
-def _fla(gdn2: bool):
-    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
-
+def _intra(gdn2: bool):
+    """FLA's intra-chunk stage of KDA or GDN2."""
     if gdn2:
-        from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra as intra
-        from fla.ops.gdn2.wy_fast import recompute_w_u_fwd_gdn2 as recompute
-    else:
-        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra as intra
-        from fla.ops.kda.wy_fast import recompute_w_u_fwd as recompute
-    return SimpleNamespace(dAv=chunk_kda_bwd_dAv, intra=intra, recompute=recompute)
+        from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra
+        return chunk_gdn2_fwd_intra
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    return chunk_kda_fwd_intra
 
 
 def _gates(t: Tensors) -> dict:
@@ -70,7 +67,7 @@ class VectorGate:
 
     @staticmethod
     def intra(t: Tensors, call, pk):
-        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = _fla(t.w_gate is not None).intra(
+        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = _intra(t.w_gate is not None)(
             q=t.q, k=t.k, v=t.v, gk=t.g2, **_gates(t), scale=call.scale, chunk_size=CHUNK, safe_gate=call.safe_gate,
             disable_recompute=call.policy == "full", cu_seqlens=pk.get("cu_seqlens"),
             chunk_indices=pk.get("chunk_indices"))
@@ -86,14 +83,18 @@ class VectorGate:
 
     @staticmethod
     def recompute(t: Tensors, do, call, pk):
-        t.w, t.u, t.qg, t.kg = _fla(t.w_gate is not None).recompute(
-            k=t.k, v=t.v, **_gates(t), A=t.Akk, gk=t.g2, q=t.q, cu_seqlens=pk.get("cu_seqlens"),
-            chunk_indices=pk.get("chunk_indices"))
+        if t.w_gate is None:
+            t.w, t.u, t.qg, t.kg = fla_stages.kda_recompute(t.k, t.v, t.beta, t.Akk, t.g2, q=t.q, **pk)
+        else:
+            from fla.ops.gdn2.wy_fast import recompute_w_u_fwd_gdn2
+
+            t.w, t.u, t.qg, t.kg = recompute_w_u_fwd_gdn2(
+                k=t.k, v=t.v, **_gates(t), A=t.Akk, gk=t.g2, q=t.q, cu_seqlens=pk.get("cu_seqlens"),
+                chunk_indices=pk.get("chunk_indices"))
 
     @staticmethod
     def reverse(t: Tensors, do, dht, call, pk):
-        t.dAqk, dv_local = _fla(False).dAv(q=t.q, k=t.k, v=t.v_new, do=do, A=t.Aqk, scale=call.scale,
-                                           chunk_size=CHUNK, **pk)
+        t.dAqk, dv_local = fla_stages.vector_dAv(t.q, t.k, t.v_new, do, t.Aqk, call.scale, chunk_size=CHUNK, **pk)
         # dv_local is dropped on return: dv2 holds it then, before the local kernels allocate
         return state_launch.bwd_dhu(q=t.qg, k=t.kg, w=t.w, do=do, dv=dv_local, gk=t.g2, h0=t.h0, dht=dht,
                                     scale=call.scale, state_v_first=call.state_v_first, chunk_size=CHUNK, **pk)
