@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from types import SimpleNamespace
 
 import pytest
 import torch
