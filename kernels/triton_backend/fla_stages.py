@@ -17,6 +17,10 @@ only NPU ones for them), so the same kernels run. The kernels are FLA's own
   gated, then the WY pair w, u (``recompute_w_u_fwd``).
 - ``gdn_output``: GDN / DeltaNet's output (``chunk_fwd_o``).
 - ``vector_output``: KDA / GDN2's output (``chunk_gla_fwd_o_gk``).
+- ``kda_intra``: KDA's intra-chunk stage (``chunk_kda_fwd_intra``): Aqk and
+  the diagonal blocks of Akk (sub-chunk kernel under ``safe_gate``, token-
+  parallel kernel otherwise), the fused off-diagonal + solve kernel, then
+  w, u, kg (and qg) as ``kda_recompute``.
 - ``kda_recompute``: KDA's rebuild of w, u, kg (and qg) from Akk in the
   ``recompute`` backward (``recompute_w_u_fwd`` of ``fla.ops.kda``).
 - ``vector_dAv``: KDA / GDN2's local dv with dAqk (``chunk_kda_bwd_dAv``).
@@ -97,6 +101,40 @@ def vector_output(q, v, g, A, h, scale, state_v_first=False, chunk_size=64, cu_s
            o=o, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
            BT=chunk_size, STATE_V_FIRST=state_v_first, USE_GRAPH=False)
     return o
+
+
+def kda_intra(q, k, v, gk, beta, scale, safe_gate=False, disable_recompute=False, cu_seqlens=None,
+              chunk_indices=None):
+    """w, u, qg (None unless ``disable_recompute``), kg, Aqk, Akk as FLA's ``chunk_kda_fwd_intra`` returns
+    them at chunk 64 (no lower bound given: its default gate shift)."""
+    from fla.ops.kda import chunk_intra, chunk_intra_token_parallel
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.utils import IS_GATHER_SUPPORTED
+
+    B, T, H, K = k.shape
+    HV = gk.shape[2]
+    BT, BC = 64, 16
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
+    Aqk = k.new_empty(B, T, HV, BT)
+    Akk = torch.zeros(B, T, HV, BT, device=k.device, dtype=k.dtype)     # only its lower triangle is written
+    Akkd = k.new_empty(B, T, HV, BC, dtype=torch.float32)
+    if safe_gate:
+        launch(chunk_intra.chunk_kda_fwd_kernel_intra_sub_chunk, (NT, BT // BC, B * HV), q=q, k=k, g=gk, beta=beta,
+               Aqk=Aqk, Akk=Akkd, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV,
+               K=K, BT=BT, BC=BC, BK=triton.next_power_of_2(K), GATE_SHIFT=2.0 * RCP_LN2,
+               USE_GATHER=IS_GATHER_SUPPORTED, USE_GRAPH=False)
+    else:
+        N = B if cu_seqlens is None else len(cu_seqlens) - 1
+        launch(chunk_intra_token_parallel.chunk_kda_fwd_kernel_intra_token_parallel,
+               lambda meta: (B * T, triton.cdiv(HV, meta["BH"])), q=q, k=k, g=gk, beta=beta, Aqk=Aqk, Akk=Akkd,
+               scale=scale, cu_seqlens=cu_seqlens, N=N, T=T, H=H, HV=HV, K=K, BK=triton.next_power_of_2(K), BT=BT,
+               BC=BC, USE_GRAPH=False)
+    launch(chunk_intra.chunk_kda_fwd_kernel_inter_solve_fused, (NT, B * HV), q=q, k=k, g=gk, beta=beta, Aqk=Aqk,
+           Akkd=Akkd, Akk=Akk, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV,
+           K=K, BT=BT, BC=BC, NC=BT // BC, USE_SAFE_GATE=safe_gate, USE_GRAPH=False)
+    w, u, qg, kg = kda_recompute(k, v, beta, Akk, gk, q=q if disable_recompute else None, cu_seqlens=cu_seqlens,
+                                 chunk_indices=chunk_indices)
+    return w, u, qg, kg, Aqk, Akk
 
 
 def kda_recompute(k, v, beta, A, gk, q=None, cu_seqlens=None, chunk_indices=None):

@@ -236,6 +236,41 @@ def test_flas_kda_backward_stages_launched_by_rewy_equal_flas_functions(packed):
         assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(ours, theirs))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_flas_kda_intra_stage_launched_by_rewy_equals_flas_function(packed):
+    """KDA's intra-chunk stage with and without the full policy's qg, under GVA, bit for bit against FLA's
+    ``chunk_kda_fwd_intra``. Its safe_gate kernel does not run under the interpreter; the GPU tests cover
+    that path (test_gpu_triton_kda.py, gates at the safe lower bound). Aqk is
+    compared on its causal part (key position <= query position in the chunk): FLA's kernels leave the
+    rest unwritten (torch.empty) and every stage that reads Aqk masks it."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    from nan_fill import nan_filled
+
+    gen = torch.Generator().manual_seed(7)
+    T, H, HV, K, V = 150, 1, 2, 32, 16
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    r = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
+    q, k, v = r(1, T, H, K), F.normalize(r(1, T, H, K), dim=-1), r(1, T, HV, V)
+    gk = chunk_local_cumsum(-5 * torch.sigmoid(r(1, T, HV, K)), chunk_size=64, scale=RCP_LN2, **pk)
+    beta = torch.rand(1, T, HV, generator=gen)
+    starts = torch.tensor([0, 70]) if packed else torch.tensor([0])
+    position = torch.arange(T) - starts[torch.bucketize(torch.arange(T), starts, right=True) - 1]
+    causal = (torch.arange(64)[None, :] <= position[:, None] % 64)[None, :, None, :].expand(1, T, HV, 64)
+    with pytest.MonkeyPatch.context() as mp:
+        nan_filled(mp)
+        for full in (False, True):
+            ours = fla_stages.kda_intra(q, k, v, gk, beta, 0.3, disable_recompute=full, **pk)
+            theirs = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gk, beta=beta, scale=0.3, chunk_size=64,
+                                         disable_recompute=full, **pk)
+            assert (ours[2] is None) == (not full)
+            ours, theirs = list(ours), list(theirs)
+            ours[4], theirs[4] = ours[4][causal], theirs[4][causal]
+            assert all(x is None and y is None or torch.isfinite(x).all() and torch.equal(x, y)
+                       for x, y in zip(ours, theirs)), full
+
+
 class _Recorder:
     """Stands in for one of FLA's recurrence kernels: records the grid and arguments it is launched with."""
 

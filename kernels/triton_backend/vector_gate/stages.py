@@ -5,7 +5,8 @@ log2 units (``chunk_local_cumsum``), the intra-chunk stage
 (``chunk_kda_fwd_intra`` / ``chunk_gdn2_fwd_intra``: Aqk, A = Akk, w, u,
 and kg, qg), the state recurrence (the states h entering each chunk, v_new)
 and the output (``chunk_gla_fwd_o_gk``). The cumsum, the recurrence and the
-output are FLA's kernels launched by rewy (fla_stages.py, state_launch.py).
+output, and for KDA its intra-chunk stage, are FLA's kernels launched by rewy
+(fla_stages.py, state_launch.py).
 
 Backward, around the shared skeleton (function.py): FLA's stages that ReWY
 leaves alone -- the w/u/qg/kg recompute (``recompute`` only), the local dv
@@ -29,22 +30,10 @@ handled natively by FLA's stages and by rewy's kernels.
 
 from __future__ import annotations
 
-from functools import cache
-
 from ...constants import CHUNK, LOG_GATE_FLOOR, RCP_LN2
 from .. import fla_stages, state_launch
 from ..function import Tensors
 from .backward import rewy_kda_bwd
-
-
-@cache
-def _intra(gdn2: bool):
-    """FLA's intra-chunk stage of KDA or GDN2."""
-    if gdn2:
-        from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra
-        return chunk_gdn2_fwd_intra
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    return chunk_kda_fwd_intra
 
 
 def _gates(t: Tensors) -> dict:
@@ -67,10 +56,17 @@ class VectorGate:
 
     @staticmethod
     def intra(t: Tensors, call, pk):
-        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = _intra(t.w_gate is not None)(
-            q=t.q, k=t.k, v=t.v, gk=t.g2, **_gates(t), scale=call.scale, chunk_size=CHUNK, safe_gate=call.safe_gate,
-            disable_recompute=call.policy == "full", cu_seqlens=pk.get("cu_seqlens"),
-            chunk_indices=pk.get("chunk_indices"))
+        full = call.policy == "full"
+        if t.w_gate is None:
+            t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = fla_stages.kda_intra(
+                t.q, t.k, t.v, t.g2, t.beta, call.scale, safe_gate=call.safe_gate, disable_recompute=full, **pk)
+        else:
+            from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra
+
+            t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = chunk_gdn2_fwd_intra(
+                q=t.q, k=t.k, v=t.v, gk=t.g2, **_gates(t), scale=call.scale, chunk_size=CHUNK,
+                safe_gate=call.safe_gate, disable_recompute=full, cu_seqlens=pk.get("cu_seqlens"),
+                chunk_indices=pk.get("chunk_indices"))
 
     @staticmethod
     def state_inputs(t: Tensors) -> dict:
