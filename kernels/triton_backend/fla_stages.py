@@ -5,10 +5,11 @@ heuristics and caching autotuner: about a tenth of a millisecond of host time
 per launch, which at the bench's shapes is as long as many of these kernels
 run. Here each output is allocated as FLA's function allocates it and FLA's
 kernel is launched with the same arguments and grid through
-``launch.launch``, which skips the autotuner once it holds a pick. On CUDA
-these functions have no other backend in FLA 0.6.0 (its registries hold
-only NPU ones for them), so the same kernels run. The kernels are FLA's own
-(imported, not copied).
+``launch.launch``, which skips the autotuner once it holds a pick. FLA
+0.6.0 registers no other CUDA backend for these functions (its TileLang,
+FlashQLA and intra-card backends serve other ones), so the same kernels run
+as through FLA's functions. The kernels are FLA's own (imported, not
+copied).
 
 - ``gate_cumsum``: the chunk-local cumulative gate (``chunk_local_cumsum``),
   scalar [B, T, H] or key-wise [B, T, H, K], always float32 out.
