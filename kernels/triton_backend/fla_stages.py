@@ -22,6 +22,9 @@ copied).
   the diagonal blocks of Akk (sub-chunk kernel under ``safe_gate``, token-
   parallel kernel otherwise), the fused off-diagonal + solve kernel, then
   w, u, kg (and qg) as ``kda_recompute``.
+- ``gdn2_intra`` / ``gdn2_recompute``: the same two for GDN2
+  (``chunk_gdn2_fwd_intra``, ``recompute_w_u_fwd_gdn2``), with its erase
+  gate b [B, T, H, K] and write gate w_gate [B, T, H, V].
 - ``kda_recompute``: KDA's rebuild of w, u, kg (and qg) from Akk in the
   ``recompute`` backward (``recompute_w_u_fwd`` of ``fla.ops.kda``).
 - ``vector_dAv``: KDA / GDN2's local dv with dAqk (``chunk_kda_bwd_dAv``).
@@ -136,6 +139,55 @@ def kda_intra(q, k, v, gk, beta, scale, safe_gate=False, disable_recompute=False
     w, u, qg, kg = kda_recompute(k, v, beta, Akk, gk, q=q if disable_recompute else None, cu_seqlens=cu_seqlens,
                                  chunk_indices=chunk_indices)
     return w, u, qg, kg, Aqk, Akk
+
+
+def gdn2_intra(q, k, v, gk, b, w_gate, scale, safe_gate=False, disable_recompute=False, cu_seqlens=None,
+               chunk_indices=None):
+    """w, u, qg (None unless ``disable_recompute``), kg, Aqk, Akk as FLA's ``chunk_gdn2_fwd_intra`` returns
+    them at chunk 64 (no lower bound given: its default gate shift)."""
+    from fla.ops.gdn2 import chunk_intra, chunk_intra_token_parallel
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.utils import IS_GATHER_SUPPORTED
+
+    B, T, H, K = k.shape
+    BT, BC = 64, 16
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
+    Aqk = k.new_empty(B, T, H, BT)
+    Akk = torch.zeros(B, T, H, BT, device=k.device, dtype=k.dtype)      # only its lower triangle is written
+    Akkd = k.new_empty(B, T, H, BC, dtype=torch.float32)
+    if safe_gate:
+        launch(chunk_intra.chunk_gdn2_fwd_kernel_intra_sub_chunk, (NT, BT // BC, B * H), q=q, k=k, g=gk, b=b,
+               Aqk=Aqk, Akk=Akkd, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
+               BT=BT, BC=BC, BK=triton.next_power_of_2(K), USE_GATHER=IS_GATHER_SUPPORTED, GATE_SHIFT=2.0 * RCP_LN2)
+    else:
+        N = B if cu_seqlens is None else len(cu_seqlens) - 1
+        launch(chunk_intra_token_parallel.chunk_gdn2_fwd_kernel_intra_token_parallel,
+               lambda meta: (B * T, triton.cdiv(H, meta["BH"])), q=q, k=k, g=gk, b=b, Aqk=Aqk, Akk=Akkd, scale=scale,
+               cu_seqlens=cu_seqlens, N=N, T=T, H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, BC=BC)
+    launch(chunk_intra.chunk_gdn2_fwd_kernel_inter_solve_fused, (NT, B * H), q=q, k=k, g=gk, b=b, Aqk=Aqk,
+           Akkd=Akkd, Akk=Akk, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K, BT=BT,
+           BC=BC, USE_SAFE_GATE=safe_gate)
+    w, u, qg, kg = gdn2_recompute(k, v, b, w_gate, Akk, gk, q=q if disable_recompute else None,
+                                  cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return w, u, qg, kg, Aqk, Akk
+
+
+def gdn2_recompute(k, v, b, w_gate, A, gk, q=None, cu_seqlens=None, chunk_indices=None):
+    """w, u, qg (None without q), kg as FLA's ``recompute_w_u_fwd_gdn2`` returns them."""
+    from fla.ops.gdn2 import wy_fast
+
+    B, T, H, K = k.shape
+    V = v.shape[3]
+    BT = A.shape[-1]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
+    w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    qg = torch.empty_like(q) if q is not None else None
+    kg = torch.empty_like(k)
+    launch(wy_fast.recompute_w_u_fwd_gdn2_kernel, (NT, B * H), q=q, k=k, qg=qg, kg=kg, v=v, b=b, w_gate=w_gate, w=w,
+           u=u, A=A, gk=gk, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K, V=V, BT=BT, BK=64,
+           BV=64)
+    return w, u, qg, kg
 
 
 def kda_recompute(k, v, beta, A, gk, q=None, cu_seqlens=None, chunk_indices=None):

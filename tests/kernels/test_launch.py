@@ -271,6 +271,44 @@ def test_flas_kda_intra_stage_launched_by_rewy_equals_flas_function(packed):
                        for x, y in zip(ours, theirs)), full
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_flas_gdn2_stages_launched_by_rewy_equal_flas_functions(packed):
+    """GDN2's intra-chunk stage (with and without the full policy's qg) and its rebuild of w, u, qg, kg,
+    bit for bit against FLA's functions, Aqk on its causal part (as for KDA above); its safe_gate kernel
+    does not run under the interpreter either."""
+    from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra
+    from fla.ops.gdn2.wy_fast import recompute_w_u_fwd_gdn2
+    from fla.ops.utils import chunk_local_cumsum
+
+    from nan_fill import nan_filled
+
+    gen = torch.Generator().manual_seed(8)
+    T, H, K, V = 150, 2, 32, 16
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    r = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
+    q, k, v = r(1, T, H, K), F.normalize(r(1, T, H, K), dim=-1), r(1, T, H, V)
+    gk = chunk_local_cumsum(F.logsigmoid(r(1, T, H, K)), chunk_size=64, scale=RCP_LN2, **pk)
+    b, w_gate = torch.rand(1, T, H, K, generator=gen), torch.rand(1, T, H, V, generator=gen)
+    starts = torch.tensor([0, 70]) if packed else torch.tensor([0])
+    position = torch.arange(T) - starts[torch.bucketize(torch.arange(T), starts, right=True) - 1]
+    causal = (torch.arange(64)[None, :] <= position[:, None] % 64)[None, :, None, :].expand(1, T, H, 64)
+    same = lambda xs, ys: all(x is None and y is None or torch.isfinite(x).all() and torch.equal(x, y)  # noqa: E731
+                              for x, y in zip(xs, ys))
+    with pytest.MonkeyPatch.context() as mp:
+        nan_filled(mp)
+        for full in (False, True):
+            ours = list(fla_stages.gdn2_intra(q, k, v, gk, b, w_gate, 0.3, disable_recompute=full, **pk))
+            theirs = list(chunk_gdn2_fwd_intra(q=q, k=k, v=v, gk=gk, b=b, w_gate=w_gate, scale=0.3, chunk_size=64,
+                                               disable_recompute=full, **pk))
+            assert (ours[2] is None) == (not full)
+            ours[4], theirs[4] = ours[4][causal], theirs[4][causal]
+            assert same(ours, theirs), full
+        A = r(1, T, H, 64) * 0.1
+        for query in (q, None):
+            assert same(fla_stages.gdn2_recompute(k, v, b, w_gate, A, gk, q=query, **pk),
+                        recompute_w_u_fwd_gdn2(k=k, v=v, b=b, w_gate=w_gate, A=A, gk=gk, q=query, **pk))
+
+
 class _Recorder:
     """Stands in for one of FLA's recurrence kernels: records the grid and arguments it is launched with."""
 

@@ -4,16 +4,14 @@ Forward: FLA 0.6.0's stages in FLA's order: the chunk-local gate cumsum in
 log2 units (``chunk_local_cumsum``), the intra-chunk stage
 (``chunk_kda_fwd_intra`` / ``chunk_gdn2_fwd_intra``: Aqk, A = Akk, w, u,
 and kg, qg), the state recurrence (the states h entering each chunk, v_new)
-and the output (``chunk_gla_fwd_o_gk``). The cumsum, the recurrence and the
-output, and for KDA its intra-chunk stage, are FLA's kernels launched by rewy
-(fla_stages.py, state_launch.py).
+and the output (``chunk_gla_fwd_o_gk``). Each is FLA's kernels launched by
+rewy (fla_stages.py, state_launch.py).
 
 Backward, around the shared skeleton (function.py): FLA's stages that ReWY
-leaves alone -- the w/u/qg/kg recompute (``recompute`` only), the local dv
-with dAqk (``chunk_kda_bwd_dAv``, shared by KDA and GDN2 in FLA; KDA's
-recompute and the dAv kernel launched by rewy, fla_stages.py) and the
-reverse state recurrence -- then rewy's two kernels (backward.py) for what
-ReWY rewrites: Residual WY plus the inter-chunk dq/dk/dg terms, and the
+leaves alone, their kernels launched by rewy -- the w/u/qg/kg recompute
+(``recompute`` only), the local dv with dAqk (``chunk_kda_bwd_dAv``, shared
+by KDA and GDN2 in FLA) and the reverse state recurrence -- then rewy's two
+kernels (backward.py) for what ReWY rewrites: Residual WY plus the inter-chunk dq/dk/dg terms, and the
 intra-chunk Gram backward by Matrix Intra with the gate's reverse cumulative
 sum.
 
@@ -36,11 +34,6 @@ from ..function import Tensors
 from .backward import rewy_kda_bwd
 
 
-def _gates(t: Tensors) -> dict:
-    """The erase / write gates by the names FLA's KDA or GDN2 stage takes them."""
-    return dict(beta=t.beta) if t.w_gate is None else dict(b=t.beta, w_gate=t.w_gate)
-
-
 class VectorGate:
     """KDA (beta [B, T, HV], no write gate) and GDN2 (beta: the erase gate b [B, T, H, K];
     w_gate: the write gate [B, T, H, V])."""
@@ -56,17 +49,12 @@ class VectorGate:
 
     @staticmethod
     def intra(t: Tensors, call, pk):
-        full = call.policy == "full"
+        options = dict(safe_gate=call.safe_gate, disable_recompute=call.policy == "full", **pk)
         if t.w_gate is None:
-            t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = fla_stages.kda_intra(
-                t.q, t.k, t.v, t.g2, t.beta, call.scale, safe_gate=call.safe_gate, disable_recompute=full, **pk)
+            stage = fla_stages.kda_intra(t.q, t.k, t.v, t.g2, t.beta, call.scale, **options)
         else:
-            from fla.ops.gdn2.chunk_intra import chunk_gdn2_fwd_intra
-
-            t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = chunk_gdn2_fwd_intra(
-                q=t.q, k=t.k, v=t.v, gk=t.g2, **_gates(t), scale=call.scale, chunk_size=CHUNK,
-                safe_gate=call.safe_gate, disable_recompute=full, cu_seqlens=pk.get("cu_seqlens"),
-                chunk_indices=pk.get("chunk_indices"))
+            stage = fla_stages.gdn2_intra(t.q, t.k, t.v, t.g2, t.beta, t.w_gate, call.scale, **options)
+        t.w, t.u, t.qg, t.kg, t.Aqk, t.Akk = stage
 
     @staticmethod
     def state_inputs(t: Tensors) -> dict:
@@ -82,11 +70,7 @@ class VectorGate:
         if t.w_gate is None:
             t.w, t.u, t.qg, t.kg = fla_stages.kda_recompute(t.k, t.v, t.beta, t.Akk, t.g2, q=t.q, **pk)
         else:
-            from fla.ops.gdn2.wy_fast import recompute_w_u_fwd_gdn2
-
-            t.w, t.u, t.qg, t.kg = recompute_w_u_fwd_gdn2(
-                k=t.k, v=t.v, **_gates(t), A=t.Akk, gk=t.g2, q=t.q, cu_seqlens=pk.get("cu_seqlens"),
-                chunk_indices=pk.get("chunk_indices"))
+            t.w, t.u, t.qg, t.kg = fla_stages.gdn2_recompute(t.k, t.v, t.beta, t.w_gate, t.Akk, t.g2, q=t.q, **pk)
 
     @staticmethod
     def reverse(t: Tensors, do, dht, call, pk):
