@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import rewy_hf
 from rewy_hf.kernels.triton_backend import state_checkpoints as C
 from rewy_hf.kernels.triton_backend import state_launch
-from rewy_hf.kernels.triton_backend.scalar_gate import stages
 from rewy_hf.kernels import triton_entry
 from rewy_hf.rel_error import rel_err
 from state_loops import loop_bwd_dhu, loop_fwd_h, replace_recurrences
