@@ -14,6 +14,7 @@ so the counts are indicative; a profiler on the GPU has the final word.
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra gdn-local
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra --warps 2 --stages 2 --block-k 32
     python -m rewy_hf.bench.kernel_registers --kernel gdn-local --warps 8 --stages 2 --bv 32
+    python -m rewy_hf.bench.kernel_registers --kernel kda-wy --packed    # as a packed-sequence call compiles it
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-pre
 _INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 
 
-def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None):
-    """(autotuned kernel, dtype group, constexpr values) of one rewy kernel at K, V and H heads."""
+def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None,
+                packed: bool = False):
+    """(autotuned kernel, dtype group, constexpr values) of one rewy kernel at K, V and H heads; ``packed``:
+    as a call with packed sequences (``cu_seqlens``) compiles it, else as one with full chunks only."""
     from rewy_hf.kernels.triton_backend.scalar_gate import local_backward, prestage, reverse_walk
     from rewy_hf.kernels.triton_backend.vector_gate import common, intra_backward, wy_backward
 
@@ -55,24 +58,24 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name in ("kda-intra", "gdn2-intra"):
         bk = block_k or common.INTRA_BLOCK_K
         const = dict(heads, BC=common.SUB_BLOCK, BK=bk, NC=64 // common.SUB_BLOCK, NDB=triton.cdiv(K, 64) + 1,
-                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=False, FULL=K % bk == 0,
+                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=packed, FULL=not packed and K % bk == 0,
                      PREC=common.INTRA_PRECISION, DPREC=common.DIAG_PRECISION)
         return intra_backward.rewy_kda_bwd_intra_kernel, "intra", const
     if name in ("kda-wy", "gdn2-wy"):
         bk = block_k or 64
         const = dict(heads, V=V, BK=bk, NK=triton.cdiv(K, bk), VEC=name == "gdn2-wy", STATE_V_FIRST=False,
-                     IS_VARLEN=False, WPREC=common.WY_PRECISION, FULL_T=True)
+                     IS_VARLEN=packed, WPREC=common.WY_PRECISION, FULL_T=not packed)
         return wy_backward.rewy_kda_bwd_wy_kernel, "wy", const
     if name == "gdn-local":
         return local_backward.rewy_gdn_bwd_local_kernel, "gdn-local", dict(heads, V=V, BK=block_k or 64, USE_G=True,
-                                                                           IS_VARLEN=False, FULL_T=True)
+                                                                           IS_VARLEN=packed, FULL_T=not packed)
     if name == "gdn-prestage":
         bk = block_k or 64          # the tile over K and V
         return prestage.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
-                                                             IS_VARLEN=False, FULL_T=True)
+                                                             IS_VARLEN=packed, FULL_T=not packed)
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
-        const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=False)
+        const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=packed)
         if name == "gdn-walk":
             return reverse_walk.rewy_gdn_walk_kernel, name, dict(const, USE_DHT=True, USE_DH0=True, NARROW=False)
         from fla.ops.common import chunk_delta_h as fla
@@ -153,6 +156,8 @@ def main() -> int:
     p.add_argument("--block-k", type=int, default=None, help="key channels per program (default: the wrapper's)")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
+    p.add_argument("--packed", action="store_true",
+                   help="compile each kernel as a call with packed sequences (cu_seqlens) does")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
     p.add_argument("--opcodes", type=int, default=0, help="also print the N most frequent SASS opcodes")
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -166,7 +171,7 @@ def main() -> int:
     rows = []
     for name in a.kernel:
         try:
-            kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k)
+            kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k, packed=a.packed)
         except ValueError as e:
             p.error(str(e))
         # a kernel without an autotune list is compiled as launched: 4 warps, Triton's default 3 stages
@@ -181,7 +186,7 @@ def main() -> int:
             use["instructions"] = sum(ops.values())
             knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
                      **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
-            rows.append(dict(kernel=name, **knobs, **use))
+            rows.append(dict(kernel=name, packed=a.packed, **knobs, **use))
             cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
             print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
                   f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}", flush=True)

@@ -49,6 +49,7 @@ def _runs(d):
     runs = {
         "stages": ["--kernel", "kda-intra", "gdn2-wy", "--opcodes", "40", *rows("stages")],
         "prestage": ["--kernel", "gdn-prestage", "--opcodes", "60", *rows("prestage")],
+        "packed": ["--kernel", "gdn-prestage", "--warps", "4", "--stages", "2", "--packed", *rows("packed")],
         "walk": ["--kernel", "gdn-walk", "--opcodes", "60", *rows("walk")],
         "pair32": [*pair(32), *rows("pair32")],
         "pair64": [*pair(64), *rows("pair64")],
@@ -136,6 +137,18 @@ def test_fused_prestage_compiles_to_tensor_cores_without_spills(runs):
     assert len(rows) == 4 and all(x["spill_bytes"] == 0 and 0 < x["registers"] <= 255 for x in rows)
     ops = r.stdout.splitlines()[1].split()
     assert "HGMMA" in ops or "HMMA" in ops
+
+
+def test_packed_build_carries_the_sequence_ends(runs):
+    """--packed compiles a kernel as a call with packed sequences (cu_seqlens) does: a chunk's rows end
+    where its sequence ends, read from the packing tables, so the build has the row masks and table
+    loads that the build for full chunks folds away: more instructions at the same config, still no
+    spills for the prestage."""
+    (packed,) = _ok(runs["packed"])
+    dense = [x for x in _ok(runs["prestage"]) if (x["warps"], x["stages"]) == (4, 2)]
+    assert len(dense) == 1 and packed["packed"] is True and dense[0]["packed"] is False
+    assert packed["instructions"] > dense[0]["instructions"], (packed, dense[0])
+    assert packed["spill_bytes"] == 0
 
 
 def test_walk_compiles_as_lean_as_flas_walk(runs):
