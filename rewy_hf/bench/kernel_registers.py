@@ -58,8 +58,8 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name in ("kda-intra", "gdn2-intra"):
         bk = block_k or common.INTRA_BLOCK_K
         const = dict(heads, BC=common.SUB_BLOCK, BK=bk, NC=64 // common.SUB_BLOCK, NDB=triton.cdiv(K, 64) + 1,
-                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=packed, FULL=not packed and K % bk == 0,
-                     PREC=common.INTRA_PRECISION, DPREC=common.DIAG_PRECISION)
+                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=packed,
+                     FULL=not packed and K % bk == 0, PREC=common.INTRA_PRECISION, DPREC=common.DIAG_PRECISION)
         return intra_backward.rewy_kda_bwd_intra_kernel, "intra", const
     if name in ("kda-wy", "gdn2-wy"):
         bk = block_k or 64
