@@ -11,9 +11,9 @@ Backward, around the shared skeleton (function.py): FLA's stages that ReWY
 leaves alone, their kernels launched by rewy -- the w/u/qg/kg recompute
 (``recompute`` only), the local dv with dAqk (``chunk_kda_bwd_dAv``, shared
 by KDA and GDN2 in FLA) and the reverse state recurrence -- then rewy's two
-kernels (backward.py) for what ReWY rewrites: Residual WY plus the inter-chunk dq/dk/dg terms, and the
-intra-chunk Gram backward by Matrix Intra with the gate's reverse cumulative
-sum.
+kernels (backward.py) for what ReWY rewrites: Residual WY plus the
+inter-chunk dq/dk/dg terms, and the intra-chunk Gram backward by Matrix
+Intra with the gate's reverse cumulative sum.
 
 Policies: ``recompute`` saves what FLA's default saves (inputs, the log2 gate
 cumsum, Aqk, Akk) and rebuilds w, qg, kg, h and v_new; ``full`` (FLA's
