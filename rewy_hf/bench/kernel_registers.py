@@ -8,8 +8,15 @@ instructions does it remove?" in seconds on a machine without a GPU.
 The instruction count is static (each instruction once, loops not
 unrolled); ``--opcodes N`` prints the N most frequent opcodes.
 What it cannot say is how fast the kernel runs: fewer spills do not always
-mean a faster kernel. The local triton may differ from the one the GPU runs,
-so the counts are indicative; a profiler on the GPU has the final word.
+mean a faster kernel. Each triton version compiles differently (the same
+kernel can spill 112 B under one and 312 B under another), so compile with the
+version the GPU machine runs: install it apart and put it first on the path,
+
+    pip install --no-deps --target /tmp/triton-3.6 triton==3.6.0
+    PYTHONPATH=/tmp/triton-3.6 python -P -m rewy_hf.bench.kernel_registers
+
+The first printed line and every JSON row name the triton that compiled.
+A profiler on the GPU has the final word.
 
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra gdn-local
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra --warps 2 --stages 2 --block-k 32
@@ -169,6 +176,7 @@ def main() -> int:
     if a.maxnreg and a.warps is None:
         p.error("--maxnreg needs --warps and --stages (it caps one config)")
     rows = []
+    print(f"triton {triton.__version__}, sm_{a.arch}, K = {a.K}, V = {a.V}{', packed' if a.packed else ''}", flush=True)
     for name in a.kernel:
         try:
             kernel, group, const = kernel_spec(name, a.K, a.V, block_k=a.block_k, packed=a.packed)
@@ -186,7 +194,7 @@ def main() -> int:
             use["instructions"] = sum(ops.values())
             knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
                      **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
-            rows.append(dict(kernel=name, packed=a.packed, **knobs, **use))
+            rows.append(dict(kernel=name, packed=a.packed, **knobs, **use, triton=triton.__version__))
             cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
             print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
                   f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}", flush=True)

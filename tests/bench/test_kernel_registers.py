@@ -135,8 +135,19 @@ def test_fused_prestage_compiles_to_tensor_cores_without_spills(runs):
     r = runs["prestage"]
     rows = _ok(r)
     assert len(rows) == 4 and all(x["spill_bytes"] == 0 and 0 < x["registers"] <= 255 for x in rows)
-    ops = r.stdout.splitlines()[1].split()
+    ops = r.stdout.splitlines()[2].split()           # after the compiler line and the first config
     assert "HGMMA" in ops or "HMMA" in ops
+
+
+def test_every_row_names_the_compiler(runs):
+    """Each triton version compiles differently, so the first printed line and every JSON row name the
+    triton that compiled (the one this process imports), and the header names the target."""
+    import triton
+
+    r = runs["prestage"]
+    assert r.stdout.splitlines()[0].startswith(f"triton {triton.__version__}, sm_90, K = 128, V = 128")
+    assert {x["triton"] for x in _ok(r)} == {triton.__version__}
+    assert runs["packed"].stdout.splitlines()[0].endswith(", packed")
 
 
 def test_packed_build_carries_the_sequence_ends(runs):
@@ -160,7 +171,7 @@ def test_walk_compiles_as_lean_as_flas_walk(runs):
     r = runs["walk"]
     rows = _ok(r)
     assert len(rows) == 18 and all(0 < x["registers"] <= 255 for x in rows)
-    ops = r.stdout.splitlines()[1].split()
+    ops = r.stdout.splitlines()[2].split()
     assert "HGMMA" in ops or "HMMA" in ops
     for bv in (32, 64):
         pair = {x["kernel"]: x for x in _ok(runs[f"pair{bv}"])}
