@@ -1,0 +1,111 @@
+"""docs/performance.md's per-shape tables and its summary are what `rewy-hf bench --from-json` makes of
+the kept bench files (docs/bench/ops/*.json), so an edited number, a table left behind after a
+rerun, or a summary that no longer follows its tables fails here.
+
+The section may add prose, "Source:" lines and notes between the generated tables, and it uses one
+heading level less than the command writes; every generated table line, note and header line must
+be in it, in the command's order, under the heading the command gives it."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from rewy_hf.cli import main
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+SUMMARY_OPS = {"DeltaNet": "delta_rule", "GDN*": "gdn", "KDA": "kda", "GDN2": "gdn2"}
+
+
+def _blocks(lines: list[str]) -> dict[str, list[str]]:
+    """Heading text (without its #'s) -> the lines under it, up to the next heading; "" for the lines
+    before the first heading."""
+    out, key = {"": []}, ""
+    for line in lines:
+        if line.startswith("#"):
+            key = line.lstrip("#").strip()
+            out[key] = []
+        else:
+            out[key].append(line)
+    return out
+
+
+def _is_subsequence(needles: list[str], haystack: list[str]) -> bool:
+    it = iter(haystack)
+    return all(any(line == n for line in it) for n in needles)
+
+
+def _section(doc: str, title: str) -> list[str]:
+    start = doc.index(f"\n## {title}\n")
+    end = doc.find("\n## ", start + 1)
+    return doc[start:end if end > 0 else None].splitlines()
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> dict[str, list[str]]:
+    out = tmp_path_factory.mktemp("published") / "ops.md"
+    files = sorted(str(p) for p in (DOCS / "bench" / "ops").glob("*.json"))
+    assert len(files) == 12
+    assert main(["bench", "--from-json", *files, "--markdown", str(out)]) == 0
+    return _blocks(out.read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def published() -> dict[str, list[str]]:
+    return _blocks(_section((DOCS / "performance.md").read_text(), "Per-shape tables"))
+
+
+def test_every_generated_table_is_published_unchanged(generated, published):
+    kept = lambda lines: [x for x in lines if x.strip()]  # noqa: E731
+    header = kept(generated[""])
+    assert header and header[0].startswith("Device: ")
+    assert _is_subsequence(header, published["Per-shape tables"]), "the header lines differ from the command's"
+    tables = [k for k in generated if k]
+    assert len(tables) == 8                       # four ops x two policies
+    for title in tables:
+        assert title in published, f"no table titled {title!r} in the per-shape section"
+        missing = [x for x in kept(generated[title]) if x not in published[title]]
+        assert not missing, (title, missing[:3])
+        assert _is_subsequence(kept(generated[title]), published[title]), f"{title}: lines out of order"
+
+
+def _table(lines: list[str]) -> list[list[str]]:
+    rows = [[c.strip() for c in x.strip().strip("|").split("|")] for x in lines if x.startswith("|")]
+    return [r for r in rows if not set("".join(r)) <= set("-")]
+
+
+def _summary_rows() -> dict[tuple[str, str], dict[str, str]]:
+    lines = _section((DOCS / "performance.md").read_text(), "Summary")
+    first = next(i for i, x in enumerate(lines) if x.startswith("|"))
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    head, *rows = _table(lines[first:end])              # the section's first table
+    return {(SUMMARY_OPS[r[0]], r[1]): dict(zip(head, (c.strip("*") for c in r))) for r in rows}
+
+
+def test_the_summary_follows_the_tables(generated):
+    """Each summary row's speed-ups are its table's geometric-mean lines; its peak memory is the worst
+    shape's rewy / FLA ratio; its gradient errors are the worst of each side's column."""
+    summary = _summary_rows()
+    assert len(summary) == 8
+    for title, lines in generated.items():
+        if not title:
+            continue
+        op, policy = re.match(r"(\w+), rewy policy (\w+) ", title).groups()
+        head, *rows = _table(lines)
+        col = {name.replace("*", ""): i for i, name in enumerate(head)}   # GDN's FLA* (timing only)
+        shapes = [r for r in rows if not r[0].startswith("geometric mean")]
+        mean = next(r for r in rows if r[0] == "geometric mean")
+        fastest = next(r for r in rows if r[0] == "geometric mean, fastest rounds")
+        s = summary[(op, policy)]
+        assert s["B speed-up"] == mean[col["B speedup"]], (op, policy)
+        assert s["B, fastest rounds"] == fastest[col["B speedup"]], (op, policy)
+        assert s["FB speed-up"] == mean[col["FB speedup"]], (op, policy)
+        worst = max(float(r[col["peak MB rewy"]]) / float(r[col["peak MB FLA"]]) for r in shapes)
+        assert math.isclose(float(s["peak memory rewy / FLA"]), worst, abs_tol=0.005), (op, policy, worst)
+        err_rewy, err_fla = (c.strip() for c in s["worst gradient error rewy / FLA"].split("/"))
+        assert float(err_rewy) == max(float(r[col["err rewy"]]) for r in shapes), (op, policy)
+        if err_fla != "timing only":
+            assert float(err_fla) == max(float(r[col["err FLA"]]) for r in shapes), (op, policy)
