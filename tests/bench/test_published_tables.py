@@ -125,3 +125,42 @@ def test_the_summary_follows_the_tables(generated):
         assert float(err_rewy) == max(float(r[col["err rewy"]]) for r in shapes), (op, policy)
         if err_fla != "timing only":
             assert float(err_fla) == max(float(r[col["err FLA"]]) for r in shapes), (op, policy)
+
+
+def _rows(*names: str) -> dict[tuple[str, tuple[int, int, int]], dict]:
+    import json
+
+    out = {}
+    for name in names:
+        for r in json.loads((DOCS / "bench" / name).read_text())["rows"]:
+            out[(r["policy"], (r["B"], r["T"], r["H"]))] = r
+    return out
+
+
+def test_the_flashqla_backward_table_follows_its_two_runs():
+    """The first table of "GDN against FlashQLA" sets FlashQLA's backward (the baseline of the runs with
+    flash-qla installed) against rewy's from the per-shape suite files, per policy; each ratio and
+    the geometric means are computed from the files' times."""
+    qla = _rows("flashqla/gdn-flashqla.json", "flashqla/gdn-flashqla-1_32768_32.json")
+    rewy = _rows("ops/04-gdn-recompute-h16.json", "ops/05-gdn-recompute-h32.json", "ops/06-gdn-full.json")
+    lines = _section((DOCS / "performance.md").read_text(), "GDN against FlashQLA")
+    first = next(i for i, x in enumerate(lines) if x.startswith("|"))
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    head, *rows = _table(lines[first:end])
+    assert head[:6] == ["B,T,H", "FlashQLA B ms", "rewy recompute B ms", "speed-up recompute", "rewy full B ms",
+                        "speed-up full"]
+    ratios = {"recompute": [], "full": []}
+    for r in rows[:-1]:
+        shape = tuple(int(x) for x in r[0].split(","))
+        q, rc, rf = qla[("recompute", shape)], rewy[("recompute", shape)], rewy[("full", shape)]
+        assert r[1] == f"{q['baseline_B_ms']:.3f}" and r[2] == f"{rc['rewy_B_ms']:.3f}", r
+        assert r[4] == f"{rf['rewy_B_ms']:.3f}", r
+        for policy, col, mine in (("recompute", 3, rc), ("full", 5, rf)):
+            ratio = qla[(policy, shape)]["baseline_B_ms"] / mine["rewy_B_ms"]
+            assert r[col] == f"{ratio:.2f}x", (r, policy, ratio)
+            ratios[policy].append(ratio)
+        assert r[6] == f"{q['baseline_peak_mb']:.0f} / {rc['rewy_peak_mb']:.0f}", r
+    assert len(rows) - 1 == 6 and rows[-1][0] == "geometric mean"
+    for policy, col in (("recompute", 3), ("full", 5)):
+        mean = math.exp(sum(map(math.log, ratios[policy])) / len(ratios[policy]))
+        assert rows[-1][col].strip("*") == f"{mean:.2f}x", (policy, mean)
