@@ -164,3 +164,32 @@ def test_the_flashqla_backward_table_follows_its_two_runs():
     for policy, col in (("recompute", 3), ("full", 5)):
         mean = math.exp(sum(map(math.log, ratios[policy])) / len(ratios[policy]))
         assert rows[-1][col].strip("*") == f"{mean:.2f}x", (policy, mean)
+
+
+def test_the_kda_tilelang_table_follows_its_runs():
+    """The table of "KDA against FLA with TileLang": FLA as installed is each run's baseline, FLA's
+    Triton path its `fla-triton` peer, in the same process; every figure and ratio comes from the
+    two kept files (packed rows by their sequence count)."""
+    import json
+
+    runs = {}
+    for name in ("kda-tilelang-4_4096_16.json", "kda-tilelang-packed-8_2048_16.json"):
+        for r in json.loads((DOCS / "bench" / "flashqla" / name).read_text())["rows"]:
+            runs[(r["B"], r["T"], r["H"], r["N"], r["policy"])] = r
+    lines = _section((DOCS / "performance.md").read_text(), "KDA against FLA with TileLang")
+    first = next(i for i, x in enumerate(lines) if x.startswith("|"))
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    head, *rows = _table(lines[first:end])
+    assert head[1:5] == ["policy", "FLA as installed (TileLang) B ms", "FLA Triton path B ms", "rewy B ms"]
+    assert len(rows) == len(runs) == 6
+    for r in rows:
+        shape, _, packed = r[0].partition(", ")
+        n = int(packed.split()[0]) if packed else 0
+        run = runs[(*(int(x) for x in shape.split(",")), n, r[1])]
+        triton_path = run["peers"]["fla-triton"]
+        assert r[2:5] == [f"{run['baseline_B_ms']:.3f}", f"{triton_path['B_ms']:.3f}", f"{run['rewy_B_ms']:.3f}"], r
+        assert r[5].strip("*") == f"{run['baseline_B_ms'] / run['rewy_B_ms']:.2f}x", r
+        assert r[6] == f"{triton_path['B_ms'] / run['rewy_B_ms']:.2f}x", r
+        assert r[7] == f"{run['baseline_peak_mb']:.0f} / {run['rewy_peak_mb']:.0f}", r
+        assert r[8] == f"{run['err_baseline']:.1e} / {run['err_rewy']:.1e}", r
+        assert run["ok"] and run["bound_ok"] and triton_path["err"] <= 1.1 * run["err_baseline"] + 1e-5, r
