@@ -8,6 +8,7 @@ command's header) must be in it, in the command's order, under the heading the c
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -93,11 +94,16 @@ def _table(lines: list[str]) -> list[list[str]]:
     return [r for r in rows if not set("".join(r)) <= set("-")]
 
 
-def _summary_rows() -> dict[tuple[str, str], dict[str, str]]:
-    lines = _section((DOCS / "performance.md").read_text(), "Summary")
+def _first_table(section: str) -> list[list[str]]:
+    """The cells of the first table in a section of performance.md, header row first."""
+    lines = _section((DOCS / "performance.md").read_text(), section)
     first = next(i for i, x in enumerate(lines) if x.startswith("|"))
     end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
-    head, *rows = _table(lines[first:end])              # the section's first table
+    return _table(lines[first:end])
+
+
+def _summary_rows() -> dict[tuple[str, str], dict[str, str]]:
+    head, *rows = _first_table("Summary")
     return {(SUMMARY_OPS[r[0]], r[1]): dict(zip(head, (c.strip("*") for c in r))) for r in rows}
 
 
@@ -128,8 +134,6 @@ def test_the_summary_follows_the_tables(generated):
 
 
 def _rows(*names: str) -> dict[tuple[str, tuple[int, int, int]], dict]:
-    import json
-
     out = {}
     for name in names:
         for r in json.loads((DOCS / "bench" / name).read_text())["rows"]:
@@ -143,10 +147,7 @@ def test_the_flashqla_backward_table_follows_its_two_runs():
     the geometric means are computed from the files' times."""
     qla = _rows("flashqla/gdn-flashqla.json", "flashqla/gdn-flashqla-1_32768_32.json")
     rewy = _rows("ops/04-gdn-recompute-h16.json", "ops/05-gdn-recompute-h32.json", "ops/06-gdn-full.json")
-    lines = _section((DOCS / "performance.md").read_text(), "GDN against FlashQLA")
-    first = next(i for i, x in enumerate(lines) if x.startswith("|"))
-    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
-    head, *rows = _table(lines[first:end])
+    head, *rows = _first_table("GDN against FlashQLA")
     assert head[:6] == ["B,T,H", "FlashQLA B ms", "rewy recompute B ms", "speed-up recompute", "rewy full B ms",
                         "speed-up full"]
     ratios = {"recompute": [], "full": []}
@@ -170,16 +171,11 @@ def test_the_kda_tilelang_table_follows_its_runs():
     """The table of "KDA against FLA with TileLang": FLA as installed is each run's baseline, FLA's
     Triton path its `fla-triton` peer, in the same process; every figure and ratio comes from the
     two kept files (packed rows by their sequence count)."""
-    import json
-
     runs = {}
     for name in ("kda-tilelang-4_4096_16.json", "kda-tilelang-packed-8_2048_16.json"):
         for r in json.loads((DOCS / "bench" / "flashqla" / name).read_text())["rows"]:
             runs[(r["B"], r["T"], r["H"], r["N"], r["policy"])] = r
-    lines = _section((DOCS / "performance.md").read_text(), "KDA against FLA with TileLang")
-    first = next(i for i, x in enumerate(lines) if x.startswith("|"))
-    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
-    head, *rows = _table(lines[first:end])
+    head, *rows = _first_table("KDA against FLA with TileLang")
     assert head[1:5] == ["policy", "FLA as installed (TileLang) B ms", "FLA Triton path B ms", "rewy B ms"]
     assert len(rows) == len(runs) == 6
     for r in rows:
