@@ -1,4 +1,4 @@
-"""Forgetting Triton's autotune picks between the op bench's shapes.
+"""Forgetting Triton's autotune picks between the op bench's shapes, and reading them back.
 
 A Triton autotuner times its configs at the first launch with a new key and
 keeps the winner for the rest of the process. FLA's keys mostly leave out the
@@ -9,6 +9,10 @@ at another where a different config is faster (docs/performance.md shows by
 how much). A training run at one shape tunes at that shape, so the bench
 forgets every pick before each shape: each is then timed with what a process
 running only that shape would run.
+
+``picks`` reads back what the autotuners chose, so that a bench row says which
+launch config each kernel ran at that shape (and ``kernel_registers --picks``
+can compile exactly those configs on a machine without a GPU).
 """
 
 from __future__ import annotations
@@ -57,3 +61,28 @@ def forget_picks(prefixes: tuple[str, ...] = BENCH_MODULES) -> int:
         tuner.cache.clear()
         tuner.cache_results = False
     return len(tuners)
+
+
+def _plain(value):
+    return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+
+
+def picks(prefixes: tuple[str, ...] = BENCH_MODULES) -> dict[str, list[dict]]:
+    """What every autotuner under ``prefixes`` has chosen so far: ``module.kernel`` -> one entry per tuned
+    key, each with the key's values (named by the autotuner's key list, then the dtypes of the tensor
+    arguments, as Triton builds the key) and the chosen config. Autotuners that chose nothing (none
+    launched, or a single config, which Triton runs without timing) are left out."""
+    out: dict[str, list[dict]] = {}
+    for tuner in autotuners(prefixes):
+        if not tuner.cache:
+            continue
+        fn = tuner.base_fn
+        entries = []
+        for key, config in tuner.cache.items():
+            key = list(key) if isinstance(key, tuple) else [key]
+            entries.append({"key_names": list(tuner.keys), "key": [_plain(v) for v in key],
+                            "kwargs": {k: _plain(v) for k, v in config.kwargs.items()},
+                            "num_warps": config.num_warps, "num_stages": config.num_stages,
+                            **({"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {})})
+        out[f"{fn.__module__}.{fn.__name__}"] = entries
+    return dict(sorted(out.items()))

@@ -22,6 +22,12 @@ A profiler on the GPU has the final word.
     python -m rewy_hf.bench.kernel_registers --kernel kda-intra --warps 2 --stages 2 --block-k 32
     python -m rewy_hf.bench.kernel_registers --kernel gdn-local --warps 8 --stages 2 --bv 32
     python -m rewy_hf.bench.kernel_registers --kernel kda-wy --packed    # as a packed-sequence call compiles it
+    python -m rewy_hf.bench.kernel_registers --picks run.json            # the configs a GPU bench run picked
+
+``--picks`` reads the ``autotune_picks`` that `rewy-hf bench` records in each
+row on a GPU and compiles each of rewy's kernels at the config it ran with
+there, with the constants of the autotune key (heads, head dims, key block,
+gate kind); constants outside the key are taken as ``kernel_spec`` sets them.
 """
 
 from __future__ import annotations
@@ -90,6 +96,49 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
         return fla.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64, name, dict(
             const, USE_GK=False, USE_INITIAL_STATE=True, USE_FINAL_STATE_GRADIENT=True, STATE_V_FIRST=False)
     raise ValueError(f"unknown kernel {name!r}: {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
+
+
+def picked_configs(path: str) -> tuple[list[dict], int]:
+    """The distinct picks of the kernels this tool builds in a `rewy-hf bench --json` file: dicts with the
+    kernel's name here, its constants, the config, ``packed`` and the rows (labels) that ran it; and how
+    many picks of other kernels (FLA's) were left out."""
+    with open(path) as f:
+        data = json.load(f)
+    by_function: dict[str, list[str]] = {}
+    for name in KERNELS:
+        by_function.setdefault(_jit_function(kernel_spec(name)[0]).__name__, []).append(name)
+    found: dict[tuple, dict] = {}
+    others = 0
+    for row in data.get("rows", []):
+        if "autotune_picks" not in row:
+            continue
+        packed = bool(row.get("N"))
+        label = f"{row['op']} {row['policy']} {row['B']},{row['T']},{row['H']}"
+        label += f",packed={row['N']}" if packed else ""
+        for qualified, entries in row["autotune_picks"].items():
+            names = by_function.get(qualified.rsplit(".", 1)[-1])
+            for e in entries:
+                if names is None:
+                    others += 1
+                    continue
+                key = dict(zip(e["key_names"], e["key"]))
+                # Matrix Intra and Residual WY serve KDA and GDN2: the key's VEC says which
+                name = names[-1] if len(names) > 1 and key.get("VEC") else names[0]
+                kernel, group, const = kernel_spec(name, key.get("K", 128), key.get("V", 128), key.get("H", 16),
+                                                   packed=packed)
+                const.update({k: v for k, v in key.items() if k in const})
+                if name == "fla-dhu":
+                    # FLA's key leaves out its key-wise gate, which KDA's and GDN2's walks use
+                    const["USE_GK"] = row["op"] in ("kda", "gdn2")
+                config = triton.Config(e["kwargs"], num_warps=e["num_warps"], num_stages=e["num_stages"],
+                                       maxnreg=e.get("maxnreg"))
+                ident = (name, tuple(sorted(const.items())), tuple(sorted(e["kwargs"].items())), e["num_warps"],
+                         e["num_stages"], e.get("maxnreg"), packed)
+                entry = found.setdefault(ident, dict(name=name, kernel=kernel, group=group, const=const,
+                                                     config=config, packed=packed, rows=[]))
+                if label not in entry["rows"]:
+                    entry["rows"].append(label)
+    return list(found.values()), others
 
 
 def _jit_function(kernel):
@@ -168,6 +217,8 @@ def main() -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
     p.add_argument("--opcodes", type=int, default=0, help="also print the N most frequent SASS opcodes")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--picks", default=None, metavar="RUN.json",
+                   help="compile each of rewy's kernels at the configs a GPU `rewy-hf bench --json` run picked")
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("TRITON_INTERPRET=1 makes Triton's kernels Python functions, which cannot be compiled: unset it")
@@ -175,6 +226,11 @@ def main() -> int:
         p.error("--warps and --stages go together")
     if a.maxnreg and a.warps is None:
         p.error("--maxnreg needs --warps and --stages (it caps one config)")
+    if a.picks:
+        if a.warps or a.stages or a.packed or a.bv or a.block_k or a.maxnreg or p.get_default("kernel") != a.kernel:
+            p.error("--picks takes the kernels, shapes and configs from the run's file: leave out --kernel, --warps, "
+                    "--stages, --maxnreg, --bv, --block-k and --packed")
+        return _compile_picks(a, p)
     rows = []
     print(f"triton {triton.__version__}, sm_{a.arch}, K = {a.K}, V = {a.V}{', packed' if a.packed else ''}", flush=True)
     for name in a.kernel:
@@ -195,11 +251,49 @@ def main() -> int:
             knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
                      **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
             rows.append(dict(kernel=name, packed=a.packed, **knobs, **use, triton=triton.__version__))
-            cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
-            print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
-                  f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}", flush=True)
+            print(_row(name, knobs, use, False), flush=True)
             if a.opcodes:
                 print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes)), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _row(name: str, knobs: dict, use: dict, packed: bool) -> str:
+    cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
+    return (f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
+            f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}"
+            + ("  (packed)" if packed else ""))
+
+
+def _compile_picks(a, p: argparse.ArgumentParser) -> int:
+    try:
+        picked, others = picked_configs(a.picks)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(f"--picks {a.picks}: not a `rewy-hf bench --json` file ({type(e).__name__}: {e})")
+    print(f"triton {triton.__version__}, sm_{a.arch}, the configs picked in {a.picks}", flush=True)
+    if not picked:
+        p.error(f"--picks {a.picks}: no row records a pick of a kernel this tool builds (`rewy-hf bench` records "
+                "them on a GPU, in each row's autotune_picks)")
+    rows = []
+    for e in picked:
+        c = e["config"]
+        compiled = compile_for(e["kernel"], e["group"], {**e["const"], **c.kwargs}, c.num_warps, c.num_stages,
+                               a.arch, c.maxnreg)
+        use = resource_usage(compiled)
+        ops = opcode_counts(compiled)
+        use["instructions"] = sum(ops.values())
+        knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
+                 **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
+        shape = {k: e["const"][k] for k in ("H", "HV", "K", "V", "BK") if k in e["const"]}
+        rows.append(dict(kernel=e["name"], packed=e["packed"], **knobs, **shape, **use, triton=triton.__version__,
+                         bench_rows=e["rows"]))
+        print(_row(e["name"], knobs, use, e["packed"]) + f"  <- {'; '.join(e['rows'])}", flush=True)
+        if a.opcodes:
+            print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes)), flush=True)
+    if others:
+        print(f"({others} picks of kernels this tool does not build, FLA's, left out)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

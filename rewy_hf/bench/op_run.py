@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..op_inputs import Shape
 from . import fla_backends
-from .autotune_picks import forget_picks
+from .autotune_picks import forget_picks, picks
 from .config import BOUND_CHECK, STRONG_CHECK
 from .op_bench import Settings, ShapeContext, baseline_description, load_kernel_modules, run_config
 from .output import environment, geomeans
@@ -84,6 +84,10 @@ def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Ca
                 continue
             for policy in run.policies:
                 row = run_config(ctx, policy, run.boundaries)
+                if run.cuda:
+                    # the configs FLA's and rewy's kernels ran at this shape (picks are kept across
+                    # the policies of one shape, so a later policy's row holds the earlier ones' too)
+                    row["autotune_picks"] = picks()
                 rows.append(row)
                 on_row(row)
                 step(f"{op} {shape.label} {policy}")

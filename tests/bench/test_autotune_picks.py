@@ -1,10 +1,11 @@
-"""The op bench forgets Triton's autotune picks before each shape (rewy_hf/bench/autotune_picks.py)."""
+"""The op bench forgets Triton's autotune picks before each shape and records the picks each row ran with
+(rewy_hf/bench/autotune_picks.py)."""
 
 from __future__ import annotations
 
 import triton
 
-from rewy_hf.bench.autotune_picks import autotuner_of, autotuners, forget_picks
+from rewy_hf.bench.autotune_picks import autotuner_of, autotuners, forget_picks, picks
 from rewy_hf.cli import build_parser
 
 
@@ -35,6 +36,33 @@ def test_picks_of_rewy_and_fla_kernels_are_forgotten():
     finally:
         for tuner in (ours, fla):
             tuner.cache.pop(("an earlier shape",), None)
+
+
+def test_picks_name_each_kernel_its_key_and_its_config():
+    """A pick reads back as the kernel's module and name, the key's values beside the autotuner's key
+    names (then the tensor dtypes, as Triton builds the key) and the chosen config; kernels that
+    chose nothing are left out, and the record is plain JSON."""
+    import json
+
+    from rewy_hf.kernels.triton_backend.vector_gate import wy_backward
+
+    ours, fla = wy_backward.rewy_kda_bwd_wy_kernel, _fla_dhu_tuner()
+    key = (1, 16, 16, 128, 128, 64, False, False, "torch.bfloat16", "torch.float32")
+    chosen = triton.Config({"BV": 64}, num_warps=8, num_stages=3)
+    forget_picks()
+    assert picks() == {}
+    ours.cache[key] = chosen
+    fla.cache[("fla key",)] = fla.configs[0]
+    try:
+        got = json.loads(json.dumps(picks()))
+        name = "rewy_hf.kernels.triton_backend.vector_gate.wy_backward.rewy_kda_bwd_wy_kernel"
+        assert got[name] == [{"key_names": ["SIZE", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
+                              "key": list(key), "kwargs": {"BV": 64}, "num_warps": 8, "num_stages": 3}]
+        (fla_name,) = [n for n in got if n != name]
+        assert fla_name.startswith("fla.ops.common.chunk_delta_h.") and got[fla_name][0]["key"] == ["fla key"]
+    finally:
+        ours.cache.pop(key, None)
+        fla.cache.pop(("fla key",), None)
 
 
 def test_only_the_named_modules_are_touched():

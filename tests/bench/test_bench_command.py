@@ -481,6 +481,11 @@ def test_gpu_op_level_against_fla(tmp_path, capsys):
             assert r["bound_ok"] and r["bound_err_baseline"] is not None and r["bound_err_rewy"] < 2e-2
         assert r["baseline_peak_mb"] > 0 and r["rewy_peak_mb"] > 0
         assert all(r[f"{s}_{b}_ms"] > 0 for s in ("baseline", "rewy") for b in ("B", "FB"))
+        # the configs the row ran with: rewy's backward kernels of its op and FLA's forward stages
+        ran = {name.rsplit(".", 1)[-1] for name in r["autotune_picks"]}
+        ours = {"rewy_kda_bwd_wy_kernel", "rewy_kda_bwd_intra_kernel"} if r["op"] != "delta_rule" else \
+            {"rewy_gdn_bwd_local_kernel"}
+        assert ours <= ran and any(name.startswith("fla.") for name in r["autotune_picks"]), sorted(ran)
 
 
 @pytest.mark.gpu

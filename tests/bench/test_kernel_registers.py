@@ -60,9 +60,42 @@ def _runs(d):
         "bv32": [*local(32), *rows("bv32")],
         "bv128": [*local(128), *rows("bv128")],
     }
+    runs.update(_picks_runs(d, rows))
     out = {name: (argv, {}) for name, argv in runs.items()}
     out["interpreted"] = (["--kernel", "kda-intra"], {"TRITON_INTERPRET": "1"})
     return out
+
+
+def _pick(names, key, kwargs, warps, stages):
+    return {"key_names": names, "key": key, "kwargs": kwargs, "num_warps": warps, "num_stages": stages}
+
+
+def _picks_runs(d, rows) -> dict:
+    """A bench file whose rows record the picks of a dense KDA row, a packed GDN row (as `rewy-hf bench`
+    writes them on a GPU; the picks match configs the other runs compile directly), a GDN2 row, and a
+    file without picks."""
+    intra = "rewy_hf.kernels.triton_backend.vector_gate.intra_backward.rewy_kda_bwd_intra_kernel"
+    prestage = "rewy_hf.kernels.triton_backend.scalar_gate.prestage.rewy_gdn_prestage_kernel"
+    wy = "rewy_hf.kernels.triton_backend.vector_gate.wy_backward.rewy_kda_bwd_wy_kernel"
+    bench = {"kind": "ops", "rows": [
+        {"op": "kda", "policy": "full", "B": 8, "T": 2048, "H": 16, "N": 0, "autotune_picks": {
+            intra: [_pick(["SIZE", "H", "HV", "K", "BK", "VEC", "NDB", "NKI"],
+                          [3, 16, 16, 128, 64, False, 3, 2, "torch.bfloat16", "torch.float32"], {}, 2, 3)],
+            "fla.ops.kda.chunk_intra.chunk_kda_fwd_kernel_intra_sub_chunk": [
+                _pick(["H", "K"], [16, 128, "torch.bfloat16"], {}, 4, 2)]}},
+        {"op": "gdn", "policy": "recompute", "B": 1, "T": 4096, "H": 16, "N": 2, "autotune_picks": {
+            prestage: [_pick(["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN"],
+                             [16, 16, 128, 128, 64, 64, 64, True, True, "torch.bfloat16"], {}, 4, 2)]}},
+        {"op": "gdn2", "policy": "full", "B": 8, "T": 2048, "H": 16, "N": 0, "autotune_picks": {
+            wy: [_pick(["SIZE", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
+                       [3, 16, 16, 128, 128, 64, True, False, "torch.bfloat16"], {"BV": 64}, 4, 1)]}}]}
+    (d / "bench.json").write_text(json.dumps(bench))
+    (d / "no-picks.json").write_text(json.dumps({"kind": "ops", "rows": [{"op": "kda", "policy": "full"}]}))
+    return {
+        "picks": ["--picks", str(d / "bench.json"), *rows("picks")],
+        "picks with a config": ["--picks", str(d / "bench.json"), "--warps", "2", "--stages", "2"],
+        "picks missing": ["--picks", str(d / "no-picks.json")],
+    }
 
 
 # The runs go to two subprocesses at once (ptxas and Triton's compiler use one core each), split so
@@ -208,3 +241,26 @@ def test_a_chosen_value_tile_is_compiled(runs):
     (narrow,), (wide,) = _ok(runs["bv32"]), _ok(runs["bv128"])
     assert narrow["BV"] == 32 and wide["BV"] == 128
     assert wide["shared_bytes"] > narrow["shared_bytes"] > 0
+
+
+def test_picks_of_a_bench_run_compile_as_those_configs(runs):
+    """--picks compiles each of rewy's kernels at the config a bench row recorded, with the autotune
+    key's constants and the row's packing: the same builds as naming the kernel and config directly
+    (same registers, spill, shared memory and instructions); FLA's picks are counted and left out."""
+    r = runs["picks"]
+    intra, prestage, wy = _ok(r)
+    (direct_intra,), (direct_packed,) = _ok(runs["uncapped"]), _ok(runs["packed"])
+    (direct_wy,) = [x for x in _ok(runs["stages"]) if x["kernel"] == "gdn2-wy" and x["BV"] == 64 and x["warps"] == 4]
+    fields = ("registers", "spill_bytes", "shared_bytes", "instructions")
+    assert intra["kernel"] == "kda-intra" and (intra["warps"], intra["stages"], intra["packed"]) == (2, 3, False)
+    assert all(intra[f] == direct_intra[f] for f in fields), (intra, direct_intra)
+    assert prestage["kernel"] == "gdn-prestage" and prestage["packed"] is True
+    assert all(prestage[f] == direct_packed[f] for f in fields), (prestage, direct_packed)
+    assert wy["kernel"] == "gdn2-wy" and (wy["BV"], wy["warps"], wy["stages"]) == (64, 4, 1)   # VEC: GDN2's build
+    assert all(wy[f] == direct_wy[f] for f in fields), (wy, direct_wy)
+    assert intra["bench_rows"] == ["kda full 8,2048,16"]
+    assert prestage["bench_rows"] == ["gdn recompute 1,4096,16,packed=2"]
+    assert "(1 picks of kernels this tool does not build, FLA's, left out)" in r.stdout
+    refused = runs["picks with a config"]
+    assert refused.returncode == 2 and "leave out --kernel, --warps" in refused.stderr
+    assert runs["picks missing"].returncode == 2 and "no row records a pick" in runs["picks missing"].stderr
