@@ -84,9 +84,10 @@ def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Ca
                 continue
             for policy in run.policies:
                 row = run_config(ctx, policy, run.boundaries)
-                if run.cuda:
-                    # the configs FLA's and rewy's kernels ran at this shape (picks are kept across
-                    # the policies of one shape, so a later policy's row holds the earlier ones' too)
+                if tune_per_shape:
+                    # the configs FLA's and rewy's kernels ran at this shape (picks are kept across the
+                    # policies of one shape, so a later policy's row holds the earlier ones' too; a run
+                    # that keeps them across shapes records none, as they would mix shapes)
                     row["autotune_picks"] = picks()
                 rows.append(row)
                 on_row(row)
