@@ -1,6 +1,8 @@
 """docs/performance.md's per-shape tables, its summary and its FlashQLA forward + backward tables
-are what `rewy-hf bench --from-json` makes of the kept bench files (docs/bench/), so an edited
-number, a table left behind after a rerun, or a summary that no longer follows its tables fails here.
+are what `rewy-hf bench --from-json` makes of the kept bench files (docs/bench/), and the tables
+computed from several files (FlashQLA's backward, KDA against TileLang, the README's op table) follow
+those files, so an edited number, a table left behind after a rerun, or a summary that no longer
+follows its tables fails here.
 
 A section may add prose, "Source:" lines and notes between the generated tables, and it picks its
 own heading levels; every generated table line and note (and, where the section carries it, the
@@ -189,3 +191,33 @@ def test_the_kda_tilelang_table_follows_its_runs():
         assert r[7] == f"{run['baseline_peak_mb']:.0f} / {run['rewy_peak_mb']:.0f}", r
         assert r[8] == f"{run['err_baseline']:.1e} / {run['err_rewy']:.1e}", r
         assert run["ok"] and run["bound_ok"] and triton_path["err"] <= 1.1 * run["err_baseline"] + 1e-5, r
+
+
+def test_the_readme_quotes_the_published_figures():
+    """README's op table: DeltaNet, KDA and GDN2 as performance.md's summary gives them; GDN (marked *)
+    from the rerun of GDN alone with its reverse state pass on rewy's walk (its kept file), by the
+    same rules: geometric mean of the backward ratios, worst peak-memory ratio."""
+    lines = (DOCS.parent / "README.md").read_text().splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("| op | `recompute` (default) |"))
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    _, *rows = _table(lines[first:end])
+    summary = _summary_rows()
+    walk = json.loads((DOCS / "bench" / "walk" / "gdn-six-shapes.json").read_text())["rows"]
+    names = {"DeltaNet": "delta_rule", "Gated DeltaNet (GDN)": "gdn", "Kimi Delta Attention (KDA)": "kda",
+             "Gated DeltaNet-2 (GDN2)": "gdn2"}
+    assert [r[0] for r in rows] == list(names)
+    for name, recompute, full, peak in rows:
+        op = names[name]
+        quoted = {"recompute": recompute.rstrip("*"), "full": full.rstrip("*")}
+        peaks = dict(zip(("recompute", "full"), (x.strip() for x in peak.split("/"))))
+        for policy in ("recompute", "full"):
+            if op == "gdn":
+                rs = [r for r in walk if r["policy"] == policy]
+                assert len(rs) == 6
+                mean = math.exp(sum(math.log(r["baseline_B_ms"] / r["rewy_B_ms"]) for r in rs) / len(rs))
+                worst = max(r["rewy_peak_mb"] / r["baseline_peak_mb"] for r in rs)
+                assert quoted[policy] == f"{mean:.2f}x" and peaks[policy] == f"{worst:.2f}", (op, policy)
+            else:
+                s = summary[(op, policy)]
+                assert quoted[policy] == s["B speed-up"], (op, policy)
+                assert peaks[policy] == s["peak memory rewy / FLA"], (op, policy)
