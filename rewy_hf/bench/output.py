@@ -254,10 +254,26 @@ def _profiled_sides(r: dict, boundary: str, base: str) -> list[tuple[str, dict]]
     return [(label, k) for label, k in sides if k]
 
 
+def _picked_config(r: dict, kernel: str) -> str:
+    """The launch config(s) the row's autotune picks hold for a kernel (by its function name), e.g.
+    "BV=64 w4 s1"; "" where the row has no pick of it (a kernel that is not autotuned, or a run made
+    before rows recorded their picks)."""
+    configs = []
+    for qualified, entries in (r.get("autotune_picks") or {}).items():
+        if qualified.rsplit(".", 1)[-1] == kernel:
+            for e in entries:
+                text = " ".join([*(f"{k}={v}" for k, v in e["kwargs"].items()), f"w{e['num_warps']}",
+                                 f"s{e['num_stages']}", *([f"maxnreg={e['maxnreg']}"] if e.get("maxnreg") else [])])
+                if text not in configs:
+                    configs.append(text)
+    return "; ".join(configs)
+
+
 def format_kernel_table(r: dict, boundary: str, base: str, device: str, markdown: bool = False) -> str:
     """Where each side's time goes in one row's profiled ``boundary`` run (--kernel-profile): its
     TOP_KERNELS largest kernels (on CPU: ATen operators, self time) with launches, summed ms and
-    share of the side's total."""
+    share of the side's total; where the row recorded its autotune picks, the config each autotuned
+    kernel ran with (warps w, pipeline stages s, and its tile sizes)."""
     from .kernel_profile import largest
 
     unit = "kernel" if device == "cuda" else "operator"
@@ -271,11 +287,14 @@ def format_kernel_table(r: dict, boundary: str, base: str, device: str, markdown
             body.append([label, f"({n_rest} other {unit}s)", str(launches_rest), f"{ms_rest:.3f}", share(ms_rest)])
         body.append([label, f"all {unit}s", str(sum(v["launches"] for v in kernels.values())), f"{total:.3f}",
                      "100 %" if total > 0 else "-"])
+    header = ["side", unit, "launches", "ms", "share"]
+    if r.get("autotune_picks"):
+        header.append("config")
+        body = [[*cells, _picked_config(r, cells[1])] for cells in body]
     what = {"B": "one backward", "FB": "one forward + backward"}.get(boundary, boundary)
     how = "device time" if device == "cuda" else "self CPU time"
     title = f"{r['op']}, rewy policy {r['policy']}, {shape_label(r)}: {unit}s of {what} ({how})"
-    lines = [f"##### {title}\n" if markdown else title,
-             *_table(["side", unit, "launches", "ms", "share"], body, markdown)]
+    lines = [f"##### {title}\n" if markdown else title, *_table(header, body, markdown)]
     notes = [f"{base if side == 'baseline' else side}: not profiled: {why}"
              for side, why in (r.get("kernel_profile_errors") or {}).get(boundary, {}).items()]
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if markdown else [f"  {n}" for n in notes]))

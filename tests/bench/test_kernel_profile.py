@@ -115,6 +115,30 @@ def test_the_table_keeps_the_largest_kernels_and_sums_the_rest():
     assert "| FLA |" not in text        # a side without a profile gets no lines
 
 
+def test_the_table_names_the_config_each_autotuned_kernel_ran_with():
+    """With the row's autotune picks, each kernel's line gets the config it ran with (one per distinct
+    config, in pick order); kernels without a pick get an empty cell, and the summary lines too."""
+    pick = lambda kwargs, w, s: {"key_names": [], "key": [], "kwargs": kwargs, "num_warps": w,  # noqa: E731
+                                 "num_stages": s}
+    row = {"op": "kda", "policy": "full", "B": 8, "T": 2048, "H": 16, "K": 128, "V": 128,
+           "baseline_kernels_B": {"chunk_bwd_kernel_dhu": {"ms": 0.2, "launches": 1}},
+           "rewy_kernels_B": {"rewy_kda_bwd_wy_kernel": {"ms": 0.6, "launches": 1},
+                              "chunk_bwd_kernel_dhu": {"ms": 0.2, "launches": 1},
+                              "vectorized_elementwise_kernel": {"ms": 0.01, "launches": 2}},
+           "autotune_picks": {
+               "rewy_hf.kernels.triton_backend.vector_gate.wy_backward.rewy_kda_bwd_wy_kernel": [
+                   pick({"BV": 64}, 4, 1)],
+               "fla.ops.common.chunk_delta_h.chunk_bwd_kernel_dhu": [
+                   pick({"BV": 32}, 4, 2), pick({"BV": 64}, 8, 3), pick({"BV": 32}, 4, 2)]}}
+    text = format_kernel_table(row, "B", "FLA", "cuda", markdown=True)
+    assert "| side | kernel | launches | ms | share | config |" in text
+    assert "| rewy | rewy_kda_bwd_wy_kernel | 1 | 0.600 | 74 % | BV=64 w4 s1 |" in text
+    assert "| FLA | chunk_bwd_kernel_dhu | 1 | 0.200 | 100 % | BV=32 w4 s2; BV=64 w8 s3 |" in text
+    assert "| rewy | vectorized_elementwise_kernel | 2 | 0.010 | 1 % |   |" in text   # an empty cell
+    del row["autotune_picks"]              # a run from before rows recorded picks: the table as it was
+    assert "config" not in format_kernel_table(row, "B", "FLA", "cuda", markdown=True)
+
+
 def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_path, capsys):
     _, path = profiled_run
     png = tmp_path / "speedup.png"
