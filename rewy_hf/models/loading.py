@@ -26,6 +26,10 @@ class ModelLoadError(RuntimeError):
     """The model could not be built or loaded; the message carries the loader's reason."""
 
 
+class TokenizerLoadError(ModelLoadError):
+    """The model loaded, but the tokenizer it ships did not; the message says what to install or fix."""
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -128,6 +132,33 @@ def load_causal_lm(spec: str, *, revision: str | None = None, dtype: torch.dtype
             raise ModelLoadError(f"could not load {spec!r}{hint}: {type(exc).__name__}: {exc}") from exc
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec, revision=revision, trust_remote_code=trust_remote_code)
-        except Exception:
-            tokenizer = None
+        except Exception as exc:
+            # A model without tokenizer files has no tokenizer; one whose tokenizer fails to load (a
+            # missing sentencepiece, custom code, a damaged file) must not be trained on other ids.
+            if not _has_tokenizer_files(spec, revision, source):
+                tokenizer = None
+            else:
+                reason = f"{type(exc).__name__}: {str(exc).rstrip('.')}"
+                raise TokenizerLoadError(
+                    f"{spec!r} has a tokenizer, but it could not be loaded: {reason}. Install "
+                    "the package it names (e.g. sentencepiece, tiktoken), pass trust_remote_code "
+                    "(--trust-remote-code) if it ships its own code, or repair its tokenizer files") from exc
+        else:
+            if not _has_tokenizer_files(spec, revision, source):
+                # transformers builds a tokenizer from the model's config alone, with a one-token
+                # vocabulary: every text would become that token
+                tokenizer = None
     return LoadedModel(model.to(device=device, dtype=dtype), tokenizer, source)
+
+
+# Files one of which every saved Hugging Face tokenizer writes.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def _has_tokenizer_files(spec: str, revision: str | None, source: str) -> bool:
+    if source == "local":
+        return any(os.path.isfile(os.path.join(spec, name)) for name in TOKENIZER_FILES)
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(spec, name, revision=revision), str) for name in TOKENIZER_FILES)

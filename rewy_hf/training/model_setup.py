@@ -5,6 +5,7 @@ directory or a hub id; and the Linear layers LoRA wraps.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -35,7 +36,7 @@ def load_model_and_tokenizer(args):
     """(model, tokenizer, source). Random-init presets get the byte tokenizer; a loaded model keeps its own
     tokenizer (or a byte tokenizer saved by this recipe), else the byte tokenizer. The embedding table is
     grown if the tokenizer has more ids than the model's vocabulary."""
-    from rewy_hf.models.loading import ModelLoadError, load_causal_lm
+    from rewy_hf.models.loading import ModelLoadError, TokenizerLoadError, load_causal_lm
     from rewy_hf.models.presets import PRESETS, build_preset
 
     spec = args.model
@@ -62,6 +63,8 @@ def load_model_and_tokenizer(args):
                           "or a hub id like org/name)")
     try:
         loaded = load_causal_lm(spec, revision=args.revision, trust_remote_code=args.trust_remote_code)
+    except TokenizerLoadError as exc:
+        raise RecipeError(str(exc)) from None
     except ModelLoadError as exc:
         raise RecipeError(f"{exc}. Check the path / hub id (offline? set HF_HUB_OFFLINE=1 and pre-download), or "
                           f"use a preset: {_all_presets()}") from None
@@ -69,6 +72,9 @@ def load_model_and_tokenizer(args):
     if is_dir and ByteTokenizer.saved_in(spec):
         tok = ByteTokenizer()
     elif tok is None:
+        # said aloud: byte ids replace the model's own special-token ids in its config
+        print(f"note: {spec} has no tokenizer files; training on byte ids (ByteTokenizer: bytes 0-255, bos/eos/pad "
+              "256-258), which also become the saved model's special-token ids", file=sys.stderr)
         tok = ByteTokenizer()
     return _fit_vocab(loaded.model, tok), tok, loaded.source
 

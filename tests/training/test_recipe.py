@@ -327,3 +327,23 @@ def test_no_cache_argument_only_where_the_forward_takes_it():
     qwen = build_preset("tiny-qwen3.5")
     assert _no_cache_kwargs(qwen) == {"use_cache": False}
     assert _no_cache_kwargs(get_peft_model(qwen, LoraConfig(r=2, target_modules=["q_proj"]))) == {"use_cache": False}
+
+
+def test_a_model_without_a_tokenizer_trains_on_byte_ids_and_says_so(tmp_path, capsys):
+    """A model directory without tokenizer files gets the byte tokenizer, whose special-token ids
+    replace the model's in its config, and the run says so (one whose tokenizer fails to load is
+    refused instead: tests/parity/test_parity_command.py)."""
+    from types import SimpleNamespace
+
+    from rewy_hf.models.presets import build_preset
+    from rewy_hf.training.data import ByteTokenizer
+    from rewy_hf.training.model_setup import load_model_and_tokenizer
+
+    build_preset("tiny-qwen3.5").save_pretrained(tmp_path / "no_tokenizer")
+    args = SimpleNamespace(model=str(tmp_path / "no_tokenizer"), revision=None, trust_remote_code=False, seed=0)
+    model, tok, source = load_model_and_tokenizer(args)
+    assert isinstance(tok, ByteTokenizer) and source == "local"
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+    assert model.get_input_embeddings().num_embeddings >= len(tok)
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / 'no_tokenizer'} has no tokenizer files; training on byte ids" in err
