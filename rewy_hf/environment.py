@@ -141,8 +141,11 @@ def _backends(fla_ok: bool) -> dict[str, dict[str, Any]]:
                                             "over 256 go to the torch backend under auto"}
     from .kernels.flash_qla_route import environment_reason
 
-    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    why_not = environment_reason("cuda" if torch.cuda.is_available() else "cpu", index)
+    try:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        why_not = environment_reason("cuda" if torch.cuda.is_available() else "cpu", index)
+    except Exception as exc:        # a driver problem: this report exists to show it
+        why_not = f"its GPU check failed: {type(exc).__name__}: {exc}"
     flash_qla = ({"usable": False, "reason": why_not} if why_not else
                  {"usable": True, "reason": "GDN calls with K = V = 128 in bf16/fp16 go to FlashQLA's kernels under "
                                             "auto where it is faster (kernels/flash_qla_route.py)"})

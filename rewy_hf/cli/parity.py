@@ -1,14 +1,15 @@
 """`rewy-hf parity`: prove on your own model that rewy changes nothing it computes.
 
 Exit codes: 0 parity holds, 1 a tolerance was violated, 2 could not run
-(load failure, no supported layer, unsupported configuration, or no optimized
-backward ran).
+(load failure, no supported layer, unsupported configuration, no optimized
+backward ran, or a crash on either side, whose traceback is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from ..validation import POLICIES
 from .options import (DTYPES, NO_CUDA, JsonReport, add_backend, add_device, add_dtype, add_json, at_least, tolerance,
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         except (ModelLoadError, UnsupportedConfigError, ValueError) as exc:
             return could_not_run(str(exc))
         except Exception as exc:
+            # a crash on either side: its traceback is the evidence, so it is printed before the summary
+            traceback.print_exc(file=sys.stderr)
             return could_not_run(f"{type(exc).__name__}: {exc}")
 
         if result.optimized_backward_calls == 0:

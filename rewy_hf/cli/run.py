@@ -17,7 +17,6 @@ else 0. See docs/run.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
             with post_init_hook(recorder):
                 status, error = run_script(script, argv)
         finally:
-            with contextlib.suppress(Exception):
+            try:
                 recorder.unpatch()
+            except Exception as exc:    # the script's own outcome stays the result; the failed restore is said
+                print(f"rewy-hf run: restoring the patched models failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
     after = dispatch_report()
     script_status = status
 

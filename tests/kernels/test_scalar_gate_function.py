@@ -50,7 +50,8 @@ def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False, tol=
     leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     q, k, v, g, beta, h0 = leaves
     o, ht = triton_entry.triton_gdn_core(q, k, v, g, beta, K ** -0.5, h0, True, False, policy, cu_seqlens, qk_l2norm)
-    ref_leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    # the ground truth: the torch backend in float64 on the same values
+    ref_leaves = [None if t is None else t.double().requires_grad_() for t in inputs]
     rq, rk, rv, rg, rb, rh0 = ref_leaves
     kw = dict(scale=K ** -0.5, initial_state=rh0, output_final_state=True, backend="torch", cu_seqlens=cu_seqlens,
               use_qk_l2norm_in_kernel=qk_l2norm)
@@ -60,7 +61,8 @@ def _compare(op, inputs, do, dht, policy, cu_seqlens=None, qk_l2norm=False, tol=
         o_ref, ht_ref = rewy_hf.chunk_delta_rule(rq, rk, rv, rb, **kw)
     live = [i for i, t in enumerate(leaves) if t is not None]
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[i] for i in live])
-    ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref_leaves[i] for i in live])
+    ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht_ref * dht.double()).sum(),
+                              [ref_leaves[i] for i in live])
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
     errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
     errors.update({names[i]: rel_err(a, b) for i, a, b in zip(live, grads, ref)})

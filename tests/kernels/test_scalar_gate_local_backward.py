@@ -68,18 +68,12 @@ def _nan_filled_buffers(monkeypatch):
 def test_kernel_matches_torch_stage(kind, T, K, V, monkeypatch):
     N, H, HV = 2, 1, 2
     NT = math.ceil(T / C)
-    x, gt, s, do, dVn, dHnext, ref = _stages(kind, N, H, HV, NT, K, V, T, seed=T + V)
+    # the stages and their gradients in float64 (the ground truth), the kernel fed their float32 copies
+    x, gt, s, do, dVn, dHnext, ref = _stages(kind, N, H, HV, NT, K, V, T, seed=T + V, dtype=torch.float64)
     fla = lambda t: _to_fla(t, T)
-    q = fla(x.q)[:, :, ::HV // H].contiguous()          # key heads only; the kernel maps value head -> key head
-    k = fla(x.k)[:, :, ::HV // H].contiguous()
-    g2 = fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None
-    A = fla(s.A)
-    h = s.Hs.permute(1, 0, 2, 3, 4).contiguous()
-    dh = dHnext.permute(1, 0, 2, 3, 4).contiguous()
     _nan_filled_buffers(monkeypatch)
-    dq, dk, dv, dg, db = rewy_gdn_bwd_local(
-        q, k, fla(x.v), fla(s.Vn), g2, fla(x.b)[..., 0], A, h, dh,
-        fla(do), fla(dVn), scale=x.scale)
+    dq, dk, dv, dg, db = rewy_gdn_bwd_local(**_float32(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV)),
+                                            scale=x.scale)
     rq, rk, rv, rg, rb, _ = ref
     errors = {"dq": rel_err(dq, fla(rq)), "dk": rel_err(dk, fla(rk)), "dv": rel_err(dv, fla(rv)),
               "db": rel_err(db, fla(rb)[..., 0])}
@@ -88,7 +82,13 @@ def test_kernel_matches_torch_stage(kind, T, K, V, monkeypatch):
     assert max(errors.values()) < 1e-5, errors
 
 
+def _float32(inputs: dict) -> dict:
+    return {n: None if t is None else t.float() for n, t in inputs.items()}
+
+
 def _kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV):
+    """The kernel's arguments in FLA's layout (q and k: key heads only; the kernel maps each value head
+    to its key head)."""
     fla = lambda t: _to_fla(t, T)
     return dict(
         q=fla(x.q)[:, :, ::HV // H].contiguous(), k=fla(x.k)[:, :, ::HV // H].contiguous(), v=fla(x.v),
@@ -105,8 +105,9 @@ def test_kernel_packed_sequences(kind, monkeypatch):
     lengths = [70, 130, 20]
     parts, refs = [], []
     for i, T in enumerate(lengths):
-        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=50 + i)
-        parts.append(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV))
+        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=50 + i,
+                                                   dtype=torch.float64)
+        parts.append(_float32(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV)))
         refs.append([_to_fla(r, T) for r in ref[:5]])
     packed = {name: (None if parts[0][name] is None else
                      torch.cat([p[name] for p in parts], dim=1)) for name in parts[0] if name not in ("h", "dh")}
@@ -124,7 +125,7 @@ def test_kernel_packed_sequences(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("log_gate", [-10.0, -20.0])
-def test_gate_gradient_under_strong_decay(log_gate):
+def test_gate_gradient_under_strong_decay(log_gate, monkeypatch):
     """A log-gate near -10 (or -20) per token spans e^-640 (e^-1280) in one chunk. The stages are
     formed in float64 and the kernel, fed their float32 copies, must keep q, k, v and beta's
     gradients to float32 accuracy and the gate's to the float32 cumulative gate's own rounding
@@ -135,8 +136,8 @@ def test_gate_gradient_under_strong_decay(log_gate):
     T, K, V, N, H, HV = 2 * C, 64, 32, 1, 1, 2
     x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, 2, K, V, T, seed=11, log_gate=log_gate,
                                                dtype=torch.float64)
-    inputs = {n: None if t is None else t.float() for n, t in
-              _kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV).items()}
+    inputs = _float32(_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV))
+    _nan_filled_buffers(monkeypatch)
     out = rewy_gdn_bwd_local(**inputs, scale=x.scale)
     errors = {}
     for name, o, r in zip(("dq", "dk", "dv", "dg", "db"), out, [_to_fla(t, T) for t in ref[:5]]):
@@ -144,12 +145,15 @@ def test_gate_gradient_under_strong_decay(log_gate):
     assert errors["dg"] < 1e-4 and max(v for n, v in errors.items() if n != "dg") < 1e-6, errors
 
 
-def test_kernel_with_one_key_block_of_128():
-    """block_k=128: one program per chunk covers K (the wrapper's other allowed width)."""
+def test_kernel_with_one_key_block_of_128(monkeypatch):
+    """block_k=128: one program per chunk covers K (the wrapper's other allowed width); stages in
+    float64, the kernel fed their float32 copies."""
     T, K, V, N, H, HV = 100, 128, 32, 1, 1, 1
-    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, math.ceil(T / C), K, V, T, seed=7)
-    out = rewy_gdn_bwd_local(**_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV), scale=x.scale,
-                             block_k=128)
+    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, math.ceil(T / C), K, V, T, seed=7,
+                                               dtype=torch.float64)
+    inputs = _float32(_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV))
+    _nan_filled_buffers(monkeypatch)
+    out = rewy_gdn_bwd_local(**inputs, scale=x.scale, block_k=128)
     for o, r in zip(out, [_to_fla(t, T) for t in ref[:5]]):
         r = r[..., 0] if o.dim() == 3 else r
         assert rel_err(o, r) < 1e-5

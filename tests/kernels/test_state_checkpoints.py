@@ -180,14 +180,15 @@ def test_function_rebuilds_states_from_checkpoints(op, B, cu, monkeypatch):
     # one chunk; 1 + 2 + 2 packed).
     expected = B * 2 if cu is None else 5
     assert calls == [None if cu is None else N, expected], calls
-    ref_leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    ref_leaves = [None if t is None else t.double().requires_grad_() for t in inputs]   # float64 ground truth
     rq, rk, rv, rg, rb, rh0 = ref_leaves
     kw = dict(scale=32 ** -0.5, initial_state=rh0, output_final_state=True, backend="torch", cu_seqlens=cu)
     if op == "gdn":
         o_ref, ht_ref = rewy_hf.chunk_gated_delta_rule(rq, rk, rv, rg, rb, **kw)
     else:
         o_ref, ht_ref = rewy_hf.chunk_delta_rule(rq, rk, rv, rb, **kw)
-    ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref_leaves[i] for i in live])
+    ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht_ref * dht.double()).sum(),
+                              [ref_leaves[i] for i in live])
     errors = {i: rel_err(a, b) for i, a, b in zip(live, grads, ref)}
     assert rel_err(o, o_ref) < 2e-5 and max(errors.values()) < 2e-5, errors
 
@@ -204,8 +205,8 @@ def test_function_keeps_the_sequential_rebuild_where_no_sequence_is_cut(monkeypa
     o, _ = triton_entry.triton_gdn_core(q, k, v, g, beta, 32 ** -0.5, None, False, False, "recompute", None)
     grads = torch.autograd.grad((o * do).sum(), [q, k, v, g, beta])
     assert calls == [None, None], calls
-    ref = [t.clone().requires_grad_() for t in inputs[:5]]
+    ref = [t.double().requires_grad_() for t in inputs[:5]]                             # float64 ground truth
     o_ref, _ = rewy_hf.chunk_gated_delta_rule(*ref, scale=32 ** -0.5, backend="torch")
-    ref_grads = torch.autograd.grad((o_ref * do).sum(), ref)
+    ref_grads = torch.autograd.grad((o_ref * do.double()).sum(), ref)
     assert rel_err(o, o_ref) < 2e-5
     assert max(rel_err(a, b) for a, b in zip(grads, ref_grads)) < 2e-5

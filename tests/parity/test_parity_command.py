@@ -292,6 +292,7 @@ def test_crash_of_the_reference_core_gets_no_reference_hint(capsys, monkeypatch)
     assert code == 2
     assert "could not run: RuntimeError: this core refuses to run here" in err
     assert "--reference" not in err
+    assert "Traceback (most recent call last)" in err and "in _refusing" in err, "the crash is shown, not hidden"
 
 
 def test_crash_outside_the_comparison_gets_no_reference_hint(capsys, monkeypatch):
