@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.nn as nn
@@ -22,8 +22,7 @@ class Adapter:
     convolution as shifted multiply-adds that inductor fuses (kernels/short_conv.py); otherwise
     it keeps its implementation. ``call(args, kwargs, *, backend, policy)`` receives
     the arguments the layer passed to that function and returns ``(o, state)``
-    from a rewy op. ``check(layer)`` returns a reason when a layer instance
-    cannot be served, else None.
+    from a rewy op.
     """
 
     family: str
@@ -31,12 +30,8 @@ class Adapter:
     layer_classes: tuple[str, ...]
     site: str
     call: Callable
-    check: Callable[[nn.Module], str | None] = field(default=None)
     decode_site: str | None = None
     conv_site: str | None = None
-
-    def unsupported_reason(self, layer: nn.Module) -> str | None:
-        return None if self.check is None else self.check(layer)
 
     @property
     def sites(self) -> tuple[str, ...]:

@@ -164,7 +164,7 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
 def _common(op, q, k, v, scale, initial_state, cu_seqlens, state_v_first, backend, policy, extras, allow_gva):
     B, T, H, K, HV, V = check_qkv(q, k, v, allow_gva)
     check_chunk_size(extras.get("chunk_size", 64))
-    N = check_cu_seqlens(cu_seqlens, B, T)
+    N = check_cu_seqlens(cu_seqlens, B)
     check_initial_state(initial_state, N, HV, K, V, state_v_first, compute_dtype(q) == torch.float64)
     reason = triton_unsupported_reason(q)
     chosen = resolve_backend(backend, q.device, reason)

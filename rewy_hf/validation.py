@@ -79,7 +79,7 @@ def check_scale(scale) -> float:
     return value
 
 
-def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+def check_cu_seqlens(cu_seqlens, B: int) -> int:
     """Returns the number of sequences N. Reads no tensor values (a traced call must not);
     ``check_cu_seqlens_values`` checks the bounds inside the core."""
     if cu_seqlens is None:

@@ -45,12 +45,9 @@ class GateTerms:
     decay: torch.Tensor   # e^{G_C}, [..., 1, Dg]
     gamma: torch.Tensor | None  # scalar gates: exp(G_i - G_j) for j < i, else None
 
-    @property
-    def scalar(self) -> bool:
-        return self.gamma is not None
-
     def pair_decay(self, inclusive: bool) -> torch.Tensor | None:
-        """The C x C decay of a scalar-gated Gram (the diagonal is exp(0) = 1)."""
+        """The C x C decay of a scalar-gated Gram: exp(G_i - G_j) below the diagonal, and on it
+        exp(0) = 1 when ``inclusive``, else 0."""
         if self.gamma is None or not inclusive:
             return self.gamma
         return self.gamma + torch.eye(self.gamma.shape[-1], dtype=self.gamma.dtype, device=self.gamma.device)

@@ -228,10 +228,6 @@ def patch_model(
             if looks_like_delta_rule(layer):
                 report.skipped.append(SkippedLayer(name, _layer_class(layer), "no rewy adapter for this layer class"))
             continue
-        reason = adapter.unsupported_reason(layer)
-        if reason is not None:
-            report.skipped.append(SkippedLayer(name, _layer_class(layer), reason))
-            continue
         _install_dispatcher(adapter, layer)
         layer.__dict__[_STATE_ATTR] = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback,
                                                  layer.__dict__.get("forward"))

@@ -14,9 +14,6 @@ import struct
 import zlib
 from pathlib import Path
 
-FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
-
-
 class MetricsWriter:
     """Appends records to ``path``. With ``resume_step``, first drops records of steps after it
     (written by a run that died before its next checkpoint), so the file stays one clean sequence."""
