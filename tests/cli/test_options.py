@@ -59,7 +59,7 @@ def test_every_help_shows_the_defaults(name):
 
 
 @pytest.mark.parametrize("name", ["bench", "parity", "run", "recipe"])
-def test_backend_means_rewys_backend(name):
+def test_backend_means_rewys_backend(name, capsys):
     parser = PARSERS[name]()
     args = parser.parse_args(REQUIRED.get(name, []))
     assert args.backend == "auto"
@@ -67,6 +67,7 @@ def test_backend_means_rewys_backend(name):
         assert parser.parse_args(["--backend", backend, *REQUIRED.get(name, [])]).backend == backend
     with pytest.raises(SystemExit):
         parser.parse_args(["--backend", "optimized", *REQUIRED.get(name, [])])
+    assert "invalid choice: 'optimized'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["bench", "parity"])

@@ -176,7 +176,7 @@ def test_hybrid_layout_puts_attention_where_asked(flash_attn_stub):
 
 
 def test_attn_config_is_validated():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"out-of-range layer 2; expected a value in \[0, 2\)"):
         gdn2_config("tiny", attn={"layers": [2], "num_heads": 4})   # only layers 0 and 1 exist
 
 

@@ -273,9 +273,10 @@ def test_initial_state_not_float32(op, dtype):
 
 @pytest.mark.parametrize("op", ALL)
 def test_initial_state_float64_with_float64_inputs(op):
-    """The float64 ground-truth path keeps a float64 state."""
-    o, _ = call(op, make_inputs(op, dtype=torch.float64), initial_state=state(1, 2, dtype=torch.float64))
-    assert o.dtype == torch.float64
+    """The float64 ground-truth path keeps a float64 state: output and final state in float64."""
+    o, ht = call(op, make_inputs(op, dtype=torch.float64), initial_state=state(1, 2, dtype=torch.float64),
+                 output_final_state=True)
+    assert o.dtype == ht.dtype == torch.float64
 
 
 @pytest.mark.parametrize("op", ALL)
@@ -378,11 +379,12 @@ def test_cu_seqlens_int_dtypes_accepted(op, dtype):
     """Packed sequences equal separate calls, whichever integer dtype."""
     inputs = make_inputs(op, T=10)
     o, ht = call(op, inputs, cu_seqlens=torch.tensor([0, 4, 10], dtype=dtype), output_final_state=True)
-    first = {n: x[:, :4] for n, x in inputs.items()}
-    o_first, ht_first = call(op, first, output_final_state=True)
-    torch.testing.assert_close(o[:, :4], o_first)
-    torch.testing.assert_close(ht[:1], ht_first)
     assert ht.shape[0] == 2
+    for i, (a, b) in enumerate(((0, 4), (4, 10))):
+        alone = {n: x[:, a:b] for n, x in inputs.items()}
+        o_alone, ht_alone = call(op, alone, output_final_state=True)
+        torch.testing.assert_close(o[:, a:b], o_alone)
+        torch.testing.assert_close(ht[i:i + 1], ht_alone)
 
 
 # -------------------------------------------------------------- chunk_size

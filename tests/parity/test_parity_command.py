@@ -76,7 +76,9 @@ def test_broken_core_fails_and_names_layers(tmp_path, capsys, monkeypatch):
     assert "model.layers.0.linear_attn.A_log" in bad
     assert not any(name.startswith("lm_head") for name in bad), "upstream-only parameters are unaffected"
     (norms,) = data["grad_norm"]
-    assert norms["patched"] != norms["unpatched"], "the corrupted core's gradients reach the global norm"
+    # a correct core leaves the global gradient norm within about 1e-8 (float32 rounding); one layer's
+    # gradients scaled by 1.05 move it by about 1e-3
+    assert norms["rel_diff"] > 1e-5, "the corrupted core's gradients reach the global norm"
 
 
 @pytest.mark.parametrize("fault", [None, "grad_scale=1.06"])   # a spec of its own: each warns once

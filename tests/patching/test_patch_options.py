@@ -26,7 +26,7 @@ def test_second_patch_with_other_options_is_refused_and_keeps_the_first():
 
 @pytest.mark.parametrize("thing", ["not a model", None, nn.Linear])
 def test_patching_something_that_is_not_a_module_is_named(thing):
-    with pytest.raises(UnsupportedConfigError, match="patch_model expects a torch.nn.Module"):
+    with pytest.raises(UnsupportedConfigError, match="patch_model expects a torch.nn.Module .*; load the model first"):
         rewy_hf.patch_model(thing)
 
 

@@ -56,7 +56,7 @@ def test_a_missing_run_names_the_file(tmp_path, capsys):
     _write(tmp_path, "single", [4.0, 3.0], 0.2, [10])
     assert main([str(tmp_path), "single", "nope"]) == 2
     err = capsys.readouterr().err
-    assert "nope.metrics.jsonl not found" in err and "metrics.jsonl" in err
+    assert "nope.metrics.jsonl not found; copy the run's metrics.jsonl there as nope.metrics.jsonl" in err
 
 
 def test_runs_as_a_module(tmp_path):

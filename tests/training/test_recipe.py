@@ -115,7 +115,9 @@ def test_resume_refuses_changed_settings(full_run, tmp_path, capsys):
     rc = _recipe_main()([*COMMON, "--seq-len", "96", "--max-steps", "5", "--output-dir", str(tmp_path),
                          "--resume", str(full_run / "checkpoint-3")])
     assert rc == 2
-    assert "seq_len: 80 vs 96" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "seq_len: 80 vs 96" in err
+    assert "resume with the checkpoint's settings, or start a new run in another --output-dir" in err
 
 
 def test_lora_script_entry(tmp_path):
@@ -179,7 +181,7 @@ def test_missing_data_file(tmp_path, capsys):
 def test_empty_data_file(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("  \n")
     err = _bad(tmp_path, capsys, "--data", str(tmp_path / "empty.txt"))
-    assert "empty" in err and "--data" in err
+    assert "is empty (no text); pass --data with a non-empty" in err
 
 
 def test_seq_len_longer_than_data(tmp_path, capsys):
@@ -218,7 +220,9 @@ def test_options_speak_the_commands_words(capsys):
     for old in (["--backend", "optimized"], ["--kernels", "auto"], ["--mixed-precision", "bf16"]):
         with pytest.raises(SystemExit):
             parser.parse_args(old)
-    assert capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert (f"argument {old[0]}: invalid choice: '{old[1]}'" in err
+                or f"unrecognized arguments: {' '.join(old)}" in err), err
     assert accelerate_mixed_precision("bfloat16") == "bf16" and accelerate_mixed_precision("float16") == "fp16"
     assert accelerate_mixed_precision("no") == "no"
     text = parser.format_help()
@@ -227,7 +231,7 @@ def test_options_speak_the_commands_words(capsys):
 
 def test_resume_without_checkpoint(tmp_path, capsys):
     err = _bad(tmp_path, capsys, "--resume")
-    assert "no complete checkpoint" in err
+    assert f"--resume: no complete checkpoint in {tmp_path / 'out'}; run without --resume to start fresh" in err
 
 
 # --- the pieces ----------------------------------------------------------------------------------
