@@ -231,8 +231,8 @@ def test_deltanet_short_sequences_never_reach_the_chunk_core():
 def test_patching_gdn_beside_flash_qla_says_what_runs(kind, monkeypatch):
     """Where FLA would run GDN through FlashQLA and the patched layers stay on rewy's kernels (a CPU
     model: auto serves it with the torch backend), patch_model warns and names the ways out; other
-    ops, and GDN without FlashQLA, patch silently. (On a GPU where rewy routes auto's GDN calls to
-    FlashQLA it notes that instead: the next test.)"""
+    ops, and GDN without FlashQLA, patch silently. Where rewy routes auto's GDN calls to FlashQLA (a
+    GPU it serves), patching with backend='auto' notes that instead, without a warning."""
     import warnings
 
     import rewy_hf.patching.flash_qla as fq
@@ -257,6 +257,11 @@ def test_patching_gdn_beside_flash_qla_says_what_runs(kind, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")                   # patching again changes nothing and says nothing new
         assert rewy_hf.patch_model(model, backend="torch").notes == []
+    rewy_hf.unpatch_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # routed: a note, not a warning
+        report = rewy_hf.patch_model(model)
+    assert report.notes == [fq.ROUTED_NOTE.format(n=2)]
     rewy_hf.unpatch_model(model)
 
 

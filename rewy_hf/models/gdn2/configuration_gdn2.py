@@ -7,7 +7,7 @@ hybrid layouts, e.g. ``{"layers": [3, 7], "num_heads": 16}``; it is validated
 by FLA's ``AttentionConfigBase`` exactly as in FLA's own configs.
 
 Presets (``gdn2_config(name, **overrides)``); parameter counts are exact for
-the listed settings and checked in ``tests/test_gdn2_model.py`` (built on the
+the listed settings and checked in ``tests/models/test_gdn2_model.py`` (built on the
 meta device, no memory used):
 
 ========== ====== ====== ============ ====== ======= ============ ==============
