@@ -200,6 +200,8 @@ def commit(partial: Path, final: Path) -> None:
         finally:
             os.close(fd)
     except OSError:
+        # some filesystems cannot open or fsync a directory (network mounts, some container
+        # overlays): the rename has happened, only its survival of a power loss is not assured
         pass
 
 

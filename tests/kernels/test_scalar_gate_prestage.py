@@ -28,7 +28,8 @@ def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _case(kind: str, N: int, H: int, HV: int, T: int, K: int, V: int, seed: int):
-    """The kernel's inputs in FLA's layout and the torch backend's w, u, dV_loc."""
+    """The kernel's inputs in FLA's layout (float32) and the torch backend's w, u, dV_loc computed in
+    float64 from the same values (the ground truth)."""
     NT = math.ceil(T / C)
     gen = torch.Generator().manual_seed(seed)
     shape = (NT, N, HV, C)
@@ -39,13 +40,14 @@ def _case(kind: str, N: int, H: int, HV: int, T: int, K: int, V: int, seed: int)
     g = F.logsigmoid(torch.randn(*shape, 1, generator=gen)) * valid if kind == "gdn" else torch.zeros(*shape, 1)
     b = torch.rand(*shape, 1, generator=gen) * valid
     do = torch.randn(*shape, V, generator=gen) * valid
+    q, k, v, g, b, do = (t.double() for t in (q, k, v, g, b, do))
     x = ChunkInputs(q, k, v, g, b, None, scale=K ** -0.5)
-    gt, s, _ = forward_pass(x, torch.zeros(N, HV, K, V))
-    fla = lambda t: _to_fla(t, T)
+    gt, s, _ = forward_pass(x, torch.zeros(N, HV, K, V, dtype=torch.float64))
+    fla = lambda t: _to_fla(t, T).float()
     inputs = dict(q=fla(q)[:, :, ::HV // H].contiguous(), k=fla(k)[:, :, ::HV // H].contiguous(), v=fla(v),
                   beta=fla(b)[..., 0], A=fla(s.A), do=fla(do),
                   g=fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None, scale=x.scale)
-    ref = (fla(s.WU[..., :K]), fla(s.WU[..., K:]), fla(s.Aqk.transpose(-1, -2) @ do))
+    ref = tuple(_to_fla(t, T) for t in (s.WU[..., :K], s.WU[..., K:], s.Aqk.transpose(-1, -2) @ do))
     return inputs, ref
 
 
