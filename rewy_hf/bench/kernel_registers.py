@@ -243,28 +243,33 @@ def main() -> int:
         configs = ([triton.Config(tuned, num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg)] if a.warps
                    else getattr(kernel, "configs", [triton.Config({}, num_warps=4, num_stages=3)]))
         for c in configs:
-            compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, a.arch,
-                                   c.maxnreg)
-            use = resource_usage(compiled)
-            ops = opcode_counts(compiled)
-            use["instructions"] = sum(ops.values())
-            knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
-                     **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
+            knobs, use = _measure(kernel, group, const, c, a.arch, a.opcodes, name)
             rows.append(dict(kernel=name, packed=a.packed, **knobs, **use, triton=triton.__version__))
-            print(_row(name, knobs, use, False), flush=True)
-            if a.opcodes:
-                print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes)), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    _write_rows(a.json, rows)
     return 0
 
 
-def _row(name: str, knobs: dict, use: dict, packed: bool) -> str:
+def _measure(kernel, group: str, const: dict, c: triton.Config, arch: int, opcodes: int, name: str,
+             packed: bool = False, note: str = "") -> tuple[dict, dict]:
+    """Compile one config, print its line (and its ``opcodes`` most frequent opcodes); (knobs, usage)."""
+    compiled = compile_for(kernel, group, {**const, **c.kwargs}, c.num_warps, c.num_stages, arch, c.maxnreg)
+    use = resource_usage(compiled)
+    ops = opcode_counts(compiled)
+    use["instructions"] = sum(ops.values())
+    knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages, **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
     cfg = " ".join(f"{k}={v}" for k, v in knobs.items())
-    return (f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
-            f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}"
-            + ("  (packed)" if packed else ""))
+    print(f"{name:<11} {cfg:<28} registers {use['registers']:>3}  spill {use['spill_bytes']:>4} B"
+          f"  shared {use['shared_bytes']:>6} B  instructions {use['instructions']:>5}"
+          + ("  (packed)" if packed else "") + note, flush=True)
+    if opcodes:
+        print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(opcodes)), flush=True)
+    return knobs, use
+
+
+def _write_rows(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def _compile_picks(a, p: argparse.ArgumentParser) -> int:
@@ -278,25 +283,14 @@ def _compile_picks(a, p: argparse.ArgumentParser) -> int:
                 "them on a GPU, in each row's autotune_picks)")
     rows = []
     for e in picked:
-        c = e["config"]
-        compiled = compile_for(e["kernel"], e["group"], {**e["const"], **c.kwargs}, c.num_warps, c.num_stages,
-                               a.arch, c.maxnreg)
-        use = resource_usage(compiled)
-        ops = opcode_counts(compiled)
-        use["instructions"] = sum(ops.values())
-        knobs = {**c.kwargs, "warps": c.num_warps, "stages": c.num_stages,
-                 **({"maxnreg": c.maxnreg} if c.maxnreg else {})}
+        knobs, use = _measure(e["kernel"], e["group"], e["const"], e["config"], a.arch, a.opcodes, e["name"],
+                              e["packed"], f"  <- {'; '.join(e['rows'])}")
         shape = {k: e["const"][k] for k in ("H", "HV", "K", "V", "BK") if k in e["const"]}
         rows.append(dict(kernel=e["name"], packed=e["packed"], **knobs, **shape, **use, triton=triton.__version__,
                          bench_rows=e["rows"]))
-        print(_row(e["name"], knobs, use, e["packed"]) + f"  <- {'; '.join(e['rows'])}", flush=True)
-        if a.opcodes:
-            print("    " + "  ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes)), flush=True)
     if others:
         print(f"({others} picks of kernels this tool does not build, FLA's, left out)", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    _write_rows(a.json, rows)
     return 0
 
 
