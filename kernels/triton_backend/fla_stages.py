@@ -107,6 +107,17 @@ def vector_output(q, v, g, A, h, scale, state_v_first=False, chunk_size=64, cu_s
     return o
 
 
+def _intra_buffers(k, heads: int, cu_seqlens, chunk_indices):
+    """NT, FLA's chunk table and the outputs of KDA's and GDN2's intra-chunk stage as FLA allocates them:
+    Aqk, Akk (zeroed: only its lower triangle is written) and the diagonal blocks Akkd."""
+    B, T = k.shape[:2]
+    NT, chunk_indices = chunk_table(T, cu_seqlens, 64, chunk_indices)
+    Aqk = k.new_empty(B, T, heads, 64)
+    Akk = torch.zeros(B, T, heads, 64, device=k.device, dtype=k.dtype)
+    Akkd = k.new_empty(B, T, heads, 16, dtype=torch.float32)
+    return NT, chunk_indices, Aqk, Akk, Akkd
+
+
 def kda_intra(q, k, v, gk, beta, scale, safe_gate=False, disable_recompute=False, cu_seqlens=None,
               chunk_indices=None):
     """w, u, qg (None unless ``disable_recompute``), kg, Aqk, Akk as FLA's ``chunk_kda_fwd_intra`` returns
@@ -118,10 +129,7 @@ def kda_intra(q, k, v, gk, beta, scale, safe_gate=False, disable_recompute=False
     B, T, H, K = k.shape
     HV = gk.shape[2]
     BT, BC = 64, 16
-    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
-    Aqk = k.new_empty(B, T, HV, BT)
-    Akk = torch.zeros(B, T, HV, BT, device=k.device, dtype=k.dtype)     # only its lower triangle is written
-    Akkd = k.new_empty(B, T, HV, BC, dtype=torch.float32)
+    NT, chunk_indices, Aqk, Akk, Akkd = _intra_buffers(k, HV, cu_seqlens, chunk_indices)
     if safe_gate:
         launch(chunk_intra.chunk_kda_fwd_kernel_intra_sub_chunk, (NT, BT // BC, B * HV), q=q, k=k, g=gk, beta=beta,
                Aqk=Aqk, Akk=Akkd, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV,
@@ -151,10 +159,7 @@ def gdn2_intra(q, k, v, gk, b, w_gate, scale, safe_gate=False, disable_recompute
 
     B, T, H, K = k.shape
     BT, BC = 64, 16
-    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
-    Aqk = k.new_empty(B, T, H, BT)
-    Akk = torch.zeros(B, T, H, BT, device=k.device, dtype=k.dtype)      # only its lower triangle is written
-    Akkd = k.new_empty(B, T, H, BC, dtype=torch.float32)
+    NT, chunk_indices, Aqk, Akk, Akkd = _intra_buffers(k, H, cu_seqlens, chunk_indices)
     if safe_gate:
         launch(chunk_intra.chunk_gdn2_fwd_kernel_intra_sub_chunk, (NT, BT // BC, B * H), q=q, k=k, g=gk, b=b,
                Aqk=Aqk, Akk=Akkd, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
