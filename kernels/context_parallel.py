@@ -23,12 +23,21 @@ column evolves on its own, linearly in (h_in, v). h_loc is the final state of
 the sequence's tokens run from h_in = 0. M is the final state of the same
 tokens run with v = 0 and h_in = I (K value columns); that run's output O
 (K columns) is the output's response to the initial state, o = O h_in, so
-dh_loc = O^T do. These extra forwards run without autograd; the backward adds
-one small product, no extra pass.
+dh_loc = O^T do. These extra runs are made without autograd: the forward runs
+the last local sequence twice (h_loc, then M), the backward runs the first
+one once more with v = 0 (O and M), which costs a forward of that sequence
+where keeping O from the forward would hold [T, HV, K] per layer.
+
+Both exchanges are custom ops (``rewy::cp_initial_state``, which also forms
+this rank's forward summary, and ``rewy::cp_final_state_grad``), and the
+call's per-row values reach them as tensors (context_parallel_call.py), so a
+compiled model keeps one graph through its context-parallel layers, and a
+new packing of the row compiles nothing new once the number of local
+sequences is a dynamic size (dynamo makes it one at its first change).
 
 Restrictions, as in FLA: B = 1 packed input, no user initial state, no final
 state, the contiguous layout (FLA's ``zigzag`` layout is refused with a
-message), and the call runs eagerly (it holds collectives).
+message).
 """
 
 from __future__ import annotations
@@ -36,33 +45,23 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
+from torch import Tensor
 
 from ..errors import UnsupportedConfigError
+from .context_parallel_call import (IS_FIRST, IS_LAST, POST_RANKS, PRE_RANKS, CPCall, gather_ranks,
+                                    process_group)
 from .core import delta_rule
 from .core_args import CoreArgs
 
 
-def check_context(op: str, ctx, q: torch.Tensor, initial_state, output_final_state: bool) -> torch.Tensor:
-    """The local ``cu_seqlens`` of a CP call after the checks FLA makes, with their fixes."""
-    fields = ("group", "cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks", "post_num_ranks")
-    if not all(hasattr(ctx, f) for f in fields):
-        raise UnsupportedConfigError(f"{op}: cp_context must be FLA's context, got {type(ctx).__name__}; build it "
-                                     "with fla.ops.cp.build_cp_context(cu_seqlens, group=...).")
-    if getattr(ctx, "layout", "contiguous") != "contiguous":
-        raise UnsupportedConfigError(
-            f"{op}: cp_context with layout={ctx.layout!r} is not supported by rewy-hf; build it with "
-            "fla.ops.cp.build_cp_context(..., layout='contiguous') (the default).")
-    if ctx.cu_seqlens is None:
-        raise UnsupportedConfigError(f"{op}: cp_context has no cu_seqlens; build it with "
-                                     "fla.ops.cp.build_cp_context(cu_seqlens, group=...).")
+def check_call(op: str, q: Tensor, initial_state, output_final_state: bool) -> None:
+    """FLA's restrictions on a context-parallel call, with their fixes."""
     if q.shape[0] != 1:
         raise UnsupportedConfigError(f"{op}: context parallelism takes packed input, B = 1 (got B = {q.shape[0]}); "
                                      "join the batch into one row with cu_seqlens.")
     if initial_state is not None or output_final_state:
         raise UnsupportedConfigError(f"{op}: context parallelism takes no initial_state and no final state "
                                      "(as FLA); leave initial_state=None and output_final_state=False.")
-    return ctx.cu_seqlens
 
 
 def _state_dtype(a: CoreArgs) -> torch.dtype:
@@ -88,17 +87,6 @@ def _zero_value_run(a: CoreArgs, backend: str):
     return o, ht[0].to(dt)
 
 
-def gather_ranks(x: torch.Tensor, group) -> torch.Tensor:
-    """[world, *x.shape]: every rank's x, in rank order, on x's device."""
-    world = dist.get_world_size(group=group)
-    # gloo gathers host tensors (ranks sharing one GPU, and the CPU tests, use it).
-    send = x.cpu() if dist.get_backend(group) == "gloo" else x
-    # The rank-concatenated output shape: NCCL and gloo both take it.
-    out = send.new_empty(world * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, send.contiguous(), group=group)
-    return out.view(world, *x.shape).to(x.device)
-
-
 def _compose(summaries: torch.Tensor, ranks: list[int], V: int) -> torch.Tensor:
     """x <- M x + x_loc over the ranks in the given order, from x = 0 (summaries [W, HV, K, V + K])."""
     x = summaries.new_zeros(summaries.shape[1:3] + (V,))
@@ -107,36 +95,85 @@ def _compose(summaries: torch.Tensor, ranks: list[int], V: int) -> torch.Tensor:
     return x
 
 
-@torch.compiler.disable
-def cp_delta_rule(a: CoreArgs, backend: str, ctx) -> torch.Tensor:
-    """o of a context-parallel call (``a.cu_seqlens``: this rank's local bounds; ``ctx``: FLA's context)."""
-    group = ctx.group
-    rank = dist.get_rank(group=group)
-    bounds = [int(b) for b in (ctx.cu_seqlens_cpu if ctx.cu_seqlens_cpu is not None else ctx.cu_seqlens.cpu())]
-    HV, V = a.v.shape[2:]
-    K, dt = a.q.shape[-1], _state_dtype(a)
-    with torch.no_grad():
-        # Forward summary of the last local sequence, which goes on to the next rank.
-        summary = a.q.new_zeros(HV, K, V + K, dtype=dt)
-        last_response = None
-        if not ctx.is_last_rank:
-            last = _tokens(a, bounds[-2], bounds[-1])
-            summary[..., :V] = delta_rule(last, backend)[1][0].to(dt)
-            last_response = _zero_value_run(last, backend)
-            summary[..., V:] = last_response[1]
-        # The first local sequence's response to its initial state, for the backward summary.
-        response = None
-        if not ctx.is_first_rank:
-            one = len(bounds) == 2 and not ctx.is_last_rank      # first and last: that run is made
-            response = last_response if one else _zero_value_run(_tokens(a, bounds[0], bounds[1]), backend)
-        gathered = gather_ranks(summary, group)
-    N = len(bounds) - 1
-    h0 = a.q.new_zeros(N, HV, K, V, dtype=dt)
-    if not ctx.is_first_rank:
-        h0[0] = _compose(gathered, list(range(rank - ctx.pre_num_ranks, rank)), V)
+def cp_delta_rule(a: CoreArgs, backend: str, call: CPCall) -> Tensor:
+    """o of a context-parallel call (``a.cu_seqlens``: this rank's local bounds)."""
+    # No gradient flows through the summaries: the backward exchange carries it across ranks.
+    inputs = [None if x is None else x.detach() for x in (a.q, a.k, a.v, a.g, a.beta, a.w)]
+    settings = (a.scale, a.family, a.policy, a.qk_l2norm, a.safe_gate, backend)
+    h0 = torch.ops.rewy.cp_initial_state(*inputs, call.bounds, call.meta, call.group_name, *settings)
     o, ht = delta_rule(replace(a, h0=h0, state_v_first=False), backend)
-    return _NextRanksGradient.apply(o, ht, response, bounds[1], group, rank, ctx.is_last_rank,
-                                    ctx.post_num_ranks, V)
+    return _NextRanksGradient.apply(o, ht, inputs, call, settings)
+
+
+def _one_sequence_args(q, k, v, g, beta, w, scale, family, policy, qk_l2norm, safe_gate) -> CoreArgs:
+    return CoreArgs(q, k, v, g, beta, w, None, None, scale, family, policy, False, qk_l2norm, safe_gate)
+
+
+@torch.library.custom_op("rewy::cp_initial_state", mutates_args=())
+def _initial_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
+                   bounds: Tensor, meta: Tensor, group_name: str, scale: float, family: str, policy: str,
+                   qk_l2norm: bool, safe_gate: bool, backend: str) -> Tensor:
+    """h0 [N, HV, K, V]: the initial states of this rank's sequences, the first one's composed from
+    the gathered forward summaries of the ranks it came through (zero elsewhere and on a first rank)."""
+    a = _one_sequence_args(q, k, v, g, beta, w, scale, family, policy, qk_l2norm, safe_gate)
+    group = process_group(group_name)
+    rank = torch.distributed.get_rank(group=group)
+    ends = bounds.tolist()
+    is_first, is_last, pre_ranks = (int(meta[i]) for i in (IS_FIRST, IS_LAST, PRE_RANKS))
+    HV, V = v.shape[2:]
+    K, dt = q.shape[-1], _state_dtype(a)
+    # Forward summary of the last local sequence, which goes on to the next rank.
+    summary = q.new_zeros(HV, K, V + K, dtype=dt)
+    if not is_last:
+        last = _tokens(a, ends[-2], ends[-1])
+        summary[..., :V] = delta_rule(last, backend)[1][0].to(dt)
+        summary[..., V:] = _zero_value_run(last, backend)[1]
+    gathered = gather_ranks(summary, group)
+    h0 = q.new_zeros(len(ends) - 1, HV, K, V, dtype=dt)
+    if not is_first:
+        h0[0] = _compose(gathered, list(range(rank - pre_ranks, rank)), V)
+    return h0
+
+
+@_initial_state.register_fake
+def _initial_state_fake(q, k, v, g, beta, w, bounds, meta, group_name, scale, family, policy, qk_l2norm, safe_gate,
+                        backend):
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(bounds.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=dt)
+
+
+@torch.library.custom_op("rewy::cp_final_state_grad", mutates_args=())
+def _final_state_grad(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor,
+                      w: Tensor | None, bounds: Tensor, meta: Tensor, group_name: str, scale: float, family: str,
+                      policy: str, qk_l2norm: bool, safe_gate: bool, backend: str) -> Tensor:
+    """dht [N, HV, K, V]: the gradient of this rank's sequences' final states, which the following
+    ranks' outputs give (the last sequence's; zero elsewhere and on a last rank). The first
+    sequence's response to its initial state (O, M) is rebuilt here rather than kept from the
+    forward: keeping O would hold [T, HV, K] per layer, the size of an activation."""
+    a = _one_sequence_args(q, k, v, g, beta, w, scale, family, policy, qk_l2norm, safe_gate)
+    group = process_group(group_name)
+    rank = torch.distributed.get_rank(group=group)
+    ends = bounds.tolist()
+    is_first, is_last, post_ranks = (int(meta[i]) for i in (IS_FIRST, IS_LAST, POST_RANKS))
+    HV, V, K, dt = v.shape[2], v.shape[3], q.shape[-1], _state_dtype(a)
+    summary = do.new_zeros(HV, K, V + K, dtype=dt)
+    if not is_first:
+        O, M = _zero_value_run(_tokens(a, ends[0], ends[1]), backend)
+        first = do[0, ends[0]:ends[1]].to(dt)
+        summary[..., :V] = torch.einsum("thk,thv->hkv", O[0].to(dt), first)
+        summary[..., V:] = M.transpose(-1, -2)
+    gathered = gather_ranks(summary, group)
+    dht = do.new_zeros(len(ends) - 1, HV, K, V, dtype=dt)
+    if not is_last:
+        dht[-1] = _compose(gathered, list(range(rank + post_ranks, rank, -1)), V)
+    return dht
+
+
+@_final_state_grad.register_fake
+def _final_state_grad_fake(do, q, k, v, g, beta, w, bounds, meta, group_name, scale, family, policy, qk_l2norm,
+                           safe_gate, backend):
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return do.new_empty(bounds.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=dt)
 
 
 class _NextRanksGradient(torch.autograd.Function):
@@ -144,24 +181,14 @@ class _NextRanksGradient(torch.autograd.Function):
     gradient of its last sequence's final state, which the following ranks' outputs give."""
 
     @staticmethod
-    def forward(fctx, o, ht, response, first_end, group, rank, is_last_rank, post_ranks, V):
-        fctx.response, fctx.first_end, fctx.group, fctx.rank = response, first_end, group, rank
-        fctx.is_last_rank, fctx.post_ranks, fctx.V, fctx.state = is_last_rank, post_ranks, V, ht.shape
-        fctx.state_dtype = ht.dtype
+    def forward(fctx, o, ht, inputs: list, call: CPCall, settings: tuple):
+        fctx.save_for_backward(*inputs, call.bounds, call.meta)
+        fctx.group_name, fctx.settings = call.group_name, settings
         return o.view_as(o)
 
     @staticmethod
     def backward(fctx, do):
-        V, (_, HV, K, _) = fctx.V, fctx.state
-        summary = do.new_zeros(HV, K, V + K, dtype=fctx.state_dtype)
-        if fctx.response is not None:
-            O, M = fctx.response
-            first = do[0, :fctx.first_end].to(fctx.state_dtype)
-            summary[..., :V] = torch.einsum("thk,thv->hkv", O[0].to(fctx.state_dtype), first)
-            summary[..., V:] = M.transpose(-1, -2)
-        gathered = gather_ranks(summary, fctx.group)
-        dht = None
-        if not fctx.is_last_rank:
-            dht = do.new_zeros(fctx.state, dtype=fctx.state_dtype)
-            dht[-1] = _compose(gathered, list(range(fctx.rank + fctx.post_ranks, fctx.rank, -1)), V)
-        return do, dht, None, None, None, None, None, None, None
+        *inputs, bounds, meta = fctx.saved_tensors
+        dht = torch.ops.rewy.cp_final_state_grad(do.contiguous(), *inputs, bounds, meta, fctx.group_name,
+                                                 *fctx.settings)
+        return do, dht, None, None, None

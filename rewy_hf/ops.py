@@ -95,7 +95,7 @@ def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final
         q, k, qk_l2norm = l2norm(q.to(dt)), l2norm(k.to(dt)), False
     a = CoreArgs(q, k, v, g, beta, w, initial_state, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm,
                  safe_gate, _LAST.report_as, why)
-    if cp_context is not None and cp_context.group is not None:
+    if cp_context is not None:
         from .kernels.context_parallel import cp_delta_rule
 
         return cp_delta_rule(a, chosen, cp_context), None
@@ -103,13 +103,18 @@ def _run(family, chosen, q, k, v, g, beta, w, scale, initial_state, output_final
     return o, (ht if output_final_state else None)
 
 
-def _cp_seqlens(op, cp_context, q, initial_state, output_final_state, cu_seqlens):
-    """cu_seqlens for the call: the context's local bounds under context parallelism (as FLA)."""
+def _cp_split(op, cp_context, q, initial_state, output_final_state, cu_seqlens):
+    """(cu_seqlens, the context-parallel call or None): under context parallelism the context's local
+    bounds (as FLA), and the context as a CPCall (kernels/context_parallel_call.py)."""
     if cp_context is None:
-        return cu_seqlens
-    from .kernels.context_parallel import check_context
+        return cu_seqlens, None
+    from .kernels.context_parallel import check_call
+    from .kernels.context_parallel_call import cp_call
 
-    return check_context(op, cp_context, q, initial_state, output_final_state)
+    call = cp_call(op, cp_context)
+    check_call(op, q, initial_state, output_final_state)
+    # FLA's context without a process group: a plain packed call
+    return call.cu_seqlens, (call if call.group_name else None)
 
 
 def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
@@ -239,7 +244,8 @@ def chunk_gated_delta_rule(
     Under ``backend="auto"`` on a GPU with ``flash-qla`` installed, a call FlashQLA serves runs on
     its kernels, faster there at every shape measured (kernels/flash_qla_route.py).
     """
-    cu_seqlens = _cp_seqlens("chunk_gated_delta_rule", cp_context, q, initial_state, output_final_state, cu_seqlens)
+    cu_seqlens, cp_context = _cp_split("chunk_gated_delta_rule", cp_context, q, initial_state, output_final_state,
+                                      cu_seqlens)
     extras = pop_fla_extras("chunk_gated_delta_rule", kwargs, _PLUMBING + ("use_gate_in_kernel", "A_log", "dt_bias"))
     state_v_first = _state_layout(state_v_first, extras)
     (B, T, H, K, HV, V), scale, policy, chosen = _common(
@@ -303,7 +309,8 @@ def chunk_kda(
     for name, value, default in (("return_intermediate_states", return_intermediate_states, False),
                                  ("use_graph", use_graph, False)):
         refuse_if_set("chunk_kda", name, value, default)
-    cu_seqlens = _cp_seqlens("chunk_kda", cp_context, q, initial_state, output_final_state, cu_seqlens)
+    cu_seqlens, cp_context = _cp_split("chunk_kda", cp_context, q, initial_state, output_final_state,
+                                      cu_seqlens)
     extras = pop_fla_extras("chunk_kda", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)
@@ -351,7 +358,8 @@ def chunk_gdn2(
     g [B, T, H, K]. No GVA (as in FLA 0.6.0).
     """
     refuse_if_set("chunk_gdn2", "return_intermediate_states", return_intermediate_states, False)
-    cu_seqlens = _cp_seqlens("chunk_gdn2", cp_context, q, initial_state, output_final_state, cu_seqlens)
+    cu_seqlens, cp_context = _cp_split("chunk_gdn2", cp_context, q, initial_state, output_final_state,
+                                      cu_seqlens)
     extras = pop_fla_extras("chunk_gdn2", kwargs, _PLUMBING + ("A_log", "dt_bias"))
     extras["disable_recompute"] = disable_recompute
     state_v_first = _state_layout(state_v_first, extras)

@@ -25,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 
+import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedConfigError
 from .context_parallel_attention import RowAttention, attention_layers, row_attention_active
-from .dispatch import set_active_context
+from ..kernels.context_parallel_call import cp_call
+from .dispatch import active_context, set_active_context
 from .patch import patch_state
 
 # FLA's module-level short-convolution names its layers call: ShortConvolution's, and the fused
@@ -57,6 +59,32 @@ def _refusal(model: nn.Module, attention: list[nn.Module], cu_seqlens) -> str | 
     return None
 
 
+_WRAPPED: dict = {}
+
+
+def _with_context(original):
+    """FLA's convolution ``original`` with the active context, as FLA's layers would pass it if they
+    took one. One wrapper per function, kept: compiled code checks that the name still holds it."""
+    if (wrapper := _WRAPPED.get(original)) is not None:
+        return wrapper
+
+    def conv(*args, **kwargs):
+        call = active_context()
+        # Under torch.compile the same sum is rewy's, whose exchange is a custom op: FLA's sends and
+        # receives run inside an autograd Function, which dynamo does not trace.
+        if (torch.compiler.is_compiling() and not args and call.group_name and kwargs.get("residual") is None
+                and kwargs.get("initial_state") is None and not kwargs.get("output_final_state")):
+            from ..kernels.context_parallel_conv import cp_causal_short_conv
+
+            y = cp_causal_short_conv(kwargs["x"].transpose(1, 2), kwargs["weight"], kwargs.get("bias"),
+                                     kwargs.get("activation"), call)
+            return y.transpose(1, 2).contiguous(), None
+        return original(*args, **{**kwargs, "cp_context": call.fla_context})
+
+    _WRAPPED[original] = conv
+    return conv
+
+
 @contextlib.contextmanager
 def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
     """Run ``model``'s patched delta-rule layers and their short convolutions with ``cp_context``
@@ -72,18 +100,15 @@ def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
     sites = [importlib.import_module(name) for name in _CONV_SITES]
     saved = [site.causal_conv1d for site in sites]
 
-    def with_context(original):
-        # FLA's convolution with the context, as its layers would pass it if they took one.
-        def conv(*args, **kwargs):
-            return original(*args, **{**kwargs, "cp_context": cp_context})
-        return conv
-
+    # The layers take the context as a CPCall: its per-row values in tensors, so a compiled model
+    # neither breaks its graph at the exchanges nor compiles again for a new packing.
+    call = cp_call("context_parallel", cp_context, keep_fla_context=True)
     rows = (row_attention_active(attention, RowAttention(cu_seqlens, cp_context.group)) if attention
             else contextlib.nullcontext())
-    previous = set_active_context(cp_context)
+    previous = set_active_context(call)
     try:
         for site, original in zip(sites, saved):
-            site.causal_conv1d = with_context(original)
+            site.causal_conv1d = _with_context(original)
         with rows:
             yield cp_context
     finally:

@@ -145,13 +145,8 @@ def _range_text(lo: float, lo_ok: bool, hi: float, hi_ok: bool) -> str:
     return f"in {'[' if lo_ok else '('}{lo:g}, {hi:g}{']' if hi_ok else ')'}"
 
 
-def compile_choice(choice: str, context_parallel: bool = False) -> tuple[bool, str]:
+def compile_choice(choice: str) -> tuple[bool, str]:
     """(compile or not, why), for the run's output."""
-    if context_parallel:
-        if choice == "on":
-            raise RecipeError("--compile on with --context-parallel: its delta-rule calls hold collectives and run "
-                              "eagerly; use --compile off (or auto)")
-        return False, f"--compile {choice}: off with --context-parallel, whose delta-rule calls run eagerly"
     if choice != "auto":
         return choice == "on", f"--compile {choice}"
     if torch.cuda.is_available():

@@ -196,7 +196,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
     if args.core == "rewy":
         patch_report = rewy_hf.patch_model(model, backend=args.backend, policy=args.policy, fallback=args.fallback)
 
-    compiled, compile_why = compile_choice(args.compile, args.context_parallel)
+    compiled, compile_why = compile_choice(args.compile)
     if compiled:
         # nn.Module.compile compiles in place: the state dict, PEFT wrapping and checkpoints keep their names.
         model.compile()

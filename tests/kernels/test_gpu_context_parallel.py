@@ -2,14 +2,14 @@
 group, each holding half of a packed bf16 row; each rank's outputs and gradients must be as close
 to the float32 torch backend on the whole row as one process on the whole row is. Whole tiny
 transformers models (bf16), hybrids with their attention over the whole row included, must match
-each sequence run on its own within bf16's rounding."""
+each sequence run on its own within bf16's rounding, also compiled whole (inductor, fullgraph)."""
 
 from __future__ import annotations
 
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import cuda_rank_main, free_port, hf_hybrid_cuda_rank_main, hf_model_cuda_rank_main
+from support.cp_ranks import compiled_cuda_rank_main, cuda_rank_main, free_port, hf_hybrid_cuda_rank_main, hf_model_cuda_rank_main
 
 pytestmark = pytest.mark.gpu
 
@@ -34,3 +34,10 @@ HYBRID_CASES = [("qwen3_5", [0, 300, 512]), ("kimi_linear", [0, 254, 512])]
 
 def test_transformers_hybrids_two_ranks_on_one_gpu():
     mp.spawn(hf_hybrid_cuda_rank_main, args=(2, free_port(), HYBRID_CASES), nprocs=2, join=True)
+
+
+def test_compiled_hybrid_two_ranks_on_one_gpu():
+    """The tiny Qwen3.5 hybrid compiled with fullgraph=True on the Triton backend, over three packings:
+    its exchanges compile as custom ops into the one graph."""
+    rows = [[0, 300, 512], [0, 100, 256, 512], [0, 512]]
+    mp.spawn(compiled_cuda_rank_main, args=(2, free_port(), [("qwen3_5", rows)]), nprocs=2, join=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import free_port, hf_hybrid_rank_main, hf_model_rank_main, model_rank_main, rank_main
+from support.cp_ranks import compiled_rank_main, free_port, hf_hybrid_rank_main, hf_model_rank_main, model_rank_main, rank_main
 
 CASES = {
     2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),
@@ -63,3 +63,15 @@ def test_patched_transformers_hybrids_match_sequences_run_alone():
     rank-summed parameter gradients against each sequence run on its own; one case with gradient
     checkpointing."""
     mp.spawn(hf_hybrid_rank_main, args=(2, free_port(), HF_HYBRID_CASES), nprocs=2, join=True)
+
+
+# Packings: the local sequence count of a rank goes 1, 2, 3 and back; a boundary on the slice edge.
+COMPILED_ROWS = [[0, 128], [0, 50, 126, 128], [0, 20, 64, 100, 128], [0, 64, 128], [0, 30, 128]]
+
+
+@pytest.mark.parametrize("kind", ["gdn2", "qwen3_5"])
+def test_compiled_models_match_sequences_run_alone(kind):
+    """A patched model compiled whole with fullgraph=True inside rewy_hf.context_parallel: the
+    exchanges of the core, the short convolution and (the hybrid) attention compile into the graph;
+    2 ranks, float32, five packings, fewer compiles than packings."""
+    mp.spawn(compiled_rank_main, args=(2, free_port(), [(kind, COMPILED_ROWS)]), nprocs=2, join=True)

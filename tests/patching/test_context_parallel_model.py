@@ -57,7 +57,7 @@ def test_attention_implementation_is_the_rows_inside_only():
     model = H.build("qwen3_5")
     rewy_hf.patch_model(model, backend="torch")
     before = model.config._attn_implementation
-    group = SimpleNamespace()
+    group = SimpleNamespace(group_name="stand-in")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("torch.distributed.get_world_size", lambda g=None: 1)
         mp.setattr("torch.distributed.get_rank", lambda g=None: 0)
@@ -107,6 +107,7 @@ def test_transformers_convolution_is_the_context_parallel_one_inside_only(monkey
     """Without a process group the context-parallel convolution exchanges nothing; with the context's
     packed bounds it restarts at each sequence, as each sequence run alone does."""
     from rewy_hf.kernels import context_parallel_conv
+    from rewy_hf.kernels.context_parallel_call import CPCall
 
     calls = []
     real = context_parallel_conv.cp_causal_short_conv
@@ -119,7 +120,8 @@ def test_transformers_convolution_is_the_context_parallel_one_inside_only(monkey
     ctx.cu_seqlens, ctx.pre_num_conv_tokens = torch.tensor([0, 17, 40]), 0
     with rewy_hf.context_parallel(model, ctx):
         packed = model(input_ids=ids).logits
-    assert len(calls) == 2 and all(c is ctx for c in calls)       # one per layer
+    # one per layer, each with the context as a CPCall of its bounds
+    assert len(calls) == 2 and all(isinstance(c, CPCall) and c.cu_seqlens is ctx.cu_seqlens for c in calls)
     calls.clear()
     alone = torch.cat([model(input_ids=ids[:, :17]).logits, model(input_ids=ids[:, 17:]).logits], dim=1)
     assert not calls

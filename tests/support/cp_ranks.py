@@ -208,14 +208,17 @@ def _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, what:
         _close(g, g_ref.float().cpu(), f"d {name}, {where}", tol)
 
 
-def _gdn2_model():
+def _gdn2_model(use_short_conv: bool = False):
+    """A tiny GDN2 model. Its short convolution runs in plain torch on the CPU for a plain call
+    (models/gdn2/cpu_modules.py); a packed call goes to FLA's, which the interpreter cannot run, so
+    only a compiled context-parallel run (rewy's convolution there) takes it."""
     from rewy_hf.models.gdn2 import GDN2Config, GDN2ForCausalLM
 
     from support import fla_tiny_models as tiny
 
     torch.manual_seed(0)
     config = GDN2Config(vocab_size=tiny.VOCAB, hidden_size=tiny.HIDDEN, num_hidden_layers=2, num_heads=2, head_dim=16,
-                        fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False, use_short_conv=False)
+                        fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False, use_short_conv=use_short_conv)
     return GDN2ForCausalLM(config).train()
 
 
@@ -301,3 +304,74 @@ def check_hf_hybrid_cuda(family: str, bounds: list[int]) -> None:
 
 def hf_hybrid_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     _serve_on_gpu(rank, world, port, cases, check_hf_hybrid_cuda)
+
+
+def check_compiled(kind: str, rows: list[list[int]], device: str = "cpu") -> None:
+    """A tiny patched model compiled whole (``fullgraph=True``: any graph break fails; AOTAutograd's
+    graphs run eagerly, inductor's code generation being checked elsewhere), split across
+    the ranks on each packing in ``rows`` in turn: each rank's logits and the rank-summed parameter
+    gradients of the row's mean loss equal each sequence run on its own, eagerly, in one process.
+    ``kind``: "gdn2" (rewy's GDN2 model, FLA's layers with their short convolution) or a
+    transformers hybrid family (delta-rule, attention and delta-rule layers). Fewer compiles than
+    packings: a new packing does not compile again once the sizes are dynamic. On a GPU: bf16, the
+    Triton backend and inductor, within bf16's rounding of the one-process reference."""
+    from fla.ops.cp import build_cp_context
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import rewy_hf
+    from rewy_hf.models.causal_masks import causal_only_masks
+    from rewy_hf.patching.context_parallel_attention import RowAttention
+    from support import hf_tiny_models as hf
+
+    hybrid = kind != "gdn2"
+    if hybrid:
+        model = hf.build(kind)
+        model.config.use_cache = False
+    else:
+        model = _gdn2_model(use_short_conv=True)
+    gpu = device == "cuda"
+    if gpu:
+        model = model.to("cuda", torch.bfloat16)
+    rewy_hf.patch_model(model, backend="triton" if gpu else "torch")
+    counter = CompileCounterWithBackend("inductor" if gpu else "aot_eager")
+    tol = 3e-2 if gpu else 2e-5
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for bounds in rows:
+        T = bounds[-1]
+        ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(T + len(bounds))).to(device)
+        cu = torch.tensor(bounds, device=device)
+        targets, loss_of = _targets_and_loss(ids, cu)
+        pieces = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        ref_logits = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in pieces], dim=1)
+        ref_grads = torch.autograd.grad(loss_of(ref_logits, targets), list(model.parameters()), allow_unused=True)
+        ctx = build_cp_context(cu, group=dist.group.WORLD, conv1d_kernel_size=4)
+        lo, hi = rank * (T // world), (rank + 1) * (T // world)
+        if hybrid:
+            inputs = dict(position_ids=RowAttention(cu, dist.group.WORLD).positions(device),
+                          attention_mask=causal_only_masks(model))
+        else:
+            inputs = dict(cu_seqlens=ctx.cu_seqlens)
+        with rewy_hf.context_parallel(model, ctx, cu_seqlens=cu if hybrid else None):
+            logits = compiled(input_ids=ids[:, lo:hi], **inputs).logits
+            grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
+        where = f"compiled {kind} bounds={bounds} rank={rank}"
+        _close(logits.float(), ref_logits[:, lo:hi].float(), f"logits, {where}", tol)
+        for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
+            if g_ref is not None:
+                g = g.float().cpu()
+                dist.all_reduce(g)
+                _close(g, g_ref.float().cpu(), f"d {name}, {where}", tol)
+    assert 0 < counter.frame_count < len(rows), f"{kind}: {counter.frame_count} compiles for {len(rows)} packings"
+
+
+def compiled_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve_interpreted(rank, world, port, cases, check_compiled)
+
+
+def check_compiled_cuda(kind: str, rows: list[list[int]]) -> None:
+    check_compiled(kind, rows, device="cuda")
+
+
+def compiled_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve_on_gpu(rank, world, port, cases, check_compiled_cuda)

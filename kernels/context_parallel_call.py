@@ -1,0 +1,88 @@
+"""What a context-parallel call needs, in a form a compiled graph can carry.
+
+FLA's ``cp_context`` (``fla.ops.cp.build_cp_context``) holds the process group
+and Python integers that change with the packing of each row (how many ranks
+a sequence came through, how many of the previous rank's convolution inputs
+belong to this rank's first sequence). Traced code that read those integers
+would make dynamo guard on them and compile again for each new packing, and
+code that called the collectives would break the graph. So a call takes them
+as a :class:`CPCall`: the group by name and every per-row value in a tensor,
+read on the host only inside rewy's custom ops (context_parallel.py,
+context_parallel_conv.py, patching/context_parallel_attention.py), which
+compiled graphs keep as single nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UnsupportedConfigError
+
+# The host-side values of ``CPCall.meta``, by position.
+IS_FIRST, IS_LAST, PRE_RANKS, POST_RANKS, PRE_CONV_TOKENS = range(5)
+
+
+@dataclass(frozen=True)
+class CPCall:
+    """One rank's part of a packed row split across a process group.
+
+    ``group_name``: the group's name (``ProcessGroup.group_name``; empty for FLA's context without a
+    group, which makes a plain packed call, as in FLA); ``cu_seqlens``: the rank's local
+    sequence bounds on the inputs' device; ``bounds``: the same bounds, int64 on the host;
+    ``meta``: int64 on the host, the values indexed by ``IS_FIRST`` ... ``PRE_CONV_TOKENS``;
+    ``pre_conv_tokens``: ``meta[PRE_CONV_TOKENS]`` on the device (the convolution's mask reads it there);
+    ``fla_context``: FLA's context it was made from, for FLA's own convolution in eager runs."""
+
+    group_name: str
+    cu_seqlens: torch.Tensor
+    bounds: torch.Tensor
+    meta: torch.Tensor
+    pre_conv_tokens: torch.Tensor
+    fla_context: object = None
+
+
+def cp_call(op: str, ctx, keep_fla_context: bool = False) -> CPCall:
+    """``ctx`` (FLA's context, or a CPCall) as a CPCall, after the checks FLA makes, with their fixes;
+    ``keep_fla_context`` keeps ``ctx`` on it."""
+    if isinstance(ctx, CPCall):
+        return ctx
+    fields = ("group", "cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks", "post_num_ranks")
+    if not all(hasattr(ctx, f) for f in fields):
+        raise UnsupportedConfigError(f"{op}: cp_context must be FLA's context, got {type(ctx).__name__}; build it "
+                                     "with fla.ops.cp.build_cp_context(cu_seqlens, group=...).")
+    if getattr(ctx, "layout", "contiguous") != "contiguous":
+        raise UnsupportedConfigError(
+            f"{op}: cp_context with layout={ctx.layout!r} is not supported by rewy-hf; build it with "
+            "fla.ops.cp.build_cp_context(..., layout='contiguous') (the default).")
+    if ctx.cu_seqlens is None:
+        raise UnsupportedConfigError(f"{op}: cp_context has no cu_seqlens; build it with "
+                                     "fla.ops.cp.build_cp_context(cu_seqlens, group=...).")
+    host = getattr(ctx, "cu_seqlens_cpu", None)
+    bounds = (host if host is not None else ctx.cu_seqlens.cpu()).to(torch.int64)
+    conv = getattr(ctx, "pre_num_conv_tokens", None) or 0
+    meta = torch.tensor([int(bool(ctx.is_first_rank)), int(bool(ctx.is_last_rank)), int(ctx.pre_num_ranks or 0),
+                         int(ctx.post_num_ranks or 0), int(conv)], dtype=torch.int64)
+    return CPCall("" if ctx.group is None else ctx.group.group_name, ctx.cu_seqlens, bounds, meta,
+                  torch.tensor(conv, dtype=torch.int64, device=ctx.cu_seqlens.device),
+                  ctx if keep_fla_context else None)
+
+
+def process_group(name: str):
+    """The process group a CPCall names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def gather_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x, in rank order, on x's device."""
+    world = dist.get_world_size(group=group)
+    # gloo gathers host tensors (ranks sharing one GPU, and the CPU tests, use it).
+    send = x.cpu() if dist.get_backend(group) == "gloo" else x
+    # The rank-concatenated output shape: NCCL and gloo both take it.
+    out = send.new_empty(world * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, send.contiguous(), group=group)
+    return out.view(world, *x.shape).to(x.device)
