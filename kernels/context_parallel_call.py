@@ -21,6 +21,11 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn that they are
+# deprecated).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # The host-side values of ``CPCall.meta``, by position.
 IS_FIRST, IS_LAST, PRE_RANKS, POST_RANKS, PRE_CONV_TOKENS = range(5)
 
@@ -84,5 +89,5 @@ def gather_ranks(x: torch.Tensor, group) -> torch.Tensor:
     send = x.cpu() if dist.get_backend(group) == "gloo" else x
     # The rank-concatenated output shape: NCCL and gloo both take it.
     out = send.new_empty(world * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, send.contiguous(), group=group)
+    _ALL_GATHER(out, send.contiguous(), group=group)
     return out.view(world, *x.shape).to(x.device)

@@ -47,7 +47,7 @@ def load_run(path: str) -> dict:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise MergeError(f"--from-json {path}: {exc}; pass the file an earlier run wrote with --json") from None
-    if data.get("kind") not in ("ops", "model") or "settings" not in data:
+    if data.get("kind") not in ("ops", "model", "context_parallel") or "settings" not in data:
         raise MergeError(f"--from-json {path} is not a `rewy-hf bench --json` file")
     return data
 
@@ -61,8 +61,8 @@ def merge_runs(paths: list[str]) -> dict:
         return _merge_sided(paths, runs)
     for path, run in zip(paths[1:], runs[1:]):
         if run["kind"] != "ops" or first["kind"] != "ops":
-            raise MergeError(f"--from-json: only op-level runs, or four-sided model runs (--compile), can be "
-                             f"combined ({path} is a {run['kind']} run)")
+            raise MergeError(f"--from-json: only op-level runs (not --context-parallel), or four-sided model runs "
+                             f"(--compile), can be combined ({path} is a {run['kind']} run)")
         _refuse_other_setup(paths[0], first, path, run, "rows")
         for key in _SAME:
             if run["settings"].get(key) != first["settings"].get(key):

@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="after each side's timing, profile one more of its runs with torch.profiler and list "
                           "where its time goes: device time and launches per kernel on CUDA (per ATen operator, "
                           "self time, on CPU), beside the other sides', per configuration and boundary")
+    ops.add_argument("--context-parallel", action="store_true",
+                     help="launched as N processes (torchrun --nproc-per-node N -m rewy_hf bench ...; one GPU "
+                          "each, gloo on CPU): each --shapes row (B = 1, T divisible by N) is split across them "
+                          "with FLA's cp_context, and rewy's op is timed against FLA's on every slice (gdn, kda, "
+                          "gdn2); a round's time is the slowest process's")
     ops.add_argument("--rep-ms", type=float, default=50.0, help="CUDA: milliseconds of runs per round")
     ops.add_argument("--check-max-tokens", type=at_least(64), default=2**19, metavar="N",
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "
@@ -158,6 +163,11 @@ def run(args: argparse.Namespace) -> int:
         return could_not_run(f"{NO_CUDA} (a comparison against the reference path) or a CUDA build of torch")
     if args.plot and (reason := plot_unavailable()):
         return could_not_run(reason)
+    if args.context_parallel:
+        from ..bench.cp_bench import refusal
+
+        if (reason := refusal(args, device)) is not None:
+            return could_not_run(reason)
     if device == "cpu":
         enable_cpu_interpreter()
     guard = {"requested": bool(args.lift_gdn_guard), "was_active": None}
@@ -171,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", message=r"rewy-hf: .* runs on the torch backend on GPU")
         if args.model:
             return run_model(args, device, guard, report)
+        if args.context_parallel:
+            from ..bench.cp_bench import run_cp
+
+            return run_cp(args, device, guard, report)
         return run_ops(args, device, guard, report)
 
 
@@ -356,6 +370,12 @@ def render(args) -> int:
             from ..bench.output import plot_compile_result
 
             plot_compile_result(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
+    elif data["kind"] == "context_parallel":
+        from ..bench.cp_bench import format_rows
+
+        print(format_rows(data["rows"]))
+        if args.plot:
+            print("note: --context-parallel runs have a table and no plot")
     elif data["kind"] == "model":
         print(format_model_result(data, data["settings"]["model"], data["settings"]))
         if args.plot:
@@ -380,6 +400,12 @@ def write_markdown(args, data: dict) -> None:
     from ..bench.op_bench import baseline_label
     from ..bench.output import markdown_report
 
+    if data.get("kind") == "context_parallel":
+        from ..bench.cp_bench import format_rows
+
+        text = format_rows(data["rows"]) + "\n"
+    else:
+        text = markdown_report(data, baseline_label(data.get("device", "cuda"), data.get("versions")))
     with open(args.markdown, "w", encoding="utf-8") as f:
-        f.write(markdown_report(data, baseline_label(data.get("device", "cuda"), data.get("versions"))))
+        f.write(text)
     print(f"Markdown: {args.markdown}")

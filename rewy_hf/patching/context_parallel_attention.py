@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedConfigError
-from ..kernels.context_parallel_call import gather_ranks, process_group
+from ..kernels.context_parallel_call import REDUCE_SCATTER, gather_ranks, process_group
 
 NAME = "rewy_context_parallel"
 
@@ -165,7 +165,7 @@ def _to_owners(grad: Tensor, group) -> Tensor:
         dist.all_reduce(summed, group=group)
         return summed[rank].to(grad.device)
     mine = parts.new_empty(parts.shape[1:])
-    dist.reduce_scatter_tensor(mine, parts, group=group)
+    REDUCE_SCATTER(mine, parts, group=group)
     return mine
 
 

@@ -375,3 +375,15 @@ def check_compiled_cuda(kind: str, rows: list[list[int]]) -> None:
 
 def compiled_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     _serve_on_gpu(rank, world, port, cases, check_compiled_cuda)
+
+
+def bench_rank_main(rank: int, world: int, port: int, argv: list[str], codes: str) -> None:
+    """One process of a `rewy-hf bench --context-parallel` launch, as torchrun starts it (its
+    environment); its exit status goes to the file ``codes``.<rank>."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from rewy_hf.cli import main
+
+    code = main(argv)
+    with open(f"{codes}.{rank}", "w") as fh:
+        fh.write(str(code))

@@ -1,0 +1,304 @@
+"""`rewy-hf bench --context-parallel`: one packed row split across the processes of a launch.
+
+Launched with N processes (``torchrun --nproc-per-node N -m rewy_hf bench --context-parallel ...``),
+every process builds the same packed row (B = 1, T tokens in ``packed=N`` sequences, as the op
+bench's shapes), FLA's ``cp_context`` for it, and runs its own contiguous slice through rewy's op
+and through FLA's, alternating, on the same inputs. A round runs each side a fixed number of times
+on every process at once (their collectives pair up, so every process must run the same count),
+and its time is the slowest process's; the table gives the median round per side and boundary (B:
+backward only, FB: forward + backward), the tokens per second of the whole row, and the largest
+peak memory of one process.
+
+Each configuration is checked first: each process's output and input gradients on its slice
+against rewy's float32 torch backend on the whole row in one process (at a reduced T where the row
+is long, as the op bench does), the worst relative error over the processes. FLA's context-parallel
+kernels are Triton kernels that need CUDA: on the CPU (gloo) only rewy's side runs, and the table
+says so.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..op_inputs import DISPATCH_NAME, GRAD_NAMES, Shape, make_inputs
+from ..rel_error import rel_err
+from .timing import describe, free_memory, leaves, runner
+
+CP_OPS = ("gdn", "kda", "gdn2")          # FLA 0.6.0 has context parallelism for these (not DeltaNet)
+INNER_RUNS = {"cuda": 10, "cpu": 1}       # runs per timed round, the same on every process
+
+
+@dataclass
+class CPSettings:
+    device: str
+    backend: str
+    reps: int
+    warmup: int
+    check_max_tokens: int
+    seed: int
+    gdn_guard: dict = field(default_factory=dict)
+
+
+def launched_world() -> tuple[int, int] | None:
+    """(rank, world) of a torchrun / accelerate launch, or None when not launched with 2 or more."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), world
+
+
+def start(device: str) -> str:
+    """Join the launch's process group (NCCL on CUDA, one GPU per process; gloo on the CPU); the device."""
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        return f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return "cpu"
+
+
+def _slice(x: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = x.shape[1] // world
+    return x[:, rank * part:(rank + 1) * part].contiguous()
+
+
+def _rewy_side(op: str, backend: str, policy: str, ctx):
+    from ..op_inputs import REWY_OPS
+
+    f = REWY_OPS[op]
+    return lambda *x: f(*x, cp_context=ctx, backend=backend, policy=policy)[0]
+
+
+def _fla_side(op: str, policy: str, ctx):
+    import inspect
+
+    from .op_bench import fla_function
+
+    f = fla_function(op)
+    kw = {"disable_recompute": policy == "full"} if "disable_recompute" in inspect.signature(f).parameters else {}
+    return lambda *x: f(*x, cp_context=ctx, **kw)[0]
+
+
+def _worst(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _row(shape: Shape, device: str, dtype: torch.dtype, op: str, seed: int):
+    """The whole row's inputs and output gradient, FLA's context for it, and this process's slices."""
+    from fla.ops.cp import build_cp_context
+
+    cu = shape.packing(device).get("cu_seqlens")
+    if cu is None:
+        cu = torch.tensor([0, shape.T], dtype=torch.long, device=device)
+    inputs, do = make_inputs(op, shape, device, dtype, seed)
+    ctx = build_cp_context(cu, group=dist.group.WORLD, cu_seqlens_cpu=cu.cpu())
+    return inputs, do, cu, ctx, [_slice(x) for x in inputs], _slice(do)
+
+
+def check_side(op: str, fn_of_ctx, shape: Shape, s: CPSettings, dtype: torch.dtype) -> float:
+    """The worst relative error over the processes of a side's slice (output and input gradients)
+    against rewy's float32 torch backend on the whole row in one process."""
+    from ..op_inputs import REWY_OPS
+
+    inputs, do, cu, ctx, mine, do_mine = _row(shape, s.device, dtype, op, s.seed + 1)
+    ref_in = leaves([x.float() for x in inputs])
+    o_ref = REWY_OPS[op](*ref_in, cu_seqlens=cu, backend="torch")[0]
+    ref = [_slice(o_ref.detach()), *(_slice(g) for g in torch.autograd.grad(o_ref, ref_in, do.float()))]
+    xs = leaves(mine)
+    o = fn_of_ctx(ctx)(*xs)
+    got = [o.detach(), *torch.autograd.grad(o, xs, do_mine)]
+    return _worst(max(rel_err(a.float(), b) for a, b in zip(got, ref)))
+
+
+def time_sides(runs: dict, s: CPSettings) -> dict[str, float]:
+    """Median over rounds of the slowest process's time per run, per side (ms); the sides alternate."""
+    inner = INNER_RUNS["cuda" if s.device.startswith("cuda") else "cpu"]
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(s.warmup + s.reps):
+        for name, run in runs.items():
+            dist.barrier()
+            _sync(s.device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                run()
+            _sync(s.device)
+            ms = (time.perf_counter() - t0) * 1e3 / inner
+            ms = _worst(ms)
+            if i >= s.warmup:
+                samples[name].append(ms)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_mb(fn, inputs, do, device: str) -> float | None:
+    """The largest peak over the processes of one forward + backward, above what was allocated."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    xs = leaves(inputs)
+    torch.autograd.grad(fn(*xs), xs, do)
+    torch.cuda.synchronize()
+    return _worst((torch.cuda.max_memory_allocated() - base) / 2**20)
+
+
+def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: CPSettings) -> dict:
+    """One configuration: the check, then the timing of each side that passed it."""
+    from .config import check_T
+    from .op_bench import guard_lifted
+
+    cuda = s.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    world = dist.get_world_size()
+    row = {"op": op, "policy": policy, "shape": shape.label, "processes": world, "tokens_per_process":
+           shape.T // world, "boundaries": boundaries, "ms": {}, "peak_mb": {}, "err": {}, "errors": {},
+           "dispatch_name": DISPATCH_NAME[op], "grad_names": list(GRAD_NAMES[op])}
+    sides = {"rewy": lambda ctx: _rewy_side(op, s.backend, policy, ctx)}
+    if cuda:
+        sides["FLA"] = lambda ctx: _fla_side(op, policy, ctx)
+    else:
+        row["errors"]["FLA"] = "not run: FLA's context-parallel kernels are Triton kernels and need CUDA"
+    trusted_fla = not guard_lifted(op, s.gdn_guard)
+    cT = check_T(shape, s.check_max_tokens)
+    cT -= cT % world
+    row["check_T"] = cT
+    for name, side in list(sides.items()):
+        try:
+            row["err"][name] = check_side(op, side, shape.with_T(cT), s, dtype)
+        except Exception as exc:        # every process fails alike: its collectives would not pair up otherwise
+            row["errors"][name] = describe(exc)
+            del sides[name]
+    if "FLA" in row["err"] and not trusted_fla:
+        row["errors"]["FLA note"] = "timing only: FLA's GDN backward guard was lifted, its error is not a bound"
+    bound = (1.1 * row["err"]["FLA"] + 1e-5) if "FLA" in row["err"] and trusted_fla else 1e-2
+    row["bound"] = bound
+    row["pass"] = "rewy" in row["err"] and row["err"]["rewy"] <= bound
+    inputs, do, _, ctx, mine, do_mine = _row(shape, s.device, dtype, op, s.seed)
+    del inputs, do
+    for boundary in boundaries:
+        runs = {name: runner(boundary, side(ctx), mine, do_mine) for name, side in sides.items()}
+        row["ms"][boundary] = time_sides(runs, s)
+        del runs
+        free_memory("cuda" if cuda else "cpu")
+    for name, side in sides.items():
+        row["peak_mb"][name] = peak_mb(side(ctx), mine, do_mine, s.device)
+    return row
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The table: per configuration and boundary, each side's ms, the row's tokens per second and
+    the speed-up (FLA / rewy), peak MB per process and the check."""
+    lines = ["| op | policy | row | processes | boundary | FLA ms | rewy ms | speed-up | rewy tokens/s | "
+             "peak MB FLA / rewy | err FLA / rewy | pass |", "|" + "---|" * 12]
+    for r in rows:
+        T = r["tokens_per_process"] * r["processes"]
+        for boundary, ms in r["ms"].items():
+            fla, rewy = ms.get("FLA"), ms.get("rewy")
+            speed = f"{fla / rewy:.2f}x" if fla and rewy else "-"
+            tps = f"{T / (rewy / 1e3):,.0f}" if rewy else "-"
+            peak = " / ".join("-" if r["peak_mb"].get(n) is None else f"{r['peak_mb'][n]:.0f}"
+                              for n in ("FLA", "rewy"))
+            err = " / ".join(f"{r['err'][n]:.1e}" if n in r["err"] else "-" for n in ("FLA", "rewy"))
+            lines.append(f"| {r['op']} | {r['policy']} | {r['shape']} | {r['processes']} | {boundary} | "
+                         f"{'-' if fla is None else f'{fla:.3f}'} | {'-' if rewy is None else f'{rewy:.3f}'} | "
+                         f"{speed} | {tps} | {peak} | {err} | {'yes' if r['pass'] else 'NO'} |")
+    notes = sorted({f"{name}: {why}" for r in rows for name, why in r["errors"].items()})
+    checks = sorted({f"check T {r['check_T']} for {r['shape']}" for r in rows
+                     if r["check_T"] != r["tokens_per_process"] * r["processes"]})
+    return "\n".join(lines + [f"- {n}" for n in notes + checks])
+
+
+LAUNCH = "torchrun --nproc-per-node 2 -m rewy_hf bench --context-parallel ..."
+
+
+def refusal(args, device: str) -> str | None:
+    """Why a --context-parallel run cannot start, with the fix; None when it can."""
+    if launched_world() is None:
+        return (f"--context-parallel splits one row across 2 or more processes: launch them, e.g. `{LAUNCH}` "
+                "(one GPU per process on CUDA, gloo on CPU)")
+    if args.model:
+        return "--context-parallel is an op-level bench; the recipe's --context-parallel trains a model that way"
+    ops = [op for op in (args.op or CP_OPS) if op != "all"]
+    if "delta_rule" in ops:
+        return "--context-parallel: FLA 0.6.0 has no context parallelism for delta_rule; pick from gdn, kda, gdn2"
+    for spec in args.shapes or []:
+        if spec == "suite" or spec.B != 1:
+            return ("--context-parallel takes one packed row per shape: give 1,T,H[,K,V][,packed=N] "
+                    "(B = 1; T divisible by the number of processes)")
+        if spec.T % launched_world()[1]:
+            return f"--context-parallel: T = {spec.T} does not split evenly over {launched_world()[1]} processes"
+    if not args.shapes:
+        return "--context-parallel needs --shapes 1,T,H[,K,V][,packed=N] (one packed row per shape)"
+    return None
+
+
+def run_cp(args, device: str, guard: dict, report) -> int:
+    """The --context-parallel bench on this process (every process of the launch runs it); the
+    first process prints the table and writes the --json report."""
+    from ..validation import POLICIES
+    from .config import BOUNDARIES, OP_REPS, OP_WARMUP, expand, on_cpu, resolve_shapes
+    from .output import environment
+
+    rank, world = launched_world()
+    dev = start(device)
+    lead = rank == 0
+    shapes, _ = resolve_shapes(args.shapes, device)
+    s = CPSettings(device=dev, backend=args.backend, reps=args.reps or OP_REPS[on_cpu(device)],
+                   warmup=OP_WARMUP[on_cpu(device)] if args.warmup is None else args.warmup,
+                   check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard)
+    ops = expand(args.op, CP_OPS, "all", CP_OPS)
+    policies = expand(args.policy, POLICIES, "both", POLICIES)
+    boundaries = expand(args.boundary, BOUNDARIES, "both", BOUNDARIES)
+    data = {"kind": "context_parallel", **environment(device), "processes": world,
+            "settings": {"backend": args.backend, "reps": s.reps, "warmup": s.warmup, "seed": s.seed,
+                         "runs_per_round": INNER_RUNS["cpu" if device == "cpu" else "cuda"],
+                         "timing": "per round, the slowest process's time per run; the median round",
+                         "gdn_guard": guard}, "rows": []}
+    if lead:
+        print(f"rewy-hf bench --context-parallel on {world} processes ({data['device_name']}): rewy's ops against "
+              "FLA 0.6.0's, each process on its slice of one packed row")
+        if device == "cpu":
+            print("NOTE: CPU run (gloo): FLA's side needs CUDA, so only rewy's side runs; these times say nothing "
+                  "about a GPU.")
+    failed = False
+    for shape in shapes:
+        for op in ops:
+            for policy in policies:
+                row = run_row(op, policy, shape, boundaries, s)
+                data["rows"].append(row)
+                failed |= not row["pass"]
+                if lead:
+                    ms = ", ".join(f"{b}: " + " / ".join(f"{n} {v:.3f} ms" for n, v in t.items())
+                                   for b, t in row["ms"].items())
+                    print(f"{op} {policy} {shape.label}: {ms}; err rewy {row['err'].get('rewy', float('nan')):.1e}"
+                          f"{'' if row['pass'] else '  CHECK FAILED'}", flush=True)
+                    report.save(data)
+    data["complete"], data["exit_code"] = True, 1 if failed else 0
+    if lead:
+        table = format_rows(data["rows"])
+        print(table)
+        report.finish(data)
+        if args.markdown:
+            with open(args.markdown, "w", encoding="utf-8") as f:
+                f.write(table + "\n")
+            print(f"Markdown: {args.markdown}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
