@@ -25,8 +25,9 @@ tokens run with v = 0 and h_in = I (K value columns); that run's output O
 (K columns) is the output's response to the initial state, o = O h_in, so
 dh_loc = O^T do. These extra runs are made without autograd: the forward runs
 the last local sequence twice (h_loc, then M), the backward runs the first
-one once more with v = 0 (O and M), which costs a forward of that sequence
-where keeping O from the forward would hold [T, HV, K] per layer.
+one once more with v = 0 (O and M): a forward of that sequence, so that no
+saved tensor has a size only the run knows (O's length is the first
+sequence's), which a compiled graph could not hold without breaking.
 
 Both exchanges are custom ops (``rewy::cp_initial_state``, which also forms
 this rank's forward summary, and ``rewy::cp_final_state_grad``), and the
@@ -148,8 +149,8 @@ def _final_state_grad(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | N
                       policy: str, qk_l2norm: bool, safe_gate: bool, backend: str) -> Tensor:
     """dht [N, HV, K, V]: the gradient of this rank's sequences' final states, which the following
     ranks' outputs give (the last sequence's; zero elsewhere and on a last rank). The first
-    sequence's response to its initial state (O, M) is rebuilt here rather than kept from the
-    forward: keeping O would hold [T, HV, K] per layer, the size of an activation."""
+    sequence's response to its initial state (O, M) is rebuilt here from the inputs rather than
+    kept from the forward (module docstring)."""
     a = _one_sequence_args(q, k, v, g, beta, w, scale, family, policy, qk_l2norm, safe_gate)
     group = process_group(group_name)
     rank = torch.distributed.get_rank(group=group)

@@ -254,6 +254,7 @@ def set_active_context(context):
 def route(state, original: Callable, args: tuple, kwargs: dict):
     """Run the rewy core for one call of a patched layer, honouring its fallback."""
     op = state.adapter.op
+    given = kwargs
     if (context := active_context()) is not None and kwargs.get("cp_context") is None:
         kwargs = {**kwargs, "cp_context": context}
     try:
@@ -266,6 +267,8 @@ def route(state, original: Callable, args: tuple, kwargs: dict):
                 "the original core for such calls instead (they are counted in rewy_hf.dispatch_report())."
             ) from exc
         _count_fallback_eagerly(op, str(exc))
-        return original(*args, **kwargs)
+        if given is not kwargs:         # the original core takes FLA's own context object
+            given = {**given, "cp_context": context.fla_context}
+        return original(*args, **given)
     apply_grad_fault(o, op)
     return o, final_state
