@@ -24,3 +24,22 @@ def test_compiled_fsdp_logs_the_one_process_losses(tmp_path):
     assert got["graphs"] >= 1, "the FSDP-wrapped model was compiled"
     ops = got["report"]["ops"]["gated_delta_rule"]
     assert ops["optimized_backward_calls"] == STEPS and ops["fallback_calls"] == 0
+
+
+def test_compiled_fsdp_context_parallel_logs_the_one_process_losses(tmp_path):
+    """FSDP, torch.compile and context parallelism together, as `accelerate launch --config_file
+    recipes/configs/fsdp.yaml ... --context-parallel` runs them: the tiny Qwen3.5 hybrid (delta-rule,
+    attention and delta-rule layers) on its slices of one packed row logs the one eager process's
+    losses on the windows as a batch."""
+    from support.fsdp_ranks import cp_rank_main, one_process_window_losses
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(cp_rank_main, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    got = torch.load(out, weights_only=False)
+    ref = one_process_window_losses()
+    assert len(ref) == len(got["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(got["losses"], ref), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: FSDP compiled context parallel {a:.7f}, one process {b:.7f}"
+    assert ref[1] < ref[0], "the reference trained"
+    ops = got["report"]["ops"]["gated_delta_rule"]
+    assert ops["optimized_backward_calls"] == STEPS and ops["fallback_calls"] == 0
