@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import compiled_rank_main, free_port, hf_hybrid_rank_main, hf_model_rank_main, model_rank_main, rank_main
+from support.cp_ranks import attention_dropout_rank_main, compiled_rank_main, free_port, hf_hybrid_rank_main, hf_model_rank_main, model_rank_main, rank_main
 
 CASES = {
     2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),
@@ -75,3 +75,8 @@ def test_compiled_models_match_sequences_run_alone(kind):
     exchanges of the core, the short convolution and (the hybrid) attention compile into the graph;
     2 ranks, float32, five packings, fewer compiles than packings."""
     mp.spawn(compiled_rank_main, args=(2, free_port(), [(kind, COMPILED_ROWS)]), nprocs=2, join=True)
+
+
+def test_attention_dropout_backward_reruns_the_forwards_mask():
+    """The attention's backward reruns SDPA: under dropout it must draw the forward's mask again."""
+    mp.spawn(attention_dropout_rank_main, args=(1, free_port(), [()]), nprocs=1, join=True)

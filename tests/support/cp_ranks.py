@@ -387,3 +387,24 @@ def bench_rank_main(rank: int, world: int, port: int, argv: list[str], codes: st
     code = main(argv)
     with open(f"{codes}.{rank}", "w") as fh:
         fh.write(str(code))
+
+
+def check_attention_dropout() -> None:
+    """The context-parallel attention op with dropout, one rank: with a fixed seed the forward is a
+    function of q, k and v, and its backward (a rerun under the same seed) is that function's
+    gradient (float64 gradcheck); the dropout does act (the output differs from no dropout)."""
+    from rewy_hf.kernels import context_parallel_attention  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    bounds, name, seed = torch.tensor([0, 7, 16]), dist.group.WORLD.group_name, torch.tensor(12345)
+
+    def attend(q, k, v, dropout=0.3):
+        return torch.ops.rewy.cp_row_attention(q, k, v, bounds, name, dropout, None, seed if dropout else None)
+
+    assert torch.autograd.gradcheck(attend, (q, k, v), eps=1e-6, atol=1e-6)
+    assert not torch.allclose(attend(q, k, v), attend(q, k, v, dropout=0.0))
+
+
+def attention_dropout_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve(rank, world, port, cases, check_attention_dropout, 120)
