@@ -59,7 +59,9 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
     a("--compile", choices=("auto", "on", "off"), default="auto",
       help="torch.compile the model (in place: checkpoints keep their names); auto: on with CUDA, off on CPU, "
            "where compiling costs more than a short run gains")
-    a("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
+    a("--gradient-checkpointing", action="store_true",
+      help="recompute activations in backward to save memory; compiled, the checkpointed layers compile too "
+           "(the run sets dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint; docs/usage.md)")
     a("--context-parallel", action="store_true",
       help="every process trains on the same --batch-size windows, joined into one packed row and split across "
            "the processes (rewy + FLA's context-parallel protocol): sequences batch-size x seq-len tokens long "

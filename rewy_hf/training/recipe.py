@@ -10,6 +10,7 @@ that can refuse the command line comes before the data and the model are loaded.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -71,10 +72,23 @@ def train(args) -> RunResult:
     lock = _on_main(accelerator, lambda: output_dir.claim(out_dir, fresh=args.resume is None,
                                                           overwrite=args.overwrite_output_dir))
     try:
-        return _run(args, accelerator, out_dir)
+        with _checkpointed_layers_compile(args):
+            return _run(args, accelerator, out_dir)
     finally:
         if accelerator.is_main_process:
             output_dir.release_lock(lock)
+
+
+def _checkpointed_layers_compile(args):
+    """With --gradient-checkpointing, dynamo compiles a checkpointed patched layer instead of running
+    it eagerly: the only forward side effect there is the patched layer's push onto rewy's
+    active-layer stack, which the backward's rerun need not replay (its region already holds rewy's
+    op; docs/usage.md). A dynamo setting, set for the run only."""
+    config = torch._dynamo.config
+    if not (args.gradient_checkpointing and args.core == "rewy"
+            and hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint")):
+        return contextlib.nullcontext()
+    return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def _on_main(accelerator, fn):
