@@ -235,6 +235,12 @@ def refusal(args, device: str) -> str | None:
                 "(one GPU per process on CUDA, gloo on CPU)")
     if args.model:
         return "--context-parallel is an op-level bench; the recipe's --context-parallel trains a model that way"
+    taken = [flag for flag, given in (("--peers", args.peers), ("--kernel-profile", args.kernel_profile),
+                                      ("--plot", args.plot), ("--keep-autotune-picks", args.keep_autotune_picks))
+             if given]
+    if taken:
+        return (f"--context-parallel times rewy against FLA only, with neither {', '.join(taken)}; drop "
+                f"{'it' if len(taken) == 1 else 'them'} (the op bench without --context-parallel takes them)")
     ops = [op for op in (args.op or CP_OPS) if op != "all"]
     if "delta_rule" in ops:
         return "--context-parallel: FLA 0.6.0 has no context parallelism for delta_rule; pick from gdn, kda, gdn2"

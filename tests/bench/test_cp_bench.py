@@ -48,6 +48,8 @@ def test_two_processes_time_rewy_and_check_every_row(tmp_path, capsys):
     (["--shapes", "1,128,2", "--op", "delta_rule"], {"WORLD_SIZE": "2", "RANK": "0"},
      "no context parallelism for delta_rule"),
     ([], {"WORLD_SIZE": "2", "RANK": "0"}, "needs --shapes 1,T,H"),
+    (["--shapes", "1,128,2", "--kernel-profile", "--plot", "x.png"], {"WORLD_SIZE": "2", "RANK": "0"},
+     "with neither --kernel-profile, --plot; drop them"),
 ])
 def test_runs_that_cannot_start_are_refused(monkeypatch, capsys, argv, env, fragment):
     from rewy_hf.cli import main
