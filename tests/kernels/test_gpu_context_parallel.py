@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import compiled_cuda_rank_main, cuda_rank_main, free_port, hf_hybrid_cuda_rank_main, hf_model_cuda_rank_main
+from support.cp_ranks import (compiled_cuda_rank_main, cuda_rank_main, free_port,
+                              hf_hybrid_cuda_rank_main, hf_model_cuda_rank_main)
 
 pytestmark = pytest.mark.gpu
 

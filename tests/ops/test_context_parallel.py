@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from support.cp_ranks import attention_dropout_rank_main, compiled_rank_main, free_port, hf_hybrid_rank_main, hf_model_rank_main, model_rank_main, rank_main
+from support.cp_ranks import (attention_dropout_rank_main, compiled_rank_main, free_port, hf_hybrid_rank_main,
+                              hf_model_rank_main, model_rank_main, rank_main)
 
 CASES = {
     2: [("gdn", [0, 37, 37, 170, 300], 1, 2, True), ("gdn", [0, 150, 300], 2, 2, False),

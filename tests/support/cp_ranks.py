@@ -393,7 +393,9 @@ def check_attention_dropout() -> None:
     """The context-parallel attention op with dropout, one rank: with a fixed seed the forward is a
     function of q, k and v, and its backward (a rerun under the same seed) is that function's
     gradient (float64 gradcheck); the dropout does act (the output differs from no dropout)."""
-    from rewy_hf.kernels import context_parallel_attention  # noqa: F401  (registers the ops)
+    import importlib
+
+    importlib.import_module("rewy_hf.kernels.context_parallel_attention")      # registers the ops
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))

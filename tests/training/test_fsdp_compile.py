@@ -12,18 +12,24 @@ from support.cp_ranks import free_port
 from support.fsdp_ranks import STEPS, one_process_losses, rank_main
 
 
-def test_compiled_fsdp_logs_the_one_process_losses(tmp_path):
+def _run_against(main, ref: list[float], what: str, tmp_path) -> dict:
+    """Two processes of ``main``; their logged losses against ``ref`` step by step, every delta-rule
+    backward on rewy; rank 0's record."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(rank_main, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(main, args=(2, free_port(), str(out)), nprocs=2, join=True)
     got = torch.load(out, weights_only=False)
-    ref = one_process_losses()
     assert len(ref) == len(got["losses"]) == STEPS
     for step, (a, b) in enumerate(zip(got["losses"], ref), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: FSDP compiled {a:.7f}, one eager process {b:.7f}"
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {what} {a:.7f}, one eager process {b:.7f}"
     assert ref[1] < ref[0], "the reference trained"
-    assert got["graphs"] >= 1, "the FSDP-wrapped model was compiled"
     ops = got["report"]["ops"]["gated_delta_rule"]
     assert ops["optimized_backward_calls"] == STEPS and ops["fallback_calls"] == 0
+    return got
+
+
+def test_compiled_fsdp_logs_the_one_process_losses(tmp_path):
+    got = _run_against(rank_main, one_process_losses(), "FSDP compiled", tmp_path)
+    assert got["graphs"] >= 1, "the FSDP-wrapped model was compiled"
 
 
 def test_compiled_fsdp_context_parallel_logs_the_one_process_losses(tmp_path):
@@ -33,13 +39,4 @@ def test_compiled_fsdp_context_parallel_logs_the_one_process_losses(tmp_path):
     losses on the windows as a batch."""
     from support.fsdp_ranks import cp_rank_main, one_process_window_losses
 
-    out = tmp_path / "rank0.pt"
-    mp.spawn(cp_rank_main, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    got = torch.load(out, weights_only=False)
-    ref = one_process_window_losses()
-    assert len(ref) == len(got["losses"]) == STEPS
-    for step, (a, b) in enumerate(zip(got["losses"], ref), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: FSDP compiled context parallel {a:.7f}, one process {b:.7f}"
-    assert ref[1] < ref[0], "the reference trained"
-    ops = got["report"]["ops"]["gated_delta_rule"]
-    assert ops["optimized_backward_calls"] == STEPS and ops["fallback_calls"] == 0
+    _run_against(cp_rank_main, one_process_window_losses(), "FSDP compiled context parallel", tmp_path)
