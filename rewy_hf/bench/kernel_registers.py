@@ -84,8 +84,9 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
                                                                            IS_VARLEN=packed, FULL_T=not packed)
     if name == "gdn-prestage":
         bk = block_k or 64          # the tile over K and V
-        return prestage.rewy_gdn_prestage_kernel, name, dict(heads, V=V, BK=min(bk, K), BV=min(bk, V), USE_G=True,
-                                                             IS_VARLEN=packed, FULL_T=not packed)
+        BK, BV = min(bk, K), min(bk, V)
+        return prestage.prestage_kernel(BK, BV), name, dict(heads, V=V, BK=BK, BV=BV, USE_G=True, IS_VARLEN=packed,
+                                                            FULL_T=not packed)
     if name in ("gdn-walk", "fla-dhu"):
         # the reverse state walk, GDN gate, K-first state, h0 and dht given; block_k: its value block BV
         const = dict(heads, V=V, BV=block_k or 32, USE_G=True, IS_VARLEN=packed)

@@ -96,3 +96,21 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="need B = 1"):
         recompute_wu_and_dv_local(**inputs, cu_seqlens=torch.tensor([0, 32, 64]))
 
+
+
+@pytest.mark.parametrize("K,V,narrow", [(16, 16, True), (32, 128, True), (128, 32, True), (64, 64, False),
+                                        (128, 128, False), (96, 96, False)])
+def test_tiles_below_64_take_only_the_8_warp_configs(K, V, narrow, monkeypatch):
+    """At key or value tiles below 64 the prestage runs the kernel whose configs are all 8-warp ones
+    (the 4-warp builds faulted there on the H200 under triton 3.6), and the launch reaches it."""
+    from rewy_hf.kernels.triton_backend.scalar_gate import prestage
+
+    chosen = []
+    real = prestage.launch
+    monkeypatch.setattr(prestage, "launch", lambda kernel, *a, **kw: chosen.append(kernel) or real(kernel, *a, **kw))
+    inputs, ref = _case("gdn", 1, 1, 1, 80, K, V, seed=K + V)
+    out = recompute_wu_and_dv_local(**inputs)
+    assert max(rel_err(o, r) for o, r in zip(out, ref)) < 1e-5
+    assert chosen == [prestage.rewy_gdn_prestage_kernel_narrow if narrow else prestage.rewy_gdn_prestage_kernel]
+    listed = getattr(chosen[0], "listed_configs", chosen[0].configs)       # the whole list under the test cut
+    assert {c.num_warps for c in listed} == ({8} if narrow else {4, 8})
