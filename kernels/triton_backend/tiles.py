@@ -6,10 +6,13 @@ its registers. So K is rounded up to a power of two and held between 16 and
 64; wider heads are covered by several blocks.
 
 Bounds masks: every tile load is masked against the sequence end and the head
-dimensions. When the launch knows that every chunk is full and the block
-widths divide K and V, the mask is all true; as a compile-time constant
-Triton folds it out of the loads and stores, which removes their address
-checks and selects (about 11 % of Matrix Intra's instructions).
+dimensions. Where a bound cannot bite (a block width divides K or V; every
+chunk of a launch has all its rows) the mask is all true; as a compile-time
+constant Triton folds it out of the loads and stores, which removes their
+address checks and selects (about 11 % of Matrix Intra's instructions). With
+packed sequences only a sequence's last chunk can be short, so the chunk
+kernels serve the full chunks in one launch and the short ones in another
+(``chunks.chunk_launches``).
 """
 
 from __future__ import annotations

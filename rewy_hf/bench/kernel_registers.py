@@ -57,7 +57,7 @@ _BF16 = {
 }
 _SCALARS = {"T": "i32", "SIZE": "i32", "scale": "fp32", "span_limit": "fp32", "NS": "i32", "HV": "i32", "NT": "i32", "L": "i32"}
 KERNELS = ("kda-intra", "gdn2-intra", "kda-wy", "gdn2-wy", "gdn-local", "gdn-prestage", "gdn-walk", "fla-dhu")
-_INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
+_INDEX_POINTERS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "chunk_order"}
 
 
 def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int | None = None,
@@ -71,8 +71,8 @@ def kernel_spec(name: str, K: int = 128, V: int = 128, H: int = 16, block_k: int
     if name in ("kda-intra", "gdn2-intra"):
         bk = block_k or common.INTRA_BLOCK_K
         const = dict(heads, BC=common.SUB_BLOCK, BK=bk, NC=64 // common.SUB_BLOCK, NDB=triton.cdiv(K, 64) + 1,
-                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=packed,
-                     FULL=not packed and K % bk == 0, PREC=common.INTRA_PRECISION, DPREC=common.DIAG_PRECISION)
+                     NKI=triton.cdiv(K, bk), VEC=name == "gdn2-intra", IS_VARLEN=packed, FULL_T=not packed,
+                     PREC=common.INTRA_PRECISION, DPREC=common.DIAG_PRECISION)
         return intra_backward.rewy_kda_bwd_intra_kernel, "intra", const
     if name in ("kda-wy", "gdn2-wy"):
         bk = block_k or 64

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..chunks import chunk_launches
 from ..launch import launch
 from ..tiles import bounds_mask
 
@@ -63,7 +64,7 @@ def _prune(configs, named_args, **kwargs):
 def rewy_gdn_bwd_local_kernel(
     q, k, v, v_new, g, beta, A, h, dh, do, dv2,
     dq, dk, dv, dg, db,
-    cu_seqlens, chunk_indices,
+    cu_seqlens, chunk_indices, chunk_order,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -76,8 +77,9 @@ def rewy_gdn_bwd_local_kernel(
     i_h = i_hv // (HV // H)
     B = tl.num_programs(2) // HV
     if IS_VARLEN:
-        # Packed sequences (B = 1): program i_c is chunk i_t of sequence i_n, and the
-        # chunk states are stored in that same global chunk order.
+        # Packed sequences (B = 1): program i_c serves chunk order[i_c] of FLA's table, chunk i_t of
+        # sequence i_n; the chunk states are stored in that table's order.
+        i_c = tl.load(chunk_order + i_c).to(tl.int32)
         i_n = tl.load(chunk_indices + i_c * 2).to(tl.int32)
         i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
         bos = tl.load(cu_seqlens + i_n).to(tl.int32)
@@ -265,13 +267,14 @@ def rewy_gdn_bwd_local(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float,
     varlen = cu_seqlens is not None
     if varlen and (B != 1 or chunk_indices is None):
         raise ValueError("packed sequences (cu_seqlens) need B = 1 and FLA's chunk_indices")
-    grid = (NK, chunk_indices.shape[0] if varlen else triton.cdiv(T, BT), B * HV)
-    launch(
-        rewy_gdn_bwd_local_kernel, grid, q=q, k=k, v=v, v_new=v_new, g=g if g is not None else beta, beta=beta,
-        A=A, h=h, dh=dh, do=do, dv2=dv2, dq=dq, dk=dk, dv=dv_, dg=dg if dg is not None else db, db=db,
-        cu_seqlens=cu_seqlens if varlen else beta, chunk_indices=chunk_indices if varlen else beta,
-        scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
-        FULL_T=not varlen and T % BT == 0,
-    )
+    for chunks, order, full in chunk_launches(T, cu_seqlens, BT):
+        launch(
+            rewy_gdn_bwd_local_kernel, (NK, chunks, B * HV), q=q, k=k, v=v, v_new=v_new,
+            g=g if g is not None else beta, beta=beta, A=A, h=h, dh=dh, do=do, dv2=dv2, dq=dq, dk=dk, dv=dv_,
+            dg=dg if dg is not None else db, db=db, cu_seqlens=cu_seqlens if varlen else beta,
+            chunk_indices=chunk_indices if varlen else beta, chunk_order=order if varlen else beta,
+            scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, IS_VARLEN=varlen,
+            FULL_T=full,
+        )
     total = shares.sum(1) if NK > 1 else shares[:, 0]
     return dq, dk, dv_, total[0] if g is not None else None, total[-1]

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunks import chunk_table
+from ..chunks import chunk_launches, chunk_table
 from ..launch import launch
 from ..tiles import bounds_mask
 
@@ -45,7 +45,7 @@ _KEY = ["H", "HV", "K", "V", "BT", "BK", "BV", "USE_G", "IS_VARLEN"]
 @triton.jit(do_not_specialize=["T"])
 def rewy_gdn_prestage_kernel(
     q, k, v, g, beta, A, do, w, u, dv,
-    cu_seqlens, chunk_indices,
+    cu_seqlens, chunk_indices, chunk_order,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -55,6 +55,7 @@ def rewy_gdn_prestage_kernel(
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
+        i_c = tl.load(chunk_order + i_c).to(tl.int32)      # this launch's program -> its chunk in FLA's table
         i_n = tl.load(chunk_indices + i_c * 2).to(tl.int32)
         i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
         bos = tl.load(cu_seqlens + i_n).to(tl.int32)
@@ -148,16 +149,17 @@ def recompute_wu_and_dv_local(q, k, v, beta, A, do, g=None, scale: float = 1.0, 
     varlen = cu_seqlens is not None
     if varlen and B != 1:
         raise ValueError("packed sequences (cu_seqlens) need B = 1, as in FLA")
-    NT, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
+    _, chunk_indices = chunk_table(T, cu_seqlens, BT, chunk_indices)
     w = k.new_empty(B, T, HV, K)
     u = torch.empty_like(v)
     dv = torch.empty_like(do)
     BK, BV = min(block, max(16, triton.next_power_of_2(K))), min(block, max(16, triton.next_power_of_2(V)))
     # An absent gate or packing table is passed as beta: the kernel never reads it then.
-    launch(
-        prestage_kernel(BK, BV), (NT, B * HV), q=q, k=k, v=v, g=g if g is not None else beta, beta=beta, A=A,
-        do=do, w=w, u=u, dv=dv, cu_seqlens=cu_seqlens if varlen else beta,
-        chunk_indices=chunk_indices if varlen else beta, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=BK, BV=BV, USE_G=g is not None, IS_VARLEN=varlen, FULL_T=not varlen and T % BT == 0,
-    )
+    for chunks, order, full in chunk_launches(T, cu_seqlens, BT):
+        launch(
+            prestage_kernel(BK, BV), (chunks, B * HV), q=q, k=k, v=v, g=g if g is not None else beta, beta=beta,
+            A=A, do=do, w=w, u=u, dv=dv, cu_seqlens=cu_seqlens if varlen else beta,
+            chunk_indices=chunk_indices if varlen else beta, chunk_order=order if varlen else beta, scale=scale,
+            T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, IS_VARLEN=varlen, FULL_T=full,
+        )
     return w, u, dv

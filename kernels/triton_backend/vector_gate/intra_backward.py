@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ...constants import CHUNK
-from ..chunks import chunk_table
+from ..chunks import chunk_launches, chunk_table
 from ..tiles import bounds_mask, size_class
 from . import common
 from .common import SUB_BLOCK, dot_prec, exp2_where
@@ -58,16 +58,17 @@ from .common import SUB_BLOCK, dot_prec, exp2_where
 def rewy_kda_bwd_intra_kernel(
     q, k, g, beta, dAqk, dL, dq, dk, dG, dbp,
     dq_o, dk_o, dg_o, db_o,
-    cu_seqlens, chunk_indices, T, SIZE, span_limit,
+    cu_seqlens, chunk_indices, chunk_order, T, SIZE, span_limit,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, NC: tl.constexpr, NDB: tl.constexpr, NKI: tl.constexpr, VEC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr, FULL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr, FULL_T: tl.constexpr,
 ):
     # the key blocks of one chunk are adjacent in launch order: they share its dAqk and dL tiles through L2
     i_t, i_k, i_bh = tl.program_id(0) // NKI, tl.program_id(0) % NKI, tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
+        i_t = tl.load(chunk_order + i_t).to(tl.int32)   # this launch's program -> its chunk in FLA's table
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
         i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -102,8 +103,8 @@ def rewy_kda_bwd_intra_kernel(
 
     o_c = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
-    # FULL: every chunk has BT rows and BK divides K, so the bounds masks are constants (tiles.py)
-    m_k = bounds_mask(o_k, K, FULL)
+    # FULL_T: every chunk of the launch has BT rows, so the row masks are constants (tiles.py)
+    m_k = bounds_mask(o_k, K, K % BK == 0)
     carry = tl.zeros([BK], dtype=tl.float32)       # sum of the gate terms of later rows
     # Last sub-block first, so the reverse cumulative sum can carry across blocks.
     # A runtime loop (not unrolled): unrolling the four blocks and their inner
@@ -112,7 +113,7 @@ def rewy_kda_bwd_intra_kernel(
         I = NC - 1 - ii
         if I * BC < n_valid:
             r_i = I * BC + o_c                      # rows of block I within the chunk
-            m_i = bounds_mask(r_i, n_valid, FULL)
+            m_i = bounds_mask(r_i, n_valid, FULL_T)
             m_ik = m_i[:, None] & m_k[None, :]
             off_k = r_i[:, None] * (HV * K) + o_k[None, :]
             b_g = tl.load(g + off_k, mask=m_ik, other=0.0).to(tl.float32)
@@ -148,7 +149,7 @@ def rewy_kda_bwd_intra_kernel(
                 acc_c = tl.zeros([BC, BK], dtype=tl.float32)
                 for J in range(I + 1, NC):
                     r_j = J * BC + o_c
-                    m_j = bounds_mask(r_j, n_valid, FULL)
+                    m_j = bounds_mask(r_j, n_valid, FULL_T)
                     m_jk = m_j[:, None] & m_k[None, :]
                     off_qkj = r_j[:, None] * (H * K) + o_k[None, :]
                     off_kj = r_j[:, None] * (HV * K) + o_k[None, :]
@@ -281,14 +282,16 @@ def rewy_kda_bwd_intra(q, k, g, beta, dAqk, dL, dq, dk, dG, db_part, cu_seqlens=
         dq_o, dk_o = (common.alloc((B, T, HV, K), dev, dqk_dtype) for _ in range(2))
     if vec and db_dtype is not None:
         db_o = common.alloc((B, T, HV, K), dev, db_dtype)
-    rewy_kda_bwd_intra_kernel[(NT * NKI, B * HV)](
-        q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
-        dq_o, dk_o, dg_o, db_o,
-        cu_seqlens, chunk_indices, T, size_class(NT * B * HV), float(span_limit),
-        H=H, HV=HV, K=K, BT=BT, BC=SUB_BLOCK, BK=BK, NC=BT // SUB_BLOCK, NDB=NDB, NKI=NKI,
-        VEC=vec, IS_VARLEN=cu_seqlens is not None, PREC=common.INTRA_PRECISION,
-        DPREC=common.DIAG_PRECISION, FULL=cu_seqlens is None and T % BT == 0 and K % BK == 0,
-    )
+    # one autotune key for every launch of the call (SIZE from all its chunks)
+    for chunks, order, full in chunk_launches(T, cu_seqlens, CHUNK):
+        rewy_kda_bwd_intra_kernel[(chunks * NKI, B * HV)](
+            q, k, g, beta, dAqk, dL, dq, dk, dG, db_part,
+            dq_o, dk_o, dg_o, db_o,
+            cu_seqlens, chunk_indices, order, T, size_class(NT * B * HV), float(span_limit),
+            H=H, HV=HV, K=K, BT=BT, BC=SUB_BLOCK, BK=BK, NC=BT // SUB_BLOCK, NDB=NDB, NKI=NKI,
+            VEC=vec, IS_VARLEN=cu_seqlens is not None, PREC=common.INTRA_PRECISION,
+            DPREC=common.DIAG_PRECISION, FULL_T=full,
+        )
     if not vec and NKI > 1:
         db_o = db_o.sum(-1)
     return dq_o, dk_o, dg_o, db_o

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ...constants import CHUNK
-from ..chunks import chunk_table
+from ..chunks import chunk_launches, chunk_table
 from ..tiles import bounds_mask, key_block, size_class
 from . import common
 from .common import exp2_where
@@ -69,7 +69,7 @@ def wy_config_ok(BK: int, config: triton.Config) -> bool:
 def rewy_kda_bwd_wy_kernel(
     q, k, v, v_new, g, beta, wg, A, h, dh, do, dv2,
     dq, dk, dv, dG, db, dw, dL,
-    cu_seqlens, chunk_indices, scale, T, SIZE,
+    cu_seqlens, chunk_indices, chunk_order, scale, T, SIZE,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     VEC: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, WPREC: tl.constexpr,
@@ -81,6 +81,7 @@ def rewy_kda_bwd_wy_kernel(
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
+        i_t = tl.load(chunk_order + i_t).to(tl.int32)   # this launch's program -> its chunk in FLA's table
         i_tg = i_t.to(tl.int64)
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
         i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
@@ -261,12 +262,14 @@ def rewy_kda_bwd_wy(q, k, v, v_new, g, beta, A, h, dh, do, dv2, scale: float, w_
     dw = common.alloc((B, T, HV, V), dev, w_gate.dtype) if vec else None
     db = common.alloc((B, T, HV, K), dev) if vec else common.alloc((B, T, HV, NK + 1), dev)
     dL = common.alloc((B, T, HV, BT), dev)
-    grid = (NT * (NK + 1), B * HV)
-    rewy_kda_bwd_wy_kernel[grid](
-        q, k, v, v_new, g, beta, w_gate if vec else beta, A, h, dh, do, dv2,
-        dq, dk, dv, dG, db, dw if vec else dv, dL,
-        cu_seqlens, chunk_indices, scale, T, size_class(NT * B * HV),
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
-        IS_VARLEN=cu_seqlens is not None, WPREC=common.WY_PRECISION, FULL_T=cu_seqlens is None and T % BT == 0,
-    )
+    # one autotune key for every launch of the call (SIZE from all its chunks), so the short chunks'
+    # launch runs the config tuned on the full ones
+    for chunks, order, full in chunk_launches(T, cu_seqlens, CHUNK):
+        rewy_kda_bwd_wy_kernel[(chunks * (NK + 1), B * HV)](
+            q, k, v, v_new, g, beta, w_gate if vec else beta, A, h, dh, do, dv2,
+            dq, dk, dv, dG, db, dw if vec else dv, dL,
+            cu_seqlens, chunk_indices, order, scale, T, size_class(NT * B * HV),
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, NK=NK, VEC=vec, STATE_V_FIRST=state_v_first,
+            IS_VARLEN=cu_seqlens is not None, WPREC=common.WY_PRECISION, FULL_T=full,
+        )
     return dq, dk, dG, dv, dw, db, dL
