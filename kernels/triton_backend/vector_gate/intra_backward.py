@@ -103,7 +103,7 @@ def rewy_kda_bwd_intra_kernel(
 
     o_c = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
-    # FULL_T: every chunk of the launch has BT rows, so the row masks are constants (tiles.py)
+    # constant masks (tiles.py): over K where BK divides it, over rows where every chunk of the launch is full
     m_k = bounds_mask(o_k, K, K % BK == 0)
     carry = tl.zeros([BK], dtype=tl.float32)       # sum of the gate terms of later rows
     # Last sub-block first, so the reverse cumulative sum can carry across blocks.
