@@ -65,8 +65,9 @@ def check_call(op: str, q: Tensor, initial_state, output_final_state: bool) -> N
                                      "(as FLA); leave initial_state=None and output_final_state=False.")
 
 
-def _state_dtype(a: CoreArgs) -> torch.dtype:
-    return torch.float64 if a.q.dtype == torch.float64 else torch.float32
+def _state_dtype(q: Tensor) -> torch.dtype:
+    """The summaries' dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _tokens(a: CoreArgs, start: int, end: int, **changes) -> CoreArgs:
@@ -80,7 +81,7 @@ def _tokens(a: CoreArgs, start: int, end: int, **changes) -> CoreArgs:
 def _zero_value_run(a: CoreArgs, backend: str):
     """(O [1, T, HV, K], M [HV, K, K]) of a one-sequence call: v = 0, h_in = I."""
     HV, K = a.v.shape[2], a.q.shape[-1]
-    dt = _state_dtype(a)
+    dt = _state_dtype(a.q)
     v = a.v.new_zeros(*a.v.shape[:3], K)
     w = None if a.w is None else a.w.new_ones(*a.w.shape[:3], K)
     eye = torch.eye(K, dtype=dt, device=a.q.device).expand(1, HV, K, K).contiguous()
@@ -122,7 +123,7 @@ def _initial_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tens
     ends = bounds.tolist()
     is_first, is_last, pre_ranks = (int(meta[i]) for i in (IS_FIRST, IS_LAST, PRE_RANKS))
     HV, V = v.shape[2:]
-    K, dt = q.shape[-1], _state_dtype(a)
+    K, dt = q.shape[-1], _state_dtype(a.q)
     # Forward summary of the last local sequence, which goes on to the next rank.
     summary = q.new_zeros(HV, K, V + K, dtype=dt)
     if not is_last:
@@ -139,8 +140,7 @@ def _initial_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tens
 @_initial_state.register_fake
 def _initial_state_fake(q, k, v, g, beta, w, bounds, meta, group_name, scale, family, policy, qk_l2norm, safe_gate,
                         backend):
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(bounds.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=dt)
+    return q.new_empty(bounds.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=_state_dtype(q))
 
 
 @torch.library.custom_op("rewy::cp_final_state_grad", mutates_args=())
@@ -156,7 +156,7 @@ def _final_state_grad(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | N
     rank = torch.distributed.get_rank(group=group)
     ends = bounds.tolist()
     is_first, is_last, post_ranks = (int(meta[i]) for i in (IS_FIRST, IS_LAST, POST_RANKS))
-    HV, V, K, dt = v.shape[2], v.shape[3], q.shape[-1], _state_dtype(a)
+    HV, V, K, dt = v.shape[2], v.shape[3], q.shape[-1], _state_dtype(a.q)
     summary = do.new_zeros(HV, K, V + K, dtype=dt)
     if not is_first:
         O, M = _zero_value_run(_tokens(a, ends[0], ends[1]), backend)
@@ -173,8 +173,7 @@ def _final_state_grad(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | N
 @_final_state_grad.register_fake
 def _final_state_grad_fake(do, q, k, v, g, beta, w, bounds, meta, group_name, scale, family, policy, qk_l2norm,
                            safe_gate, backend):
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return do.new_empty(bounds.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=dt)
+    return do.new_empty(bounds.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=_state_dtype(q))
 
 
 class _NextRanksGradient(torch.autograd.Function):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..op_inputs import DISPATCH_NAME, GRAD_NAMES, Shape, make_inputs
 from ..rel_error import rel_err
+from . import timing
 from .timing import describe, free_memory, leaves, runner
 
 CP_OPS = ("gdn", "kda", "gdn2")          # FLA 0.6.0 has context parallelism for these (not DeltaNet)
@@ -72,21 +73,9 @@ def _slice(x: torch.Tensor) -> torch.Tensor:
     return x[:, rank * part:(rank + 1) * part].contiguous()
 
 
-def _rewy_side(op: str, backend: str, policy: str, ctx):
-    from ..op_inputs import REWY_OPS
-
-    f = REWY_OPS[op]
-    return lambda *x: f(*x, cp_context=ctx, backend=backend, policy=policy)[0]
-
-
-def _fla_side(op: str, policy: str, ctx):
-    import inspect
-
-    from .op_bench import fla_function
-
-    f = fla_function(op)
-    kw = {"disable_recompute": policy == "full"} if "disable_recompute" in inspect.signature(f).parameters else {}
-    return lambda *x: f(*x, cp_context=ctx, **kw)[0]
+def _with_context(fn, ctx):
+    """An op bench side (``op_bench.rewy_impl`` / ``fla_impl``) called with ``cp_context``."""
+    return lambda *x: fn(*x, cp_context=ctx)
 
 
 def _worst(value: float) -> float:
@@ -124,16 +113,17 @@ def check_side(op: str, fn_of_ctx, shape: Shape, s: CPSettings, dtype: torch.dty
 
 def time_sides(runs: dict, s: CPSettings) -> dict[str, float]:
     """Median over rounds of the slowest process's time per run, per side (ms); the sides alternate."""
-    inner = INNER_RUNS["cuda" if s.device.startswith("cuda") else "cpu"]
+    kind = torch.device(s.device).type
+    inner = INNER_RUNS[kind]
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(s.warmup + s.reps):
         for name, run in runs.items():
             dist.barrier()
-            _sync(s.device)
+            timing.sync(kind)
             t0 = time.perf_counter()
             for _ in range(inner):
                 run()
-            _sync(s.device)
+            timing.sync(kind)
             ms = (time.perf_counter() - t0) * 1e3 / inner
             ms = _worst(ms)
             if i >= s.warmup:
@@ -141,28 +131,15 @@ def time_sides(runs: dict, s: CPSettings) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def peak_mb(fn, inputs, do, device: str) -> float | None:
-    """The largest peak over the processes of one forward + backward, above what was allocated."""
-    if not device.startswith("cuda"):
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    xs = leaves(inputs)
-    torch.autograd.grad(fn(*xs), xs, do)
-    torch.cuda.synchronize()
-    return _worst((torch.cuda.max_memory_allocated() - base) / 2**20)
+    """The largest peak over the processes of one forward + backward (timing.peak_mb); None on CPU."""
+    return _worst(timing.peak_mb(fn, inputs, do)) if device.startswith("cuda") else None
 
 
 def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: CPSettings) -> dict:
     """One configuration: the check, then the timing of each side that passed it."""
     from .config import check_T
-    from .op_bench import guard_lifted
+    from .op_bench import fla_impl, guard_lifted, rewy_impl
 
     cuda = s.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -170,9 +147,9 @@ def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: CPSett
     row = {"op": op, "policy": policy, "shape": shape.label, "processes": world, "tokens_per_process":
            shape.T // world, "boundaries": boundaries, "ms": {}, "peak_mb": {}, "err": {}, "errors": {},
            "dispatch_name": DISPATCH_NAME[op], "grad_names": list(GRAD_NAMES[op])}
-    sides = {"rewy": lambda ctx: _rewy_side(op, s.backend, policy, ctx)}
+    sides = {"rewy": lambda ctx: _with_context(rewy_impl(op, s.backend, policy).fn, ctx)}
     if cuda:
-        sides["FLA"] = lambda ctx: _fla_side(op, policy, ctx)
+        sides["FLA"] = lambda ctx: _with_context(fla_impl(op, policy, s.gdn_guard).fn, ctx)
     else:
         row["errors"]["FLA"] = "not run: FLA's context-parallel kernels are Triton kernels and need CUDA"
     trusted_fla = not guard_lifted(op, s.gdn_guard)
