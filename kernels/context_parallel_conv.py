@@ -53,7 +53,9 @@ def _keep(cu_seqlens: Tensor, T: int, W: int, borrowed: Tensor, device) -> Tenso
     ``borrowed`` inputs back into the rank before). Built on the device, no host read."""
     t = torch.arange(T, device=device)
     cu = cu_seqlens.to(device=device, dtype=torch.long)
-    start = cu[torch.searchsorted(cu[1:], t, right=True)]
+    # the last bound at or before t; over the whole tensor, since inductor (torch 2.11) cannot lower
+    # searchsorted over a slice
+    start = cu[torch.searchsorted(cu, t, right=True) - 1]
     start = torch.where(start == 0, -borrowed.to(device), start)
     source = t[None, :] - (W - 1) + torch.arange(W, device=device)[:, None]
     return source >= start[None, :]

@@ -122,7 +122,9 @@ def picked_configs(path: str) -> tuple[list[dict], int]:
                 if names is None:
                     others += 1
                     continue
-                key = dict(zip(e["key_names"], e["key"]))
+                # the autotuner's key holds only the named arguments the call passed: a name its config
+                # sets (FLA's walk keys on BV, which its configs choose) has no value there
+                key = dict(zip([k for k in e["key_names"] if k not in e["kwargs"]], e["key"]))
                 # Matrix Intra and Residual WY serve KDA and GDN2: the key's VEC says which
                 name = names[-1] if len(names) > 1 and key.get("VEC") else names[0]
                 kernel, group, const = kernel_spec(name, key.get("K", 128), key.get("V", 128), key.get("H", 16),

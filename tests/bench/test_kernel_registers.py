@@ -88,7 +88,12 @@ def _picks_runs(d, rows) -> dict:
                              [16, 16, 128, 128, 64, 64, 64, True, True, "torch.bfloat16"], {}, 4, 2)]}},
         {"op": "gdn2", "policy": "full", "B": 8, "T": 2048, "H": 16, "N": 0, "autotune_picks": {
             wy: [_pick(["SIZE", "H", "HV", "K", "V", "BK", "VEC", "STATE_V_FIRST"],
-                       [3, 16, 16, 128, 128, 64, True, False, "torch.bfloat16"], {"BV": 64}, 4, 1)]}}]}
+                       [3, 16, 16, 128, 128, 64, True, False, "torch.bfloat16"], {"BV": 64}, 4, 1)]}},
+        # FLA's walk keys on BV, which its configs set: the recorded key has no value for it
+        {"op": "gdn", "policy": "full", "B": 8, "T": 2048, "H": 16, "N": 0, "autotune_picks": {
+            "fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": [
+                _pick(["H", "HV", "K", "V", "BT", "BV", "USE_G", "STATE_V_FIRST"],
+                      [16, 16, 128, 128, 64, True, False, "torch.bfloat16", "torch.bfloat16"], {"BV": 64}, 4, 2)]}}]}
     (d / "bench.json").write_text(json.dumps(bench))
     (d / "no-picks.json").write_text(json.dumps({"kind": "ops", "rows": [{"op": "kda", "policy": "full"}]}))
     return {
@@ -248,8 +253,9 @@ def test_picks_of_a_bench_run_compile_as_those_configs(runs):
     key's constants and the row's packing: the same builds as naming the kernel and config directly
     (same registers, spill, shared memory and instructions); FLA's picks are counted and left out."""
     r = runs["picks"]
-    intra, prestage, wy = _ok(r)
+    intra, prestage, wy, dhu = _ok(r)
     (direct_intra,), (direct_packed,) = _ok(runs["uncapped"]), _ok(runs["packed"])
+    (direct_dhu,) = [x for x in _ok(runs["pair64"]) if x["kernel"] == "fla-dhu"]
     (direct_wy,) = [x for x in _ok(runs["stages"]) if x["kernel"] == "gdn2-wy" and x["BV"] == 64 and x["warps"] == 4]
     fields = ("registers", "spill_bytes", "shared_bytes", "instructions")
     assert intra["kernel"] == "kda-intra" and (intra["warps"], intra["stages"], intra["packed"]) == (2, 3, False)
@@ -258,6 +264,8 @@ def test_picks_of_a_bench_run_compile_as_those_configs(runs):
     assert all(prestage[f] == direct_packed[f] for f in fields), (prestage, direct_packed)
     assert wy["kernel"] == "gdn2-wy" and (wy["BV"], wy["warps"], wy["stages"]) == (64, 4, 1)   # VEC: GDN2's build
     assert all(wy[f] == direct_wy[f] for f in fields), (wy, direct_wy)
+    assert dhu["kernel"] == "fla-dhu" and (dhu["BV"], dhu["H"], dhu["warps"], dhu["stages"]) == (64, 16, 4, 2)
+    assert all(dhu[f] == direct_dhu[f] for f in fields), (dhu, direct_dhu)
     assert intra["bench_rows"] == ["kda full 8,2048,16"]
     assert prestage["bench_rows"] == ["gdn recompute 1,4096,16,packed=2"]
     assert "(1 picks of kernels this tool does not build, FLA's, left out)" in r.stdout

@@ -94,6 +94,20 @@ def test_checkpoints_keep_h_dtype_without_initial_state():
     assert states.dtype == torch.bfloat16 and torch.equal(states, h.flatten(0, 1)[[0, 2, 4, 5, 7, 9]])
 
 
+def test_kept_fills_the_packed_bound_past_the_checkpoints_with_zeros():
+    """A packed call keeps its checkpoints in a buffer of packed_count's bound; the values past them
+    are an output of the custom op too, so they must be the same on every call (zeros), as an
+    AOTAutograd check of the op compares them."""
+    h = torch.randn(1, 10, 2, 16, 8)          # packed: B = 1, the chunk slots of both sequences
+    seg = C._segments((0, 300, 600), 2, torch.device("cpu"))
+    states = C.save(h, None, seg).reshape(-1)
+    bound = states.numel() + 3 * 2 * 16 * 8
+    out = C.kept(h, None, seg, bound)
+    assert out.shape == (bound,) and torch.equal(out[:states.numel()], states)
+    assert torch.count_nonzero(out[states.numel():]) == 0
+    assert torch.count_nonzero(C.kept(h, None, None, 2 * 16 * 8)) == 0
+
+
 def test_the_rule_cuts_only_where_the_sequential_launch_fills_under_half_the_sms():
     sms = 132
     for B, T, HV in [(2, 8192, 16), (1, 16384, 16), (1, 32768, 32), (1, 65536, 8)]:
