@@ -2,7 +2,9 @@
 group, each holding half of a packed bf16 row; each rank's outputs and gradients must be as close
 to the float32 torch backend on the whole row as one process on the whole row is. Whole tiny
 transformers models (bf16), hybrids with their attention over the whole row included, must match
-each sequence run on its own within bf16's rounding, also compiled whole (inductor, fullgraph)."""
+each sequence run on its own within bf16's rounding, also compiled whole (inductor, fullgraph). Their
+MoE layers route every token to every expert: top-k routing turns a rounding difference into a
+different expert for some tokens."""
 
 from __future__ import annotations
 

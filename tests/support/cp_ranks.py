@@ -251,13 +251,15 @@ def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, 
     from rewy_hf.patching.context_parallel_attention import RowAttention
     from support import hf_tiny_models as hf
 
+    # bf16 on a GPU: every expert routed (hf_tiny_models.make_config says why)
+    gpu = device == "cuda"
     if hybrid:
-        model = hf.build(family)
+        model = hf.build(family, route_all_experts=gpu)
         model.config.use_cache = False
         assert "full_attention" in model.config.layer_types
     else:
-        model = hf.delta_rule_only(family)
-    if device == "cuda":
+        model = hf.delta_rule_only(family, route_all_experts=gpu)
+    if gpu:
         model = model.to("cuda", torch.bfloat16)
     rewy_hf.patch_model(model, backend="torch" if device == "cpu" else "triton")
     if checkpointing:

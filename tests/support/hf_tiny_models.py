@@ -114,10 +114,18 @@ def family_of(name_or_family) -> Family:
     return name_or_family if isinstance(name_or_family, Family) else FAMILIES[name_or_family]
 
 
-def make_config(family):
+def make_config(family, route_all_experts: bool = False):
+    """``route_all_experts``: every token goes to every expert. Top-k routing is a step function of
+    the router's scores, so two bf16 runs that round differently (one process against context
+    parallelism) can send a token to different experts and differ by far more than rounding;
+    with every expert taken the model stays a smooth function of its inputs."""
     fam = family_of(family)
     # "eager" experts: the default grouped_mm path has no float64 kernel.
-    return getattr(fam.configuration, fam.config_class)(**fam.config_kwargs, experts_implementation="eager")
+    cfg = getattr(fam.configuration, fam.config_class)(**fam.config_kwargs, experts_implementation="eager")
+    if route_all_experts and getattr(cfg, "num_experts_per_tok", None):
+        cfg.num_experts_per_tok = next(getattr(cfg, n) for n in ("num_local_experts", "num_experts",
+                                                                  "n_routed_experts") if getattr(cfg, n, None))
+    return cfg
 
 
 def _init_gates(model, family, seed: int) -> None:
@@ -143,12 +151,13 @@ def _init_gates(model, family, seed: int) -> None:
                     p.copy_(torch.empty(p.shape, dtype=torch.float64).uniform_(-6.0, -2.0, generator=gen))
 
 
-def build(family, *, seed: int = SEED, dtype: torch.dtype = torch.float32, train: bool = True):
+def build(family, *, seed: int = SEED, dtype: torch.dtype = torch.float32, train: bool = True,
+          route_all_experts: bool = False):
     """A tiny random model of ``family`` (same weights for the same seed)."""
     fam = family_of(family)
     cls = getattr(fam.modeling, fam.model_class)
     torch.manual_seed(seed)
-    model = cls(make_config(fam))
+    model = cls(make_config(fam, route_all_experts))
     _init_gates(model, fam, seed)
     return model.to(dtype).train(train)
 
@@ -165,11 +174,11 @@ def one_layer_qwen3_5():
     return model.train()
 
 
-def delta_rule_only(family, layers: int = 2):
+def delta_rule_only(family, layers: int = 2, route_all_experts: bool = False):
     """The tiny ``family`` model with every layer a delta-rule layer and no cache, in training mode
     (the configuration context parallelism serves: no attention layer)."""
     fam = family_of(family)
-    cfg = make_config(fam)
+    cfg = make_config(fam, route_all_experts)
     cfg.num_hidden_layers, cfg.layer_types, cfg.use_cache = layers, ["linear_attention"] * layers, False
     torch.manual_seed(SEED)
     model = getattr(fam.modeling, fam.model_class)(cfg)
