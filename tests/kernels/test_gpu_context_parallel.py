@@ -1,8 +1,9 @@
 """Context parallelism with the Triton backend (GPU only): two ranks share one GPU through a gloo
 group, each holding half of a packed bf16 row; each rank's outputs and gradients must be as close
 to the float32 torch backend on the whole row as one process on the whole row is. Whole tiny
-transformers models (bf16), hybrids with their attention over the whole row included, must match
-each sequence run on its own within bf16's rounding, also compiled whole (inductor, fullgraph). Their
+transformers models (bf16), hybrids with their attention over the whole row included, must be as
+close to the float32 model as each sequence run on its own in bf16 is, also compiled whole (inductor,
+fullgraph). Their
 MoE layers route every token to every expert: top-k routing turns a rounding difference into a
 different expert for some tokens."""
 
