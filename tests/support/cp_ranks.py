@@ -7,6 +7,7 @@ group, and compares its slice's outputs and input gradients with the reference's
 
 from __future__ import annotations
 
+import copy
 import datetime
 import faulthandler
 import os
@@ -74,7 +75,7 @@ def check(op: str, bounds: list[int], H: int, HV: int, l2norm: bool, seed: int =
 
 
 def _close(x: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> None:
-    err = (x - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+    err = _max_rel(x, ref)
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 
@@ -201,6 +202,11 @@ def _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, what:
         grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
     where = f"{what} checkpointing={checkpointing} world={world} rank={rank}"
     _compare(logits, ref_logits[:, lo:hi], None if ref32 is None else ref32[0][:, lo:hi], f"logits, {where}", tol)
+    _compare_grads(model, grads, ref_grads, ref32, where, tol)
+
+
+def _compare_grads(model, grads, ref_grads, ref32, where: str, tol: float) -> None:
+    """Each parameter's gradient summed over the ranks against the references (``_compare``)."""
     for i, ((name, _), g, g_ref) in enumerate(zip(model.named_parameters(), grads, ref_grads)):
         if g_ref is None:
             continue
@@ -318,8 +324,6 @@ def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, 
 def _float32_twin(model):
     """The bf16 model's weights in float32, on the torch backend: the reference a bf16 run's error
     is measured from."""
-    import copy
-
     import rewy_hf
 
     twin = copy.deepcopy(model).float()
@@ -415,10 +419,7 @@ def check_compiled(kind: str, rows: list[list[int]], device: str = "cpu") -> Non
             grads = torch.autograd.grad(loss_of(logits, targets[lo:hi]), list(model.parameters()), allow_unused=True)
         where = f"compiled {kind} bounds={bounds} rank={rank}"
         _compare(logits, ref_logits[:, lo:hi], None if ref32 is None else ref32[0][:, lo:hi], f"logits, {where}", 2e-5)
-        for i, ((name, _), g, g_ref) in enumerate(zip(model.named_parameters(), grads, ref_grads)):
-            if g_ref is not None:
-                g, spread = _rank_sum(g)
-                _compare(g, g_ref, None if ref32 is None else ref32[1][i], f"d {name}, {where}", 2e-5, spread)
+        _compare_grads(model, grads, ref_grads, ref32, where, 2e-5)
     assert 0 < counter.frame_count < len(rows), f"{kind}: {counter.frame_count} compiles for {len(rows)} packings"
 
 
