@@ -420,7 +420,10 @@ def check_compiled(kind: str, rows: list[list[int]], device: str = "cpu") -> Non
         where = f"compiled {kind} bounds={bounds} rank={rank}"
         _compare(logits, ref_logits[:, lo:hi], None if ref32 is None else ref32[0][:, lo:hi], f"logits, {where}", 2e-5)
         _compare_grads(model, grads, ref_grads, ref32, where, 2e-5)
-    assert 0 < counter.frame_count < len(rows), f"{kind}: {counter.frame_count} compiles for {len(rows)} packings"
+    # The first packing compiles with static sizes; the first change of a rank's sequence count
+    # recompiles with it dynamic; a rank holding part of one sequence afterwards compiles once more,
+    # since dynamo specialises a size of 1. No packing after those compiles again.
+    assert len(rows) > 3 and 0 < counter.frame_count <= 3, f"{kind}: {counter.frame_count} compiles for {len(rows)} packings"
 
 
 def compiled_rank_main(rank: int, world: int, port: int, cases: list) -> None:
