@@ -103,8 +103,12 @@ def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
     # The layers take the context as a CPCall: its per-row values in tensors, so a compiled model
     # neither breaks its graph at the exchanges nor compiles again for a new packing.
     call = cp_call("context_parallel", cp_context, keep_fla_context=True)
-    rows = (row_attention_active(attention, RowAttention(cu_seqlens, cp_context.group)) if attention
-            else contextlib.nullcontext())
+    row = RowAttention(cu_seqlens, cp_context.group) if attention else None
+    # These sizes follow the packing: dynamic from the first compile, so a new packing reuses the graph
+    # (dynamo still gives a rank holding one sequence a graph of its own: it specialises a size of 1).
+    for t in (call.cu_seqlens, call.bounds) + ((row.bounds,) if row is not None else ()):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    rows = row_attention_active(attention, row) if attention else contextlib.nullcontext()
     previous = set_active_context(call)
     try:
         for site, original in zip(sites, saved):

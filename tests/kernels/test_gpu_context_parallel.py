@@ -42,7 +42,7 @@ def test_transformers_hybrids_two_ranks_on_one_gpu():
 
 def test_compiled_hybrid_two_ranks_on_one_gpu():
     """The tiny Qwen3.5 hybrid compiled with fullgraph=True on the Triton backend, over five packings:
-    its exchanges compile as custom ops into the one graph, and the packings cost at most three
+    its exchanges compile as custom ops into the one graph, and the packings cost at most two
     graphs (see check_compiled)."""
     rows = [[0, 512], [0, 300, 512], [0, 100, 256, 512], [0, 200, 512], [0, 40, 480, 512]]
     mp.spawn(compiled_cuda_rank_main, args=(2, free_port(), [("qwen3_5", rows)]), nprocs=2, join=True)

@@ -396,6 +396,14 @@ def check_compiled(kind: str, rows: list[list[int]], device: str = "cpu") -> Non
         model = model.to("cuda", torch.bfloat16)
         twin = _float32_twin(model)
     rewy_hf.patch_model(model, backend="triton" if gpu else "torch")
+    if not hybrid:
+        # FLA's GDN2 layer calls einops on a tensor and on a parameter, and dynamo guards on the size of
+        # einops' registry of tensor types, which grows at its first parameter: without these two calls
+        # the first graph is dropped after its first run, a one-time recompile that is einops' own.
+        import einops
+
+        einops.rearrange(torch.zeros(1, 1), "a b -> b a")
+        einops.rearrange(torch.nn.Parameter(torch.zeros(1, 1)), "a b -> b a")
     counter = CompileCounterWithBackend("inductor" if gpu else "aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -420,10 +428,10 @@ def check_compiled(kind: str, rows: list[list[int]], device: str = "cpu") -> Non
         where = f"compiled {kind} bounds={bounds} rank={rank}"
         _compare(logits, ref_logits[:, lo:hi], None if ref32 is None else ref32[0][:, lo:hi], f"logits, {where}", 2e-5)
         _compare_grads(model, grads, ref_grads, ref32, where, 2e-5)
-    # The first packing compiles with static sizes; the first change of a rank's sequence count
-    # recompiles with it dynamic; a rank holding part of one sequence afterwards compiles once more,
-    # since dynamo specialises a size of 1. No packing after those compiles again.
-    assert len(rows) > 3 and 0 < counter.frame_count <= 3, f"{kind}: {counter.frame_count} compiles for {len(rows)} packings"
+    # rewy_hf.context_parallel marks the per-row sizes dynamic, so a new packing does not compile again,
+    # except that dynamo specialises a size of 1: a rank holding one (partial) sequence gets a graph of
+    # its own. Two graphs at most, whatever the packings.
+    assert len(rows) > 2 and 0 < counter.frame_count <= 2, f"{kind}: {counter.frame_count} compiles for {len(rows)} packings"
 
 
 def compiled_rank_main(rank: int, world: int, port: int, cases: list) -> None:
