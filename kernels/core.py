@@ -13,7 +13,12 @@ registers its backward, in one of two equivalent ways:
   depend on packed lengths are unbacked), so new lengths do not recompile.
 
 Both paths run the same backend functions and save the same tensors: the
-inputs, and the intermediates the backend's forward returns. Eager calls skip
+inputs, and the intermediates the backend's forward returns. An input that
+is a view into a larger buffer (transformers' q, k and v are views of one
+convolution output) is kept as a dense copy eagerly (``_compact``); under
+compile AOTAutograd's partitioner chooses what the backward keeps (for views
+of a SiLU output it keeps the SiLU's input, which that backward needs
+anyway, and recomputes the views). Eager calls skip
 the custom op because its dispatch costs host time on every call (about
 0.35 ms per forward + backward on a 2-core CPU, against 0.15 ms for the
 Function), which the GPU does not hide at the smaller benchmark shapes.
@@ -117,7 +122,7 @@ class CoreFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, w, h0, cu_seqlens, settings: tuple, backend: str):
         ctx.set_materialize_grads(False)       # no zero tensors for an unused output or final state
-        a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, *settings)
+        a = CoreArgs(*map(_compact, (q, k, v, g, beta, w)), h0, cu_seqlens, *settings)
         _check_values(a)
         o, ht, saved = _backend(backend).forward(a)
         _announce("forward", a, backend)
@@ -186,6 +191,17 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor
 @_backward_op.register_fake
 def _backward_fake(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht, *settings):
     return [x.new_empty(x.shape) for x in (q, k, v, g, beta, w, h0) if x is not None]
+
+
+def _compact(x: Tensor | None) -> Tensor | None:
+    """``x``, or a dense copy of it where ``x`` is a view into a larger buffer. The backward keeps its
+    inputs, and a kept view keeps its whole buffer alive: transformers' q, k and v are views of one
+    projection's output, so keeping v kept all three (in a Qwen3.5-like layer with 16 key and 32 value
+    heads of 128, twice v's size). The backends copy such inputs dense for their kernels anyway; the
+    copy is made here once, and it is the one kept."""
+    if x is None or (x.is_contiguous() and x.untyped_storage().nbytes() == x.numel() * x.element_size()):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _own(x: Tensor) -> Tensor:
