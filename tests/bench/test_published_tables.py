@@ -1,7 +1,7 @@
 """docs/performance.md's per-shape tables, its summary and its FlashQLA forward + backward tables
 are what `rewy-hf bench --from-json` makes of the kept bench files (docs/bench/), and the tables
-computed from several files (FlashQLA's backward, KDA against TileLang, the README's op table) follow
-those files, so an edited number, a table left behind after a rerun, or a summary that no longer
+computed from several files (FlashQLA's backward, KDA against TileLang, the README's op table, the
+model-level step) follow those files, so an edited number, a table left behind after a rerun, or a summary that no longer
 follows its tables fails here.
 
 A section may add prose, "Source:" lines and notes between the generated tables, and it picks its
@@ -222,3 +222,51 @@ def test_the_readme_quotes_the_published_figures():
                 s = summary[(op, policy)]
                 assert quoted[policy] == s["B speed-up"], (op, policy)
                 assert peaks[policy] == s["peak memory rewy / FLA"], (op, policy)
+
+
+def _model_sides(preset: str) -> tuple[dict, dict]:
+    sides = json.loads((DOCS / "bench" / "model" / f"compile-{preset}.json").read_text())["sides"]
+    return sides["unpatched eager"], sides["patched eager"]
+
+
+def _tables(section: str) -> list[list[list[str]]]:
+    """Every table of a section of performance.md, each as its cells, header row first."""
+    lines, tables, i = _section((DOCS / "performance.md").read_text(), section), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            end = next((j for j in range(i, len(lines)) if not lines[j].startswith("|")), len(lines))
+            tables.append(_table(lines[i:end]))
+            i = end
+        else:
+            i += 1
+    return tables
+
+
+def test_the_model_level_tables_follow_their_runs():
+    """"Model level": the eager step table and the GPU time by kernel family come from the eager sides
+    of the two ~1 B presets' kept runs: step medians, their ratio, peak memory, and each family's
+    share of the unpatched step's profiled GPU time."""
+    presets = ("qwen3.5-gva-1b", "kimi-linear-1b")
+    steps, families = _tables("Model level: one training step")[:2]
+    assert [r[0].split()[0].strip("`") for r in steps[1:]] == list(presets)
+    for r, preset in zip(steps[1:], presets):
+        u, p = _model_sides(preset)
+        assert r[1:6] == [f"{u['median_step_ms']:.1f} ms", f"{p['median_step_ms']:.1f} ms",
+                          f"{u['median_step_ms'] / p['median_step_ms']:.3f}x",
+                          f"{u['peak_mb']:,.0f} / {p['peak_mb']:,.0f}",
+                          f"{100 * u['gpu_ms_by_family']['core'] / u['gpu_ms']:.1f} %"], (preset, r)
+        assert p["dispatch"]["ops"] and all(op["fallback_calls"] == 0 for op in p["dispatch"]["ops"].values())
+    names = {"elementwise": "elementwise", "GEMMs": "gemm", "short": "conv", "delta-rule": "core", "AdamW": "optimizer",
+             "attention": "attention"}
+    assert [c.strip("`") for c in families[0][1:]] == list(presets)
+    for r in families[1:-1]:
+        family = names[r[0].split()[0]]
+        for cell, preset in zip(r[1:], presets):
+            u, _ = _model_sides(preset)
+            assert cell == f"{100 * u['gpu_ms_by_family'][family] / u['gpu_ms']:.1f} %", (preset, r)
+    assert families[-1][1:] == [f"{_model_sides(p)[0]['gpu_ms']:.1f} ms" for p in presets]
+    # the families cover the step: nothing is left out of the shares
+    for preset in presets:
+        u, _ = _model_sides(preset)
+        assert len(families) - 2 == len(u["gpu_ms_by_family"])
+        assert math.isclose(sum(u["gpu_ms_by_family"].values()), u["gpu_ms"], rel_tol=1e-6)
