@@ -13,12 +13,14 @@ registers its backward, in one of two equivalent ways:
   depend on packed lengths are unbacked), so new lengths do not recompile.
 
 Both paths run the same backend functions and save the same tensors: the
-inputs, and the intermediates the backend's forward returns. An input that
-is a view into a larger buffer (transformers' q, k and v are views of one
-convolution output) is kept as a dense copy eagerly (``_compact``); under
-compile AOTAutograd's partitioner chooses what the backward keeps (for views
-of a SiLU output it keeps the SiLU's input, which that backward needs
-anyway, and recomputes the views). Eager calls skip
+inputs, and the intermediates the backend's forward returns. Eagerly, two
+inputs are kept in a leaner form: one that is a view into a larger buffer
+(transformers' q, k and v are views of one convolution output) as a dense
+copy (``_compact``), and the gate, for a backend whose backward reads only
+its dtype, as a one-element stand-in (``_stand_in``). Under compile
+AOTAutograd's partitioner chooses what the backward keeps (for views of a
+SiLU output it keeps the SiLU's input, which that backward needs anyway,
+and recomputes the views). Eager calls skip
 the custom op because its dispatch costs host time on every call (about
 0.35 ms per forward + backward on a 2-core CPU, against 0.15 ms for the
 Function), which the GPU does not hide at the smaller benchmark shapes.
@@ -126,7 +128,10 @@ class CoreFunction(torch.autograd.Function):
         _check_values(a)
         o, ht, saved = _backend(backend).forward(a)
         _announce("forward", a, backend)
-        ctx.save_for_backward(*_kept(a, backend), *saved)
+        kept = list(_kept(a, backend))
+        if a.g is not None and not _backend(backend).BACKWARD_READS_GATE:
+            kept[3] = _stand_in(a.g)
+        ctx.save_for_backward(*kept, *saved)
         ctx.settings, ctx.backend = settings, backend
         return o, ht
 
@@ -202,6 +207,14 @@ def _compact(x: Tensor | None) -> Tensor | None:
     if x is None or (x.is_contiguous() and x.untyped_storage().nbytes() == x.numel() * x.element_size()):
         return x
     return x.clone(memory_format=torch.contiguous_format)
+
+
+def _stand_in(x: Tensor) -> Tensor:
+    """A tensor of ``x``'s shape and dtype over one element of storage, kept in place of an input whose
+    values the backward does not read. The Triton and FlashQLA backwards work from the gate's chunk
+    cumsum their forwards saved and read only the gate's dtype: keeping the gate itself would hold a
+    float32 [B, T, HV, K] tensor per KDA / GDN2 layer (64 MB at B x T = 8192, 16 heads of 128)."""
+    return x.new_empty(()).expand(x.shape)
 
 
 def _own(x: Tensor) -> Tensor:

@@ -38,6 +38,11 @@ __all__ = ["forward", "backward", "saved_like", "normalised_qk"]
 SPLIT_NAMES = ("split_h0", "split_maps", "split_warmup", "split_fallback")
 
 
+# Whether ``backward`` reads the gate's values (else the core keeps a stand-in in their place):
+# its backward works from the gate's chunk cumsum that FlashQLA's forward returned.
+BACKWARD_READS_GATE = False
+
+
 def _saved_names(a: CoreArgs) -> tuple[str, ...]:
     return ("g_cumsum", "A") + SPLIT_NAMES + (("q", "k", "q_rstd", "k_rstd") if a.qk_l2norm else ())
 

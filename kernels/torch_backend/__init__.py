@@ -19,6 +19,11 @@ from .function import chunk_backward, chunk_forward, saved_shapes
 from .layout import ChunkLayout
 
 
+# Whether ``backward`` reads the gate's values (else the core keeps a stand-in in their place):
+# its backward rebuilds the gate terms from the gate itself.
+BACKWARD_READS_GATE = True
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 stays float64 (the ground-truth tests); everything else runs in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -19,6 +19,11 @@ from .vector_gate.stages import VectorGate
 __all__ = ["forward", "backward", "saved_like", "normalised_qk"]
 
 
+# Whether ``backward`` reads the gate's values (else the core keeps a stand-in in their place):
+# its backward works from the gate's chunk cumsum (``g2``) that its forward saved.
+BACKWARD_READS_GATE = False
+
+
 def _family(a: CoreArgs):
     return ScalarGate if a.family in ("delta_rule", "gdn") else VectorGate
 

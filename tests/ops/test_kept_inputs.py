@@ -75,3 +75,44 @@ def test_a_view_kept_by_the_core_would_hold_the_whole_buffer():
     args, _ = make_inputs("gdn", SHAPE, "cpu", torch.float32, seed=0)
     fused, (_, _, v) = _as_views(*args[:3])
     assert v.untyped_storage().nbytes() == 3 * v.numel() * v.element_size()
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_the_triton_core_keeps_dense_inputs_and_no_gate_values(op, monkeypatch):
+    """As transformers' Qwen3.5 / Kimi-Linear layers call it: q, k, v views of one buffer, the
+    l2norm inside, activated float32 gates. The Triton backward works from the gate's chunk cumsum,
+    so the core keeps a one-element stand-in for the gate; everything else it keeps owns its storage.
+    Under TRITON_INTERPRET=1, FLA's recurrences replaced by torch loops; the gradients are those of
+    the same call on dense inputs, bit for bit."""
+    from state_loops import replace_recurrences
+
+    from rewy_hf.kernels import triton_entry
+
+    replace_recurrences(monkeypatch)
+    s = Shape(B=1, T=130, H=2, K=32, V=32)
+    args, do = make_inputs(op, s, "cpu", torch.float32, seed=3)
+    core = triton_entry.triton_gdn_core if op == "gdn" else triton_entry.triton_kda_core
+
+    def run(q, k, v, g, beta):
+        o, _ = core(q, k, v, g, beta, s.K ** -0.5, None, False, False, "recompute", qk_l2norm=True)
+        return o
+
+    fused, (q, k, v) = _as_views(*args[:3])
+    g, beta = (a.detach().requires_grad_() for a in args[3:])
+    o = run(q, k, v, g, beta)
+    kept = [t for t in _core_node(o).saved_tensors if t is not None]
+    stand_ins = [t for t in kept if t.untyped_storage().nbytes() == t.element_size()]
+    assert [(t.shape, t.dtype) for t in stand_ins] == [(g.shape, g.dtype)]
+    for t in kept:
+        if t is not stand_ins[0]:
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), tuple(t.shape)
+
+    (o * do).sum().backward()
+    dense = [a.detach().clone().requires_grad_() for a in args]
+    o2 = run(*dense)
+    (o2 * do).sum().backward()
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    torch.testing.assert_close(fused.grad, torch.cat([x.grad.reshape(1, s.T, -1) for x in dense[:3]], dim=-1),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(g.grad, dense[3].grad, rtol=0, atol=0)
+    torch.testing.assert_close(beta.grad, dense[4].grad, rtol=0, atol=0)
