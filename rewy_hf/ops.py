@@ -17,7 +17,8 @@ import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
 from .kernels.core import CoreArgs, delta_rule
-from .kernels.reference import beta_activation, gdn_gate, kda_gate, l2norm
+from .kernels.gate_activation import vector_gate
+from .kernels.reference import beta_activation, gdn_gate, l2norm
 from .kernels.torch_backend import compute_dtype
 from .validation import (
     check_chunk_size,
@@ -152,9 +153,7 @@ def _vector_gate(g, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, 
     if not use_gate_in_kernel:
         return g
     _check_gate_params(A_log, dt_bias, heads, heads * K, need_a=lower_bound is None)
-    dt = compute_dtype(g)
-    cast = (lambda t: None if t is None else t.to(dt))
-    return kda_gate(g.to(dt), cast(A_log), cast(dt_bias), lower_bound)
+    return vector_gate(g, A_log, dt_bias, lower_bound, compute_dtype(g))
 
 
 def triton_unsupported_reason(q: torch.Tensor) -> str | None:
