@@ -18,9 +18,11 @@ inputs are kept in a leaner form: one that is a view into a larger buffer
 (transformers' q, k and v are views of one convolution output) as a dense
 copy (``_compact``), and the gate, for a backend whose backward reads only
 its dtype, as a one-element stand-in (``_stand_in``). Under compile
-AOTAutograd's partitioner chooses what the backward keeps (for views of a
+AOTAutograd's partitioner chooses what the backward keeps: for views of a
 SiLU output it keeps the SiLU's input, which that backward needs anyway,
-and recomputes the views). Eager calls skip
+and recomputes the views, and with inductor it recomputes a gate made by
+pointwise ops from what their own backward keeps (checked on the CPU; a
+stand-in there would save nothing). Eager calls skip
 the custom op because its dispatch costs host time on every call (about
 0.35 ms per forward + backward on a 2-core CPU, against 0.15 ms for the
 Function), which the GPU does not hide at the smaller benchmark shapes.
