@@ -203,9 +203,9 @@ def _backward_fake(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht, *setting
 def _compact(x: Tensor | None) -> Tensor | None:
     """``x``, or a dense copy of it where ``x`` is a view into a larger buffer. The backward keeps its
     inputs, and a kept view keeps its whole buffer alive: transformers' q, k and v are views of one
-    projection's output, so keeping v kept all three (in a Qwen3.5-like layer with 16 key and 32 value
-    heads of 128, twice v's size). The backends copy such inputs dense for their kernels anyway; the
-    copy is made here once, and it is the one kept."""
+    convolution output, so keeping v kept all three (in a Qwen3.5-like layer with 16 key and 32 value
+    heads of 128, twice v's size). The Triton and FlashQLA backends copy such inputs dense for their
+    kernels anyway; the copy is made here once, and it is the one kept."""
     if x is None or (x.is_contiguous() and x.untyped_storage().nbytes() == x.numel() * x.element_size()):
         return x
     return x.clone(memory_format=torch.contiguous_format)
