@@ -253,8 +253,9 @@ def test_flas_kda_intra_stage_launched_by_rewy_equals_flas_function(packed):
     from nan_fill import nan_filled
 
     gen = torch.Generator().manual_seed(7)
-    T, H, HV, K, V = 150, 1, 2, 32, 16
-    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    # One program per token: 100 tokens are two chunks, packed 70 + 30 (a boundary inside a chunk).
+    T, H, HV, K, V = 100, 1, 2, 32, 16
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 100])) if packed else {}
     r = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     q, k, v = r(1, T, H, K), F.normalize(r(1, T, H, K), dim=-1), r(1, T, HV, V)
     gk = chunk_local_cumsum(-5 * torch.sigmoid(r(1, T, HV, K)), chunk_size=64, scale=RCP_LN2, **pk)
@@ -287,8 +288,8 @@ def test_flas_gdn2_stages_launched_by_rewy_equal_flas_functions(packed):
     from nan_fill import nan_filled
 
     gen = torch.Generator().manual_seed(8)
-    T, H, K, V = 150, 2, 32, 16
-    pk = dict(cu_seqlens=torch.tensor([0, 70, 150])) if packed else {}
+    T, H, K, V = 100, 2, 32, 16             # as for KDA above
+    pk = dict(cu_seqlens=torch.tensor([0, 70, 100])) if packed else {}
     r = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     q, k, v = r(1, T, H, K), F.normalize(r(1, T, H, K), dim=-1), r(1, T, H, V)
     gk = chunk_local_cumsum(F.logsigmoid(r(1, T, H, K)), chunk_size=64, scale=RCP_LN2, **pk)
