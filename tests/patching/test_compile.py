@@ -30,16 +30,25 @@ from rewy_hf.rel_error import rel_err
 import hf_tiny_models as hf
 
 
+@pytest.fixture(scope="module")
+def _frozen_survivors():
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(_frozen_survivors):
     """Each test compiles from scratch (no cached frames, no automatic-dynamic marks from a previous test)."""
     from transformers.utils import logging
 
     level = logging.get_verbosity()
     logging.set_verbosity_error()
     # Patched models of earlier tests are collected now, not in the middle of this test's compiled
-    # runs, so the frame counts below count only this test's compiles.
+    # runs, so the frame counts below count only this test's compiles. What survives is frozen
+    # (until the end of this file): the next test's collection walks only the objects made since,
+    # not the whole process (half a second with torch, transformers and FLA loaded).
     gc.collect()
+    gc.freeze()
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
