@@ -22,19 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 HAS_CUDA = torch.cuda.is_available()
 
 
-# FLA kernels whose programs each cover a tile of channels (BD) or of heads (BH), by that tile's name.
+# FLA kernels whose programs each cover a tile of channels (BD), of heads (BH), of rows (BT) or of
+# elements (B), by that tile's name.
 _WIDEST_TILE = {"causal_conv1d_fwd_kernel": "BD", "causal_conv1d_bwd_kernel": "BD",
                 "chunk_kda_fwd_kernel_intra_token_parallel": "BH",
-                "chunk_gdn2_fwd_kernel_intra_token_parallel": "BH"}
+                "chunk_gdn2_fwd_kernel_intra_token_parallel": "BH",
+                "layer_norm_gated_fwd_kernel": "BT", "swiglu_fwd_kernel": "B", "swiglu_fwdbwd_kernel": "B"}
 
 
 def _widest_tile_first():
     """An interpreted Triton program costs about the same whatever its tile's width, so FLA's short
-    convolution (one program per 16 channels at its first config) and KDA's and GDN2's token-parallel
-    intra kernels (one per token and head) spend most of an interpreted training step in program overhead.
-    Their widest listed tile (128 channels, 8 heads: all of them in the tiny models and cases here)
-    does the same arithmetic in a quarter of the programs or fewer; listed first, it is the one the
-    interpreter's cut to one config keeps."""
+    convolution (one program per 16 channels at its first config), KDA's and GDN2's token-parallel
+    intra kernels (one per token and head), its gated norm (one per 16 rows) and its SwiGLU (one per
+    512 elements) spend most of an interpreted training step in program overhead. Their widest listed
+    tile (128 channels, 8 heads, 64 rows, 8192 elements) does the same arithmetic in a quarter of the
+    programs or fewer; listed first, it is the one the interpreter's cut to one config keeps."""
     import triton.runtime.autotuner as autotuner
 
     cut = autotuner.Autotuner.__init__
