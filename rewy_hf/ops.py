@@ -1,7 +1,8 @@
 """Public delta-rule ops with FLA 0.6.0's names, argument order and return value.
 
 Each op validates its inputs, applies the activations FLA fuses into its
-kernels (q/k l2norm, gate and beta activations) as ordinary torch ops, and
+kernels (q/k l2norm, gate and beta activations) as torch ops (KDA / GDN2's
+gate as one autograd node, kernels/gate_activation.py), and
 hands the activated tensors to the selected backend, whose autograd Function
 runs the chunked forward and the ReWY backward. Extra keyword arguments:
 ``backend`` ("auto", "torch", "triton") and ``policy`` ("recompute", "full";
