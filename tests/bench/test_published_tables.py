@@ -42,9 +42,11 @@ def _is_subsequence(needles: list[str], haystack: list[str]) -> bool:
 
 
 def _section(doc: str, title: str) -> list[str]:
-    start = doc.index(f"\n## {title}\n")
-    end = doc.find("\n## ", start + 1)
-    return doc[start:end if end > 0 else None].splitlines()
+    """The lines of the section with this title, up to the next heading of its level or above."""
+    head = re.search(rf"\n(#+) {re.escape(title)}\n", doc)
+    assert head, f"performance.md has no section {title!r}"
+    end = re.compile(rf"\n#{{1,{len(head.group(1))}}} ").search(doc, head.end())
+    return doc[head.start():end.start() if end else None].splitlines()
 
 
 # (kept files, the performance.md section that publishes their tables, the command's exit status,
@@ -225,7 +227,7 @@ def test_the_readme_quotes_the_published_figures():
 
 
 def _model_sides(preset: str) -> tuple[dict, dict]:
-    sides = json.loads((DOCS / "bench" / "model" / f"compile-{preset}.json").read_text())["sides"]
+    sides = json.loads((DOCS / "bench" / "model" / f"eager-{preset}-h100.json").read_text())["sides"]
     return sides["unpatched eager"], sides["patched eager"]
 
 
@@ -243,9 +245,9 @@ def _tables(section: str) -> list[list[list[str]]]:
 
 
 def test_the_model_level_tables_follow_their_runs():
-    """"Model level": the eager step table and the GPU time by kernel family come from the eager sides
-    of the two ~1 B presets' kept runs: step medians, their ratio, peak memory, and each family's
-    share of the unpatched step's profiled GPU time."""
+    """"Model level": the eager step table and the GPU time by kernel family come from the two ~1 B
+    presets' kept eager runs: step medians, their ratio, peak memory, and each family's share of the
+    unpatched step's profiled GPU time; README's patched eager rows quote the same runs."""
     presets = ("qwen3.5-gva-1b", "kimi-linear-1b")
     steps, families = _tables("Model level: one training step")[:2]
     assert [r[0].split()[0].strip("`") for r in steps[1:]] == list(presets)
@@ -270,3 +272,25 @@ def test_the_model_level_tables_follow_their_runs():
         u, _ = _model_sides(preset)
         assert len(families) - 2 == len(u["gpu_ms_by_family"])
         assert math.isclose(sum(u["gpu_ms_by_family"].values()), u["gpu_ms"], rel_tol=1e-6)
+    readme = (DOCS.parent / "README.md").read_text().splitlines()
+    for name, preset in (("Qwen3.5-like", "qwen3.5-gva-1b"), ("Kimi-Linear-like", "kimi-linear-1b")):
+        row = next(_table([x])[0] for x in readme if x.startswith(f"| {name}") and ", eager" in x)
+        u, p = _model_sides(preset)
+        assert row[1:] == [f"{u['median_step_ms'] / p['median_step_ms']:.2f}x",
+                           f"{p['peak_mb'] / u['peak_mb']:.2f}"], (preset, row)
+
+
+def test_the_gdn2_packed_table_follows_its_run():
+    """"Packed input": GDN2's packed rows are its kept run's medians, peaks and gradient errors."""
+    rows = {r["policy"]: r for r in json.loads((DOCS / "bench" / "packed" / "gdn2-split-launch-h100.json").read_text())["rows"]}
+    table = next(t for t in _tables("Packed input: full chunks and short chunks in two launches")
+                 if t[0][0] == "policy")
+    assert [r[0] for r in table[1:]] == ["recompute", "full"]
+    for policy, fla, rewy, speedup, peak, err, bound in table[1:]:
+        r = rows[policy]
+        assert r["ok"] and r["bound_ok"] and r["T"] == 32768 and r["N"] == 8
+        assert [fla, rewy] == [f"{r['baseline_B_ms']:.2f}", f"{r['rewy_B_ms']:.2f}"], policy
+        assert speedup == f"{r['baseline_B_ms'] / r['rewy_B_ms']:.2f}x", policy
+        assert peak == f"{r['baseline_peak_mb']:,.0f} / {r['rewy_peak_mb']:,.0f}", policy
+        assert err == f"{r['err_baseline']:.1e} / {r['err_rewy']:.1e}".replace("e-0", "e-"), policy
+        assert bound == f"{r['bound_err_baseline']:.1e} / {r['bound_err_rewy']:.1e}".replace("e-0", "e-"), policy
