@@ -20,7 +20,10 @@ class Adapter:
     needs CUDA). ``conv_site``, where set, is the layer's short causal convolution: under
     torch.compile, where it would run transformers' ``F.conv1d`` fallback, rewy runs the same
     convolution as shifted multiply-adds that inductor fuses (kernels/short_conv.py); otherwise
-    it keeps its implementation. ``call(args, kwargs, *, backend, policy)`` receives
+    it keeps its implementation. ``bounds_kwarg`` is the keyword argument of the model's forward
+    that carries a packed row's document bounds down to the layer; where the model was given only
+    ``position_ids`` that restart at each document, the patched model derives the bounds from them
+    and passes them under this name (rewy_hf/patching/packing.py). ``call(args, kwargs, *, backend, policy)`` receives
     the arguments the layer passed to that function and returns ``(o, state)``
     from a rewy op.
     """
@@ -32,6 +35,9 @@ class Adapter:
     call: Callable
     decode_site: str | None = None
     conv_site: str | None = None
+    # The keyword under which the model hands a packed row's document bounds down to this layer
+    # (FLA's models: ``cu_seqlens``; transformers': the flash-attention ``cu_seq_lens_q``).
+    bounds_kwarg: str = "cu_seqlens"
 
     @property
     def sites(self) -> tuple[str, ...]:

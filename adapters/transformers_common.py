@@ -14,7 +14,9 @@ with activated gates (g already a log-decay, beta already a sigmoid) in FLA's
 ``(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
 use_qk_l2norm_in_kernel)``. Like transformers' wrapper (which filters keyword
 arguments by the target's signature), leftover attention keyword arguments the
-core has no use for (``cu_seq_lens_k``, ``max_length_q`` ...) are dropped; ``cp_context``
+core has no use for (``cu_seq_lens_k``, ``max_length_q`` ...) are dropped, except that
+``cu_seq_lens_q`` is the packed bounds where ``cu_seqlens`` is absent (Kimi-Linear's layer passes
+them on under that name); ``cp_context``
 (added by ``rewy_hf.context_parallel``) is passed on.
 """
 
@@ -40,6 +42,9 @@ class HFCoreCall:
         bound = dict(zip(_POSITIONAL, rest))
         bound.update(kwargs)
         passed = {name: bound[name] for name in _PASSED_ON if bound.get(name) is not None}
+        # Kimi-Linear's layer passes the padding-free collators' bounds on under their own name.
+        if "cu_seqlens" not in passed and bound.get("cu_seq_lens_q") is not None:
+            passed["cu_seqlens"] = bound["cu_seq_lens_q"]
         return self.op(query, key, value, bound["g"], bound["beta"], backend=backend, policy=policy, **passed)
 
 
@@ -110,6 +115,7 @@ def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, re
             call=hf_core_call(rewy_op),
             decode_site=f"transformers.models.{model}.modeling_{model}:{decode_attr}",
             conv_site=f"transformers.models.{model}.modeling_{model}:{conv_attr}",
+            bounds_kwarg="cu_seq_lens_q",
         )
         for model, cls in models
     )

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..errors import UnsupportedConfigError
 from .context_parallel_call import PRE_CONV_TOKENS, CPCall, gather_ranks, process_group
-from .short_conv import check_conv_inputs, conv_taps
+from .short_conv import check_conv_inputs, conv_taps, sequence_keep
 
 
 def cp_causal_short_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
@@ -44,21 +44,8 @@ def cp_causal_short_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activat
               else torch.zeros_like(tail))
     # How many of the W - 1 inputs before this slice belong to its first sequence.
     borrowed = call.pre_conv_tokens.clamp(max=W - 1)
-    keep = _keep(call.cu_seqlens, T, W, borrowed, x.device)
+    keep = sequence_keep(call.cu_seqlens, T, W, x.device, borrowed)
     return conv_taps(torch.cat([before, x], dim=-1), weight, bias, activation, keep)
-
-
-def _keep(cu_seqlens: Tensor, T: int, W: int, borrowed: Tensor, device) -> Tensor:
-    """[W, T] bool: tap j of output t reads an input of t's sequence (the first sequence may reach
-    ``borrowed`` inputs back into the rank before). Built on the device, no host read."""
-    t = torch.arange(T, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    # the last bound at or before t; over the whole tensor, since inductor (torch 2.11) cannot lower
-    # searchsorted over a slice
-    start = cu[torch.searchsorted(cu, t, right=True) - 1]
-    start = torch.where(start == 0, -borrowed.to(device), start)
-    source = t[None, :] - (W - 1) + torch.arange(W, device=device)[:, None]
-    return source >= start[None, :]
 
 
 def _borrowed(meta: Tensor, width: int) -> int:

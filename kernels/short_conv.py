@@ -9,6 +9,13 @@ multiply-add per tap on shifted views, in float32 with the activation applied
 before the single rounding, the same sum becomes elementwise and reduction
 work that inductor fuses with what surrounds it (the measured effect is in
 docs/performance.md, "End-to-end: torch.compile").
+
+Packed rows (several documents in one row, with their bounds in ``cu_seqlens``)
+take the same sum with each tap masked where it would reach into the previous
+document, so the convolution restarts at every document start as it does for
+a document run alone. The mask is built on the device from the bounds, with
+shapes that depend on T and W only, so a compiled graph does not change with
+the number or lengths of the documents.
 """
 
 from __future__ import annotations
@@ -27,6 +34,36 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     rounding to the weight's dtype. Summed in float32 (float64 for float64 weights)."""
     check_conv_inputs(x, weight)
     return conv_taps(F.pad(x, (weight.shape[-1] - 1, 0)), weight, bias, activation)
+
+
+def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             activation: str | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``causal_short_conv`` over one packed row x [1, C, T] whose documents ``cu_seqlens`` bounds
+    (``[0, ..., T]``): every output reads only inputs of its own document."""
+    check_conv_inputs(x, weight)
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
+                         f"got B = {x.shape[0]}; flatten the documents into one row, as "
+                         "DataCollatorWithFlattening does.")
+    W, T = weight.shape[-1], x.shape[-1]
+    keep = sequence_keep(cu_seqlens, T, W, x.device)
+    return conv_taps(F.pad(x, (W - 1, 0)), weight, bias, activation, keep)
+
+
+def sequence_keep(cu_seqlens: torch.Tensor, T: int, W: int, device,
+                  borrowed: torch.Tensor | None = None) -> torch.Tensor:
+    """[W, T] bool: whether tap j of output t reads an input of t's own document. ``borrowed``: how
+    many inputs before position 0 belong to the first document (context parallelism: the previous
+    rank's tail); none by default. Built on the device, no host read."""
+    t = torch.arange(T, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    # the last bound at or before t; over the whole tensor, since inductor (torch 2.11) cannot lower
+    # searchsorted over a slice
+    start = cu[torch.searchsorted(cu, t, right=True) - 1]
+    if borrowed is not None:
+        start = torch.where(start == 0, -borrowed.to(device), start)
+    source = t[None, :] - (W - 1) + torch.arange(W, device=device)[:, None]
+    return source >= start[None, :]
 
 
 def conv_taps(x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

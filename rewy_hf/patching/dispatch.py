@@ -23,7 +23,7 @@ import torch
 
 from .. import ops
 from ..adapters.transformers_common import is_hub_function, plain_torch, runs_torch_fallback
-from ..kernels.short_conv import causal_short_conv
+from ..kernels.short_conv import causal_short_conv, packed_causal_short_conv
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
@@ -211,19 +211,26 @@ def route_decode(original: Callable, cpu_decode: Callable, args: tuple, kwargs: 
     return original(*args, **kwargs)
 
 
-# Packed-sequence arguments: with them transformers' torch convolution refuses (it cannot keep
-# sequences apart), and rewy's fused form, which cannot either, leaves the call to it.
-_PACKING = ("cu_seqlens", "seq_idx", "cu_seq_lens_q")
+def packed_bounds(kwargs: dict):
+    """The document bounds of a packed call, however transformers spells them: ``cu_seqlens`` (FLA's
+    layers, and transformers' GDN layers, which rename the next one), ``cu_seq_lens_q`` (the
+    padding-free collators' flash-attention arguments, passed on by the layer), or None."""
+    for name in ("cu_seqlens", "cu_seq_lens_q"):
+        if (value := kwargs.get(name)) is not None:
+            return value
+    return None
 
 
 def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: dict):
     """A patched layer's short convolution: inside ``context_parallel``, the convolution with its
-    exchange across ranks (kernels/context_parallel_conv.py); under torch.compile, where
-    transformers would run its ``F.conv1d`` fallback, the same convolution in the form inductor
-    fuses (kernels/short_conv.py); otherwise, and eagerly, transformers' own choice."""
+    exchange across ranks (kernels/context_parallel_conv.py); on a packed row, rewy's convolution
+    restarting at every document start (transformers' own ignores the bounds); under
+    torch.compile, where transformers would run its ``F.conv1d`` fallback, the same convolution
+    in the form inductor fuses (kernels/short_conv.py); otherwise, and eagerly, transformers' own
+    choice."""
     context = active_context()
-    if context is None and (not (torch_fallback and torch.compiler.is_compiling())
-                            or any(kwargs.get(k) is not None for k in _PACKING)):
+    bounds = packed_bounds(kwargs)
+    if context is None and bounds is None and not (torch_fallback and torch.compiler.is_compiling()):
         return original(*args, **kwargs)
     names = ("hidden_states", "weight", "bias", "activation")
     bound = dict(zip(names, args))
@@ -234,6 +241,8 @@ def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: di
         from ..kernels import context_parallel_conv
 
         return context_parallel_conv.cp_causal_short_conv(x, weight, bias, activation, context)
+    if bounds is not None:
+        return packed_causal_short_conv(x, weight, bias, activation, bounds)
     return causal_short_conv(x, weight, bias, activation)
 
 

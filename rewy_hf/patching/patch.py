@@ -35,6 +35,7 @@ from ..errors import UnsupportedConfigError
 from ..validation import BACKENDS, POLICIES
 from .dispatch import CoreDispatcher, active_layers, make_dispatcher, prepare_fallback_count, route
 from . import flash_qla
+from .packing import bind_packed_rows, unbind_packed_rows
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
 FALLBACKS = ("error", "original")
@@ -233,6 +234,7 @@ def patch_model(
                                                  layer.__dict__.get("forward"))
         layer.forward = PatchedForward(layer)
         report.patched.append(PatchedLayer(name, _layer_class(layer), adapter.op, backend, policy))
+    _bind_packed_rows(model)
     if strict and not report.patched:
         raise UnsupportedConfigError(
             f"no supported delta-rule layer found in {type(model).__name__}"
@@ -247,6 +249,17 @@ def patch_model(
         if said[1]:
             warnings.warn(said[0], RuntimeWarning, stacklevel=2)
     return report
+
+
+def _bind_packed_rows(model: nn.Module) -> None:
+    """Let ``model`` hand its layers the document bounds of a row packed by ``position_ids`` alone
+    (rewy_hf/patching/packing.py), under the keyword its patched layers read."""
+    if _STATE_ATTR in model.__dict__:
+        return                          # a patched layer itself: its caller holds the positions
+    kwargs = {state.adapter.bounds_kwarg for m in model.modules()
+              if (state := m.__dict__.get(_STATE_ATTR)) is not None}
+    if len(kwargs) == 1:
+        bind_packed_rows(model, kwargs.pop())
 
 
 def _check_same_options(name: str, existing: LayerPatch, backend: str, policy: str, fallback: str) -> None:
@@ -276,6 +289,8 @@ def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:
             layer.__dict__.pop("forward", None)
         _release_dispatcher(state.adapter, layer)
         restored += 1
+    if not any(_STATE_ATTR in m.__dict__ for m in model.modules()):
+        unbind_packed_rows(model)
     return restored
 
 

@@ -1,0 +1,181 @@
+"""Packed rows described only by ``position_ids``: their document bounds, handed to the layers.
+
+Padding-free collators (transformers' ``DataCollatorWithFlattening``, TRL's
+padding-free mode) put many documents in one row and mark them with
+``position_ids`` that restart at every document; on request they add the
+flash-attention arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k`` /
+``max_length_q`` / ``max_length_k`` as well. transformers' attention layers
+keep documents apart with either (their masks follow restarting
+``position_ids``), but its delta-rule layers see only the bounds: their
+decoder layers do not pass ``position_ids`` on. Given ``position_ids`` alone,
+each document's recurrence and short convolution would run on from the one
+before.
+
+So a patched model's ``forward`` derives the bounds from ``position_ids``
+where the caller gave none, and passes them down under the keyword its layers
+read (``Adapter.bounds_kwarg``): the same call the collator makes with
+``return_flash_attn_kwargs=True``. A packed forward also runs without a
+cache (``use_cache=False`` unless the caller asked for one, which is
+refused): these models make a cache in a training forward by default, and
+with one transformers' attention masks stop following the document bounds. The bounds travel as a forward argument,
+not as process state, so a layer recomputed under gradient checkpointing sees
+them again.
+
+Deriving bounds reads tensor values: one host synchronisation per forward of
+a packed row (rows of B > 1 are read only to refuse restarts inside them).
+Under ``torch.compile`` the derivation runs outside the graph (one graph
+break at the model's entry, none inside a layer), and the bounds enter the
+graph with a dynamic length, so a new number of documents does not recompile.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedConfigError
+
+PACKING_ATTR = "_rewy_packing"
+_ALL_BOUNDS = ("cu_seqlens", "cu_seq_lens_q")
+_CACHES = ("past_key_values", "cache", "cache_params")
+
+
+def bounds_from_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``cu_seqlens`` (int32, ``[0, ..., T]``) of the documents in a packed row [1, T] whose
+    ``position_ids`` restart at each one (any restart: a position that is not the previous one plus
+    one), or None where the row is one document. Rows of B > 1 that restart are refused: the
+    padding-free collators build one row, and transformers' flash attention also reads packing from
+    ``position_ids`` only for B = 1."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return None
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if position_ids.shape[0] > 1:
+        if bool(restarts.any()):
+            raise UnsupportedConfigError(
+                f"position_ids restart inside rows of a batch of {position_ids.shape[0]} rows: rewy keeps packed "
+                "documents apart in one packed row (B = 1), as DataCollatorWithFlattening and TRL's padding-free "
+                "collator build it. Flatten the batch into one row, or pass the bounds as cu_seq_lens_q.")
+        return None
+    inner = restarts[0].nonzero().squeeze(1).to(torch.int32) + 1
+    if inner.numel() == 0:
+        return None
+    T = position_ids.shape[1]
+    edge = inner.new_tensor
+    cu = torch.cat([edge([0]), inner, edge([T])])
+    # Dynamic from the first compiled step: the next packing's document count must not recompile.
+    torch._dynamo.maybe_mark_dynamic(cu, 0)
+    return cu
+
+
+_derive: Callable = bounds_from_positions
+
+
+def _derive_outside_graphs() -> Callable:
+    # Made on first use: torch.compiler.disable imports dynamo (and with it Triton), which importing
+    # rewy_hf must not do.
+    global _derive
+    if _derive is bounds_from_positions:
+        _derive = torch.compiler.disable(bounds_from_positions)
+    return _derive
+
+
+class PackedRowsForward:
+    """The forward bound into a patched model's ``__dict__``: adds the document bounds of a packed
+    row given by ``position_ids`` alone, then calls the model's own forward. A class with
+    ``__reduce__`` so a pickled or deep-copied model keeps it (as ``patch.PatchedForward``)."""
+
+    __name__ = "forward"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        state: RowPacking = self.model.__dict__[PACKING_ATTR]
+        inner = state.inner(self.model)
+        if any(kwargs.get(k) is not None for k in _CACHES):
+            return inner(*args, **kwargs)           # decoding: a cache continues its own rows
+        packed = any(kwargs.get(k) is not None for k in _ALL_BOUNDS)
+        if not packed:
+            positions = kwargs.get("position_ids")
+            if positions is None and state.position_index is not None and len(args) > state.position_index:
+                positions = args[state.position_index]
+            bounds = _derive_outside_graphs()(positions)
+            if bounds is not None:
+                kwargs[state.kwarg] = bounds
+                packed = True
+        if packed and state.takes_use_cache:
+            if kwargs.get("use_cache"):
+                raise UnsupportedConfigError(
+                    "use_cache=True on a packed row (several documents in one row): a cache holds one state "
+                    "per row and cannot continue several documents, and transformers' attention masks ignore "
+                    "the document bounds once a cache is made. Pass use_cache=False for training, or generate "
+                    "one document per row.")
+            # A training forward of these models makes a cache unless told not to (config.use_cache).
+            kwargs["use_cache"] = False
+        return inner(*args, **kwargs)
+
+    def __reduce__(self):
+        return (PackedRowsForward, (self.model,))
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self.model
+
+    @property
+    def __wrapped__(self):
+        return self.model.__dict__[PACKING_ATTR].inner(self.model)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
+
+
+class RowPacking:
+    """What ``PackedRowsForward`` needs: the keyword the layers read, where ``position_ids`` sits
+    among the positional arguments, and the instance-level forward that was there before."""
+
+    def __init__(self, kwarg: str, position_index: int | None, previous_forward: Callable | None,
+                 takes_use_cache: bool):
+        self.kwarg = kwarg
+        self.position_index = position_index
+        self.previous_forward = previous_forward
+        self.takes_use_cache = takes_use_cache
+
+    def inner(self, model: nn.Module) -> Callable:
+        return self.previous_forward or type(model).forward.__get__(model)
+
+
+def bind_packed_rows(model: nn.Module, kwarg: str) -> bool:
+    """Bind ``PackedRowsForward`` into ``model`` (once) where its forward takes ``position_ids``
+    and can pass ``kwarg`` on; returns whether the model carries it."""
+    if PACKING_ATTR in model.__dict__:
+        return True
+    forward = model.__dict__.get("forward") or type(model).forward.__get__(model)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    # FLA's models take position_ids (and the bounds) through **kwargs.
+    if not takes_kwargs and not ("position_ids" in params and kwarg in params):
+        return False
+    positional = [n for n, p in params.items()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    index = positional.index("position_ids") if "position_ids" in positional else None
+    model.__dict__[PACKING_ATTR] = RowPacking(kwarg, index, model.__dict__.get("forward"),
+                                              "use_cache" in params or takes_kwargs)
+    model.forward = PackedRowsForward(model)
+    return True
+
+
+def unbind_packed_rows(model: nn.Module) -> None:
+    state = model.__dict__.pop(PACKING_ATTR, None)
+    if state is None:
+        return
+    if state.previous_forward is not None:
+        model.forward = state.previous_forward
+    else:
+        model.__dict__.pop("forward", None)
