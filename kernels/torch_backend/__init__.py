@@ -16,7 +16,7 @@ from ..constants import CHUNK
 from ..core_args import CoreArgs
 from ..reference import expand_gva
 from .function import chunk_backward, chunk_forward, saved_shapes
-from .layout import ChunkLayout
+from .layout import ChunkLayout, packed_chunks
 
 
 # Whether ``backward`` reads the gate's values (else the core keeps a stand-in in their place):
@@ -56,17 +56,22 @@ def forward(a: CoreArgs):
     with torch.autocast(a.q.device.type, enabled=False):
         o, ht, saved = chunk_forward(*chunked, h0, a.scale, a.policy)
     o = layout.from_chunks(o).to(a.v.dtype)
+    saved = [layout.pack_slots(t) for t in saved]
     # A copy: under ``full`` the saved states share ht's storage, and a custom op's outputs may not alias.
     ht = ht.transpose(-1, -2).contiguous() if a.state_v_first else ht.clone()
     return o, ht, saved
 
 
 def saved_like(a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
-    """``dynamic_size()``: a size known only at run time (the chunks of the longest packed sequence)."""
+    """Every size follows from the input shapes (packed calls: the chunk bound of ``pack_slots``);
+    ``dynamic_size`` is not needed."""
     B, T, _, K = a.q.shape
     HV, V = a.v.shape[2], a.v.shape[3]
-    NT = -(-T // CHUNK) if a.cu_seqlens is None else dynamic_size()
-    return [a.q.new_empty(s, dtype=compute_dtype(a.q)) for s in saved_shapes(NT, a.sequences, HV, K, V, a.policy)]
+    if a.cu_seqlens is None:
+        shapes = saved_shapes(-(-T // CHUNK), B, HV, K, V, a.policy)
+    else:
+        shapes = saved_shapes(packed_chunks(T, a.sequences, CHUNK), 1, HV, K, V, a.policy)
+    return [a.q.new_empty(s, dtype=compute_dtype(a.q)) for s in shapes]
 
 
 def normalised_qk(a: CoreArgs) -> None:
@@ -82,6 +87,7 @@ def _fold_gva(dx: torch.Tensor, key_heads: int) -> torch.Tensor:
 def backward(a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | None):
     """(dq, dk, dv, dg, dbeta, dw, dh0) in the inputs' shapes and dtypes; None where an input is None."""
     layout, chunked, h0 = _chunked(a)
+    saved = [layout.unpack_slots(t) for t in saved]
     do_c = layout.to_chunks(do.to(h0.dtype))
     if dht is not None:
         dht = (dht.transpose(-1, -2) if a.state_v_first else dht).to(h0.dtype).contiguous()

@@ -73,13 +73,12 @@ def bounds_from_positions(position_ids: torch.Tensor | None) -> torch.Tensor | N
 _derive: Callable = bounds_from_positions
 
 
-def _derive_outside_graphs() -> Callable:
-    # Made on first use: torch.compiler.disable imports dynamo (and with it Triton), which importing
-    # rewy_hf must not do.
+def _prepare_derive() -> None:
+    # Made when a model is patched, not at import: torch.compiler.disable imports dynamo (and with it
+    # Triton), which importing rewy_hf must not do; nor in traced code, where the call breaks the graph.
     global _derive
     if _derive is bounds_from_positions:
         _derive = torch.compiler.disable(bounds_from_positions)
-    return _derive
 
 
 class PackedRowsForward:
@@ -94,15 +93,14 @@ class PackedRowsForward:
 
     def __call__(self, *args, **kwargs):
         state: RowPacking = self.model.__dict__[PACKING_ATTR]
-        inner = state.inner(self.model)
         if any(kwargs.get(k) is not None for k in _CACHES):
-            return inner(*args, **kwargs)           # decoding: a cache continues its own rows
+            return state.call(self.model, args, kwargs)     # decoding: a cache continues its own rows
         packed = any(kwargs.get(k) is not None for k in _ALL_BOUNDS)
         if not packed:
             positions = kwargs.get("position_ids")
             if positions is None and state.position_index is not None and len(args) > state.position_index:
                 positions = args[state.position_index]
-            bounds = _derive_outside_graphs()(positions)
+            bounds = _derive(positions)
             if bounds is not None:
                 kwargs[state.kwarg] = bounds
                 packed = True
@@ -115,7 +113,7 @@ class PackedRowsForward:
                     "one document per row.")
             # A training forward of these models makes a cache unless told not to (config.use_cache).
             kwargs["use_cache"] = False
-        return inner(*args, **kwargs)
+        return state.call(self.model, args, kwargs)
 
     def __reduce__(self):
         return (PackedRowsForward, (self.model,))
@@ -147,12 +145,20 @@ class RowPacking:
     def inner(self, model: nn.Module) -> Callable:
         return self.previous_forward or type(model).forward.__get__(model)
 
+    def call(self, model: nn.Module, args: tuple, kwargs: dict):
+        # The class's function called with the instance, not a method bound by ``__get__``: dynamo
+        # resolves such a binding to the instance attribute, which is the wrapper itself.
+        if self.previous_forward is not None:
+            return self.previous_forward(*args, **kwargs)
+        return type(model).forward(model, *args, **kwargs)
+
 
 def bind_packed_rows(model: nn.Module, kwarg: str) -> bool:
     """Bind ``PackedRowsForward`` into ``model`` (once) where its forward takes ``position_ids``
     and can pass ``kwarg`` on; returns whether the model carries it."""
     if PACKING_ATTR in model.__dict__:
         return True
+    _prepare_derive()
     forward = model.__dict__.get("forward") or type(model).forward.__get__(model)
     try:
         params = inspect.signature(forward).parameters
