@@ -6,8 +6,8 @@ op signatures. See README.md and docs/architecture.md.
 
 from .errors import InputValidationError, UnsupportedConfigError
 from .ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gdn2, chunk_kda
-from .patching import (PatchReport, context_parallel, dispatch_report, is_patched, patch_model, patched,
-                       reset_dispatch_report, unpatch_model)
+from .patching import (PatchReport, context_parallel, disable, dispatch_report, enable, is_patched, patch_model,
+                       patched, reset_dispatch_report, unpatch_model)
 
 __version__ = "0.1.0"
 
@@ -19,7 +19,9 @@ __all__ = [
     "chunk_gdn2",
     "chunk_kda",
     "context_parallel",
+    "disable",
     "dispatch_report",
+    "enable",
     "is_patched",
     "patch_model",
     "PatchReport",

@@ -5,9 +5,11 @@
 
 The script runs in this process, as ``python script.py ARGS...`` would run it
 (``rewy_hf.script_runner``). While it runs, every transformers / FLA model is
-patched as soon as it is created (``rewy_hf.patching.model_creation``); the
-original ``PreTrainedModel.post_init`` is put back when the script ends,
-however it ends.
+patched as soon as it is created: the switch ``rewy_hf.enable()`` turns on
+(``rewy_hf.patching.auto_patch``), here with a recorder that also lists the
+models without delta-rule layers. The original ``PreTrainedModel.post_init``
+is put back, and the layers the run patched are restored, when the script
+ends, however it ends.
 
 Exit status: the script's own status if it failed; else 3 when ``--core rewy``
 was asked but no optimized backward ran (unless ``--allow-no-backward``);
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..patching.dispatch import dispatch_report, report_difference, total_calls
-from ..patching.model_creation import ModelRecorder, post_init_hook
+from ..patching.auto_patch import RUN, disable, start, stop
+from ..patching.model_creation import ModelRecorder
 from ..patching.patch import FALLBACKS
 from ..script_runner import EXIT_NO_SCRIPT, run_script
 from ..validation import POLICIES
@@ -126,12 +129,13 @@ def run(args: argparse.Namespace) -> int:
         error = f"can't open file {str(script)!r}: no such file"
         print(f"rewy-hf run: {error}", file=sys.stderr)
     else:
+        switch = start(recorder, owner=RUN)
         try:
-            with post_init_hook(recorder):
-                status, error = run_script(script, argv)
+            status, error = run_script(script, argv)
         finally:
             try:
-                recorder.unpatch()
+                stop(switch, unpatch=True)
+                disable(unpatch=True)   # a switch the script turned on itself does not outlive it either
             except Exception as exc:    # the script's own outcome stays the result; the failed restore is said
                 print(f"rewy-hf run: restoring the patched models failed: {type(exc).__name__}: {exc}",
                       file=sys.stderr)

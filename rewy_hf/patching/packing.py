@@ -22,10 +22,12 @@ not as process state, so a layer recomputed under gradient checkpointing sees
 them again.
 
 Deriving bounds reads tensor values: one host synchronisation per forward of
-a packed row (rows of B > 1 are read only to refuse restarts inside them).
-Under ``torch.compile`` the derivation runs outside the graph (one graph
-break at the model's entry, none inside a layer), and the bounds enter the
-graph with a dynamic length, so a new number of documents does not recompile.
+one row given ``position_ids`` (eagerly, rows of B > 1 are read too, only to
+refuse restarts inside them). Under ``torch.compile`` the derivation runs
+outside the graph (one graph break at the model's entry, none inside a
+layer; none at all for a call without ``position_ids`` or with B > 1), and
+the bounds enter the graph with a dynamic length, so a new number of
+documents does not recompile.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _prepare_derive() -> None:
 class PackedRowsForward:
     """The forward bound into a patched model's ``__dict__``: adds the document bounds of a packed
     row given by ``position_ids`` alone, then calls the model's own forward. A class with
-    ``__reduce__`` so a pickled or deep-copied model keeps it (as ``patch.PatchedForward``)."""
+    ``__reduce__`` so a pickled or deep-copied model keeps it."""
 
     __name__ = "forward"
 
@@ -100,7 +102,14 @@ class PackedRowsForward:
             positions = kwargs.get("position_ids")
             if positions is None and state.position_index is not None and len(args) > state.position_index:
                 positions = args[state.position_index]
-            bounds = _derive(positions)
+            bounds = None
+            if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+                # Read on the host: always for one row (a packing), eagerly only for B > 1 (to refuse
+                # restarts there), so a compiled step of unpacked rows has no graph break.
+                if positions.shape[0] == 1:
+                    bounds = _derive(positions)
+                elif not torch.compiler.is_compiling():
+                    bounds_from_positions(positions)
             if bounds is not None:
                 kwargs[state.kwarg] = bounds
                 packed = True

@@ -2,9 +2,8 @@
 
 For each supported layer, the module-level core name its forward calls (and,
 where the adapter names them, its decode-step core and its short convolution)
-is replaced (once per process) by a ``CoreDispatcher``, and a small wrapper is
-bound into the layer instance's ``__dict__['forward']`` that marks the layer as
-active while its forward runs. Only marked layers reach rewy; every other
+is replaced (once per process) by a ``CoreDispatcher``, and a forward pre-hook
+and hook on the layer instance mark it as active while its forward runs. Only marked layers reach rewy; every other
 model keeps its original core. Parameters, buffers, the state dict and the
 config are never touched, so checkpoints are byte-identical.
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import sys
 import threading
 import warnings
@@ -61,51 +59,15 @@ class LayerPatch:
     backend: str
     policy: str
     fallback: str
-    previous_forward: Callable | None   # an instance-level forward that was there before us
+    hook_ids: tuple[int, int] = (-1, -1)     # the forward pre-hook and hook that mark the layer active
 
     def call_core(self, original: Callable, args: tuple, kwargs: dict):
         return route(self, original, args, kwargs)
 
 
-class PatchedForward:
-    """The forward bound into a patched layer's ``__dict__``.
-
-    A small class rather than a bound method so that ``torch.save`` /
-    ``copy.deepcopy`` of a patched model rebuild it around the copied layer
-    (a bound method would be re-fetched by name and lose the patch).
-    """
-
-    __name__ = "forward"
-
-    def __init__(self, layer: nn.Module):
-        self.layer = layer
-
-    def __call__(self, *args, **kwargs):
-        return _patched_forward(self.layer, *args, **kwargs)
-
-    def __reduce__(self):
-        return (PatchedForward, (self.layer,))
-
-    # Look like the bound forward it wraps, for code that inspects forwards
-    # (signature checks for accepted keyword arguments, hooks that wrap them).
-    @property
-    def __self__(self) -> nn.Module:
-        return self.layer
-
-    @property
-    def __wrapped__(self):
-        state = self.layer.__dict__.get(_STATE_ATTR)
-        if state is not None and state.previous_forward is not None:
-            return state.previous_forward
-        return type(self.layer).forward.__get__(self.layer)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.__wrapped__)
-
-
-def _patched_forward(self: nn.Module, *args, **kwargs):
-    state: LayerPatch = self.__dict__[_STATE_ATTR]
+def _enter(layer: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a patched layer: mark it active for the length of its forward."""
+    state: LayerPatch = layer.__dict__[_STATE_ATTR]
     # A deep copy (or any clone made without patch_model) carries the patch
     # state but was never registered; make sure its site still dispatches.
     # Checked without the lock: on every forward after the first it is a
@@ -114,19 +76,36 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     # is patched or collected; a clone's registration waits for its first eager call.
     if torch.compiler.is_compiling():
         if not _site_dispatches(state.adapter):
-            _install_dispatcher(state.adapter, self)
+            _install_dispatcher(state.adapter, layer)
     else:
         registered = _SITE_LAYERS.get(state.adapter.site)
-        if registered is None or self not in registered or not _site_dispatches(state.adapter):
-            _install_dispatcher(state.adapter, self)
+        if registered is None or layer not in registered or not _site_dispatches(state.adapter):
+            _install_dispatcher(state.adapter, layer)
+    active_layers().append(state)
+
+
+def _leave(layer: nn.Module, args: tuple, output) -> None:
+    """Forward hook of a patched layer (called also when its forward raises): unmark it."""
     stack = active_layers()
-    stack.append(state)
-    try:
-        if state.previous_forward is not None:
-            return state.previous_forward(*args, **kwargs)
-        return type(self).forward(self, *args, **kwargs)
-    finally:
+    if stack and stack[-1] is layer.__dict__.get(_STATE_ATTR):
         stack.pop()
+
+
+def _add_hooks(layer: nn.Module) -> tuple[int, int]:
+    """The pre-hook first (before any other), the hook always called; their ids, for unpatching.
+    Hooks rather than an instance-level ``forward``: transformers' ``train()`` / ``eval()`` re-run
+    ``kernelize`` on a model loaded with hub kernels, which deletes instance-level forwards of the
+    layers it maps."""
+    enter = layer.register_forward_pre_hook(_enter, prepend=True)
+    leave = layer.register_forward_hook(_leave, always_call=True)
+    return enter.id, leave.id
+
+
+def _remove_hooks(layer: nn.Module, ids: tuple[int, int]) -> None:
+    enter, leave = ids
+    layer._forward_pre_hooks.pop(enter, None)
+    layer._forward_hooks.pop(leave, None)
+    layer._forward_hooks_always_called.pop(leave, None)
 
 
 def _site_dispatches(adapter: Adapter) -> bool:
@@ -230,9 +209,9 @@ def patch_model(
                 report.skipped.append(SkippedLayer(name, _layer_class(layer), "no rewy adapter for this layer class"))
             continue
         _install_dispatcher(adapter, layer)
-        layer.__dict__[_STATE_ATTR] = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback,
-                                                 layer.__dict__.get("forward"))
-        layer.forward = PatchedForward(layer)
+        state = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback)
+        layer.__dict__[_STATE_ATTR] = state
+        state.hook_ids = _add_hooks(layer)
         report.patched.append(PatchedLayer(name, _layer_class(layer), adapter.op, backend, policy))
     _bind_packed_rows(model)
     if strict and not report.patched:
@@ -283,10 +262,7 @@ def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:
         state = layer.__dict__.pop(_STATE_ATTR, None)
         if state is None:
             continue
-        if state.previous_forward is not None:
-            layer.forward = state.previous_forward
-        else:
-            layer.__dict__.pop("forward", None)
+        _remove_hooks(layer, state.hook_ids)
         _release_dispatcher(state.adapter, layer)
         restored += 1
     if not any(_STATE_ATTR in m.__dict__ for m in model.modules()):

@@ -26,7 +26,10 @@ def test_saved_patched_model_reloads_patched():
     loaded = torch.load(buf, weights_only=False)
     layer = loaded.model.layers[0].linear_attn
     assert rewy_hf.is_patched(layer)
-    assert layer.forward.layer is layer, "the reloaded forward wraps the reloaded layer, not the original"
+    from rewy_hf.patching.patch import _enter, _leave
+
+    # the hooks that mark the layer active came along (they find the layer's state through the layer)
+    assert list(layer._forward_pre_hooks.values()) == [_enter] and list(layer._forward_hooks.values()) == [_leave]
 
     rewy_hf.reset_dispatch_report()
     loss = _loss(loaded, ids)
@@ -35,5 +38,6 @@ def test_saved_patched_model_reloads_patched():
     assert counts["forward_calls"] == 1 and counts["optimized_backward_calls"] == 1
     assert loss.item() == expected
     assert rewy_hf.unpatch_model(loaded) == 1 and not rewy_hf.is_patched(layer)
+    assert not layer._forward_pre_hooks and not layer._forward_hooks
     # The original stays patched until unpatched (or collected): leave no patched instance behind.
     assert rewy_hf.unpatch_model(model) == 1
