@@ -42,6 +42,11 @@ _KIMI_LINEAR_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=614
                        v_head_dim=128, qk_nope_head_dim=128, moe_intermediate_size=1024, num_local_experts=8,
                        num_experts_per_tok=2, linear_head_dim=128, linear_num_heads=16, pad_token_id=0,
                        bos_token_id=1, eos_token_id=2)
+# The same two with the published vocabularies (Qwen3.5: 248,320 tokens; Kimi-Linear: 163,840), for
+# the packed fine-tuning benchmark (bench/packed_bench.py), where the logits and the loss weigh as
+# they do in a real run.
+_QWEN35_GVA_1B_248K = {**_QWEN35_GVA_1B, "vocab_size": 248320}
+_KIMI_LINEAR_1B_164K = {**_KIMI_LINEAR_1B, "vocab_size": 163840}
 _FLA = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256, fuse_norm=False, fuse_swiglu=False,
             fuse_cross_entropy=False, use_short_conv=False)
 
@@ -91,6 +96,8 @@ PRESETS: dict[str, Callable[[], nn.Module]] = {
     "qwen3.5-1b": _hf("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_QWEN35_1B),
     "qwen3.5-gva-1b": _hf("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_QWEN35_GVA_1B),
     "kimi-linear-1b": _hf("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", **_KIMI_LINEAR_1B),
+    "qwen3.5-gva-1b-248k": _hf("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_QWEN35_GVA_1B_248K),
+    "kimi-linear-1b-164k": _hf("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", **_KIMI_LINEAR_1B_164K),
 }
 
 
