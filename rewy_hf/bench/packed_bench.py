@@ -85,33 +85,30 @@ def documents_check(model: nn.Module, vocab: int, device, T: int = 2048) -> dict
     lens = [700, 64, 1000, T - 1764]
     row = packed_row(lens, vocab, rng, device)
 
-    def run(batch_list):
-        model.zero_grad(set_to_none=True)
-        logits = []
-        for b in batch_list:
-            out = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
-            out.float().square().mean().backward()     # a per-token sum divided by the row's length
-            logits.append(out.detach()[0])
-        grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
-        return torch.cat(logits), grads
-
     starts = [0] + list(torch.tensor(lens).cumsum(0)[:-1].tolist())
     alone = [{"input_ids": row["input_ids"][:, s:s + n], "position_ids": row["position_ids"][:, s:s + n]}
              for s, n in zip(starts, lens)]
     out = {"lengths": lens}
+    scale = T * model.config.vocab_size
+
+    def grads() -> torch.Tensor:
+        return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+
     for side in ("unpatched", "patched"):
         (patch_model if side == "patched" else unpatch_model)(model)
-        packed_logits, packed_grads = run([row])
-        # the row's loss is a mean over T tokens: each document's share is its sum over T
+        # one loss, a sum over the row's tokens: the packed row's gradient is the sum of its documents'
+        model.zero_grad(set_to_none=True)
+        packed = model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+        (packed.float().square().sum() / scale).backward()
+        packed_grads = grads()
         model.zero_grad(set_to_none=True)
         logits = []
-        for b, n in zip(alone, lens):
+        for b in alone:
             o = model(**b, use_cache=False).logits
-            (o.float().square().sum() / (T * o.shape[-1])).backward()
+            (o.float().square().sum() / scale).backward()
             logits.append(o.detach()[0])
-        alone_grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
-        out[side] = {"logits_rel_err": rel_err(packed_logits.float(), torch.cat(logits).float()),
-                     "grads_rel_err": rel_err(packed_grads, alone_grads)}
+        out[side] = {"logits_rel_err": rel_err(packed.detach()[0].float(), torch.cat(logits).float()),
+                     "grads_rel_err": rel_err(packed_grads, grads())}
     unpatch_model(model)
     model.zero_grad(set_to_none=True)
     return out
