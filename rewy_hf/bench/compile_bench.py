@@ -81,7 +81,7 @@ def gpu_time_by_family(step) -> tuple[float, dict[str, float], int]:
     return sum(per.values()), per, launches
 
 
-def _dynamo_counts() -> dict:
+def dynamo_counts() -> dict:
     from torch._dynamo.utils import counters
 
     return {"graph_breaks": sum(counters["graph_break"].values()),
@@ -204,7 +204,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
                    "compile_s": (first_ms - med) / 1e3 if is_compiled else None,
                    "dispatch": dispatch_report()}
             if is_compiled:
-                row.update(_dynamo_counts())
+                row.update(dynamo_counts())
             if held:
                 row["core_under_compile"] = HELD_KERNELS
             if s.device == "cuda":

@@ -91,8 +91,15 @@ def documents_check(model: nn.Module, vocab: int, device, T: int = 2048) -> dict
     out = {"lengths": lens}
     scale = T * model.config.vocab_size
 
-    def grads() -> torch.Tensor:
-        return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    def grads() -> list[torch.Tensor]:
+        return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+    def grads_rel_err(mine: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+        # over all parameters together, one parameter at a time (a 2 B-parameter model's gradients
+        # do not fit in float64 twice)
+        num = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(mine, ref))
+        den = sum(float(b.float().square().sum()) for b in ref)
+        return math.sqrt(num / den) if den else math.sqrt(num)
 
     for side in ("unpatched", "patched"):
         (patch_model if side == "patched" else unpatch_model)(model)
@@ -108,7 +115,7 @@ def documents_check(model: nn.Module, vocab: int, device, T: int = 2048) -> dict
             (o.float().square().sum() / scale).backward()
             logits.append(o.detach()[0])
         out[side] = {"logits_rel_err": rel_err(packed.detach()[0].float(), torch.cat(logits).float()),
-                     "grads_rel_err": rel_err(packed_grads, grads())}
+                     "grads_rel_err": grads_rel_err(packed_grads, grads())}
     unpatch_model(model)
     model.zero_grad(set_to_none=True)
     return out
@@ -138,7 +145,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, out: dict, sav
 
     from ..patching.dispatch import dispatch_report, reset_dispatch_report
     from ..patching.patch import patch_model, unpatch_model
-    from .compile_bench import _dynamo_counts
+    from .compile_bench import dynamo_counts
     from .model_bench import Snapshot, optimizer_for
 
     opt = optimizer_for(model, 1e-5)
@@ -179,7 +186,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, out: dict, sav
                "tokens_per_s": tokens / med * 1e3, "peak_mb": torch.cuda.max_memory_allocated() / 2**20,
                "loss": losses, "dispatch": dispatch_report()}
         if is_compiled:
-            row.update(_dynamo_counts())
+            row.update(dynamo_counts())
         row.update(gpu_by_family(run, opt, batches[-1]))
         out["sides"][side] = row
         save()

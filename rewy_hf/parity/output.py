@@ -1,4 +1,5 @@
-"""How `rewy-hf parity` shows its result: a progress bar, a table, a verdict."""
+"""How `rewy-hf parity` shows its result: a progress bar, a table, a verdict; with ``--packed``, a
+table of the packed row against its documents."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import sys
 
 from .comparison import ParityResult, group_summary
+from .packed import CHUNK, PackedResult
 
 
 @contextlib.contextmanager
@@ -63,4 +65,46 @@ def format_result(result: ParityResult, *, model: str, dtype: str, device: str) 
     else:
         layers = sorted({r.group.removeprefix("update:") for r in failing})
         lines.append(f"PARITY VIOLATED in {len(failing)} tensor(s) (layers: {', '.join(layers) or 'loss'})")
+    return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r).rstrip()
+                                                                                      for r in rows]
+
+
+def format_packed(result: PackedResult, *, model: str, dtype: str, device: str) -> str:
+    tol = result.tolerance
+    lines = [f"rewy-hf parity --packed: {model} ({dtype}, {device})", "",
+             f"one packed row of {sum(result.lengths)} tokens, {len(result.lengths)} documents "
+             f"({' + '.join(map(str, result.lengths))}; bounds at {', '.join(map(str, result.bounds))}, "
+             f"chunk {CHUNK}),",
+             "each model against itself running the documents one by one: the logits, and the gradients of a "
+             "loss summed over tokens", ""]
+    rows = [(r.model, r.given, _fmt(r.logits.rel_err), _fmt(r.worst_gradient.rel_err), r.worst_gradient.name,
+             "OK" if r.ok else ("FAIL" if r.model == "patched" else "LEAKS")) for r in result.rows]
+    lines += _table(("model", "row given as", "logits rel err", "max grad rel err", "worst parameter", "verdict"),
+                    rows)
+    lines.append(f"\ntolerance: {tol.grad_rel:.0e} relative on the logits and each gradient ({dtype})")
+    lines.append(f"optimized backward calls (patched): {result.optimized_backward_calls}")
+    if result.unpatched_leaks:
+        lines.append("\nthe unpatched model leaks across packed documents: its packed row's logits or gradients "
+                     "are not its documents' (shown for comparison; the verdict is the patched model's)")
+    failing = result.failing()
+    if failing:
+        lines.append("\nworst offenders (patched):")
+        lines += [f"  {g.name}: rel err {g.rel_err:.2e}, cosine {g.cosine:.6f} (row given as {given})"
+                  for g, given in failing[:5]]
+        if dtype in ("bfloat16", "float16"):
+            lines.append(f"  in {dtype} this can be rounding: a token whose top-k router scores nearly tie may "
+                         "pick another expert in the packed row than alone; --dtype float32 tells it from a leak")
+    lines.append("")
+    if result.ok:
+        lines.append(f"PACKED ROWS HOLD: the patched model's packed row matches its documents run one by one "
+                     f"(logits and all {len(result.rows[0].gradients)} gradients within {tol.grad_rel:.0e} relative)")
+    else:
+        lines.append(f"PACKED ROWS VIOLATED: the patched model's packed row differs from its documents run one by "
+                     f"one in {len(failing)} tensor(s)")
     return "\n".join(lines)

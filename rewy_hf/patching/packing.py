@@ -97,7 +97,11 @@ class PackedRowsForward:
         state: RowPacking = self.model.__dict__[PACKING_ATTR]
         if any(kwargs.get(k) is not None for k in _CACHES):
             return state.call(self.model, args, kwargs)     # decoding: a cache continues its own rows
-        packed = any(kwargs.get(k) is not None for k in _ALL_BOUNDS)
+        given = next((kwargs[k] for k in _ALL_BOUNDS if kwargs.get(k) is not None), None)
+        packed = given is not None
+        if state.kwarg == "cu_seqlens" and kwargs.get("cu_seqlens") is None and packed:
+            # The collators' flash-attention bounds, for FLA's layers, which read only ``cu_seqlens``.
+            kwargs["cu_seqlens"] = given
         if not packed:
             positions = kwargs.get("position_ids")
             if positions is None and state.position_index is not None and len(args) > state.position_index:
