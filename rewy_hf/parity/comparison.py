@@ -42,6 +42,20 @@ class OriginalCoreError(RuntimeError):
     the exception it raised. Running the reference cores there instead may get past it."""
 
 
+@contextlib.contextmanager
+def original_core_errors(use_reference: bool):
+    """Re-raise what the unpatched model's own cores raise as ``OriginalCoreError`` (out-of-memory as
+    it is); where rewy's reference cores stand in for them, their errors are rewy's and pass as they are."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        if use_reference:
+            raise
+        raise OriginalCoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class Tolerance:
     loss_rel: float
@@ -250,16 +264,9 @@ def run_parity(
     last_grads = None
     for step, input_ids in enumerate(batches):
         input_ids = input_ids.to(device)
-        try:
-            with unpatched_scope():
-                loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference,
-                                              forward=compiled.get("unpatched"))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:
-            if use_reference:
-                raise
-            raise OriginalCoreError(f"{type(exc).__name__}: {exc}") from exc
+        with original_core_errors(use_reference), unpatched_scope():
+            loss_u, ms_u, grads_u = _step(reference_model, input_ids, reference=use_reference,
+                                          forward=compiled.get("unpatched"))
         loss_p, ms_p, grads_p = _step(model, input_ids, reference=False, forward=compiled.get("patched"))
         result.losses.append((loss_u, loss_p))
         result.grad_norms.append((global_norm(grads_u), global_norm(grads_p)))

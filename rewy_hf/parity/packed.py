@@ -31,7 +31,8 @@ import torch.nn as nn
 from ..patching.dispatch import dispatch_report, report_difference, total_calls
 from ..patching.patch import patch_model, unpatch_model
 from ..patching.reference_cores import use_reference_cores
-from .comparison import DEFAULT_TOLERANCES, TINY_GRADIENT, OriginalCoreError, ParamResult, Tolerance, compare
+from .comparison import (DEFAULT_TOLERANCES, TINY_GRADIENT, ParamResult, Tolerance, compare,
+                         original_core_errors)
 
 CHUNK = 64      # the delta-rule cores' chunk: bounds on and off its edges take different paths
 MIN_TOKENS = CHUNK + 3          # a first document of one chunk, then three more of at least one token
@@ -229,15 +230,8 @@ def run_packed_parity(model: nn.Module, tokens: torch.Tensor, *, tolerance: Tole
     result.patch_report = patch_model(model, backend=backend, policy=policy).to_dict()
 
     scope = use_reference_cores(reference_model) if use_reference else contextlib.nullcontext()
-    try:
-        with scope:
-            unpatched = _check_side("unpatched", reference_model, documents, readout, tolerance)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:
-        if use_reference:
-            raise
-        raise OriginalCoreError(f"{type(exc).__name__}: {exc}") from exc
+    with original_core_errors(use_reference), scope:
+        unpatched = _check_side("unpatched", reference_model, documents, readout, tolerance)
     before = dispatch_report()
     result.rows = _check_side("patched", model, documents, readout, tolerance) + unpatched
     result.dispatch = report_difference(before, dispatch_report())

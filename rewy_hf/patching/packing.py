@@ -39,9 +39,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedConfigError
+from .dispatch import packed_bounds
 
 PACKING_ATTR = "_rewy_packing"
-_ALL_BOUNDS = ("cu_seqlens", "cu_seq_lens_q")
 _CACHES = ("past_key_values", "cache", "cache_params")
 
 
@@ -97,7 +97,7 @@ class PackedRowsForward:
         state: RowPacking = self.model.__dict__[PACKING_ATTR]
         if any(kwargs.get(k) is not None for k in _CACHES):
             return state.call(self.model, args, kwargs)     # decoding: a cache continues its own rows
-        given = next((kwargs[k] for k in _ALL_BOUNDS if kwargs.get(k) is not None), None)
+        given = packed_bounds(kwargs)
         packed = given is not None
         if state.kwarg == "cu_seqlens" and kwargs.get("cu_seqlens") is None and packed:
             # The collators' flash-attention bounds, for FLA's layers, which read only ``cu_seqlens``.
