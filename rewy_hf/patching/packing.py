@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedConfigError
-from .dispatch import packed_bounds
+from .dispatch import active_context, packed_bounds
 
 PACKING_ATTR = "_rewy_packing"
 _CACHES = ("past_key_values", "cache", "cache_params")
@@ -95,8 +95,10 @@ class PackedRowsForward:
 
     def __call__(self, *args, **kwargs):
         state: RowPacking = self.model.__dict__[PACKING_ATTR]
-        if any(kwargs.get(k) is not None for k in _CACHES):
-            return state.call(self.model, args, kwargs)     # decoding: a cache continues its own rows
+        if any(kwargs.get(k) is not None for k in _CACHES) or active_context() is not None:
+            # decoding (a cache continues its own rows), or context parallelism (the context holds the
+            # row's bounds; each rank's positions are those of its slice)
+            return state.call(self.model, args, kwargs)
         given = packed_bounds(kwargs)
         packed = given is not None
         if state.kwarg == "cu_seqlens" and kwargs.get("cu_seqlens") is None and packed:
