@@ -25,6 +25,7 @@ from rewy_hf.patching.patch import patch_state
 
 import fla_tiny_models
 import hf_tiny_models as H
+from recipe_runs import reset_accelerate
 
 OPTIONS = {"backend": "auto", "policy": "recompute", "fallback": "error"}
 
@@ -39,6 +40,8 @@ def _switched_off_after():
     rewy_hf.reset_dispatch_report()
     yield
     rewy_hf.disable(unpatch=True)
+    # Trainer sets up Accelerate's process-wide state; the recipe tests in this worker build their own
+    reset_accelerate()
     logging.set_verbosity(level)
     assert all(PreTrainedModel.__dict__[name] is before for name, before in hooked.items())
 
