@@ -29,6 +29,9 @@ CPU_HEAD_DIM = 64
 # Defaults that depend on the device, as (cuda, cpu).
 OP_REPS, OP_WARMUP = (5, 3), (3, 1)
 MODEL_STEPS, MODEL_WARMUP, MODEL_SEQ_LEN, MODEL_DTYPE = (10, 2), (2, 1), (4096, 128), ("bfloat16", "float32")
+# --packed: on CUDA one row of 8,192 tokens and 50 steps, so that a tuning stall has room to show after the
+# first few; on CPU a row of 256 (the documents check needs 2,048 whatever the row).
+PACKED_STEPS, PACKED_SEQ_LEN = (50, 4), (8192, 256)
 MODEL_DTYPES = ("bfloat16", "float32")
 
 

@@ -47,7 +47,7 @@ def load_run(path: str) -> dict:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise MergeError(f"--from-json {path}: {exc}; pass the file an earlier run wrote with --json") from None
-    if data.get("kind") not in ("ops", "model", "context_parallel") or "settings" not in data:
+    if data.get("kind") not in ("ops", "model", "context_parallel", "packed") or "settings" not in data:
         raise MergeError(f"--from-json {path} is not a `rewy-hf bench --json` file")
     return data
 
@@ -59,6 +59,8 @@ def merge_runs(paths: list[str]) -> dict:
     first = runs[0]
     if all(run["kind"] == "model" and "sides" in run for run in runs):
         return _merge_sided(paths, runs)
+    if all(run["kind"] == "packed" for run in runs):
+        return _merge_packed(paths, runs)
     for path, run in zip(paths[1:], runs[1:]):
         if run["kind"] != "ops" or first["kind"] != "ops":
             raise MergeError(f"--from-json: only op-level runs (not --context-parallel), or four-sided model runs "
@@ -135,6 +137,45 @@ def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
     merged["ok"] = all(run.get("ok", False) for run in runs)
     merged["exit_code"] = max(int(run.get("exit_code", 1)) for run in runs)
     summarize(merged)
+    return merged
+
+
+def _merge_packed(paths: list[str], runs: list[dict]) -> dict:
+    """Several `--model X --packed --sides ...` runs as one: their sides, each at most once, and the
+    documents check of the run that made one."""
+    from .packed_bench import ALL_SIDES, packed_summary
+
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        _refuse_other_setup(paths[0], first, path, run, "sides")
+        for key in sorted(set(run["settings"]) | set(first["settings"])):
+            if key != "sides" and run["settings"].get(key) != first["settings"].get(key):
+                raise MergeError(f"--from-json: {path} ran with a different {key} than {paths[0]}: "
+                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}; only packed runs "
+                                 "that differ in --sides combine")
+    seen: dict[str, str] = {}
+    for path, run in zip(paths, runs):
+        for side in run.get("sides", {}):
+            if side in seen:
+                raise MergeError(f"--from-json: the {side} side is in both {seen[side]} and {path}; pass only one "
+                                 "run of each side")
+            seen[side] = path
+    checks = [run["documents_check"] for run in runs if "documents_check" in run]
+    if len(checks) > 1:
+        raise MergeError("--from-json: more than one of these packed runs made the documents check; pass one "
+                         "(the others can run with --no-documents-check)")
+    merged = {**first, "settings": {**first["settings"], "sides": [x for x in ALL_SIDES if x in seen]},
+              "sides": {x: next(run["sides"][x] for run in runs if x in run.get("sides", {}))
+                        for x in ALL_SIDES if x in seen},
+              "sources": {path: list(run.get("sides", {})) for path, run in zip(paths, runs)},
+              "complete": all(run.get("complete", False) for run in runs),
+              "problems": [p for run in runs for p in run.get("problems", [])]}
+    merged.pop("documents_check", None)
+    if checks:
+        merged["documents_check"] = checks[0]
+    merged["ok"] = all(run.get("ok", False) for run in runs)
+    merged["exit_code"] = max(int(run.get("exit_code", 1)) for run in runs)
+    merged["summary"] = packed_summary(merged)
     return merged
 
 

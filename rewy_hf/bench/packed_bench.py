@@ -22,13 +22,11 @@ delta-rule cores and short convolutions run across document bounds (their
 loss is not the packed documents' loss); the check before the timing measures
 how far, against the documents run one by one.
 
-Usage: python -m rewy_hf.bench.packed_bench --model qwen3.5-gva-1b-248k --out run.json
+Run through ``rewy-hf bench --model qwen3.5-gva-1b-248k --packed`` (cli/bench.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import time
@@ -38,11 +36,15 @@ import torch.nn as nn
 
 SIDES = ("unpatched eager", "patched eager", "patched compiled", "unpatched compiled")
 LIGER_SIDES = ("unpatched eager + liger", "patched eager + liger", "patched compiled + liger")
+ALL_SIDES = SIDES + LIGER_SIDES
+CHECK_LENGTHS = (700, 64, 1000)     # then the rest of the row: bounds inside chunks and on a chunk edge
+CHECK_TOKENS = 2048
 
 
-def packed_lengths(T: int, rng: torch.Generator, median: float = 600.0, sigma: float = 1.0) -> list[int]:
-    """Document lengths filling T tokens: log-normal around ``median`` tokens, at least 16, the
-    last one cut at the row's end."""
+def packed_lengths(T: int, rng: torch.Generator, sigma: float = 1.0) -> list[int]:
+    """Document lengths filling T tokens: log-normal around a median of 600 tokens (T / 8 in rows
+    shorter than 4,800, so that they too hold several), at least 16, the last one cut at the row's end."""
+    median = min(600.0, T / 8)
     lens, total = [], 0
     while total < T:
         n = int(max(16.0, median * math.exp(sigma * torch.randn((), generator=rng).item())))
@@ -75,49 +77,57 @@ def _step(run, opt, batch: dict) -> float:
     return loss.item()
 
 
-def documents_check(model: nn.Module, vocab: int, device, T: int = 2048) -> dict:
-    """The patched and the unpatched model on one packed row against its documents run one by one
-    (bf16): the relative error of the logits and of the gradient of every parameter together."""
+def side_name(side: str) -> str:
+    """The side as ``--sides`` spells it: ``patched-compiled-liger``."""
+    return side.replace(" + ", "-").replace(" ", "-")
+
+
+def _grads_rel_err(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    # over all parameters together, one parameter at a time (a 2 B-parameter model's gradients do not
+    # fit in float64 twice)
+    num = sum(float((mine[n].float() - g.float()).square().sum()) for n, g in ref.items() if n in mine)
+    den = sum(float(g.float().square().sum()) for g in ref.values())
+    return math.sqrt(num / den) if den else math.sqrt(num)
+
+
+def documents_check(model: nn.Module, device, backend: str = "auto", seed: int = 123) -> dict:
+    """The unpatched and the patched model (in their own dtype) on one packed row and on its
+    documents run one by one, each against the patched model in float32 on the documents one by one.
+
+    The documents-alone figure is the model's own rounding at that dtype; a packed row that keeps
+    its documents apart comes out near it, one that leaks does not. The float32 reference is the
+    patched model because rewy's cores are checked against float64 (``rewy-hf verify``), and FLA's
+    GDN backward is not trusted on Hopper with Triton < 3.7.1."""
+    import copy
+
+    from ..parity.packed import Readout, backward_through, documents_alone, packed_row, trainable_grads
     from ..patching.patch import patch_model, unpatch_model
     from ..rel_error import rel_err
 
-    rng = torch.Generator().manual_seed(123)
-    lens = [700, 64, 1000, T - 1764]
-    row = packed_row(lens, vocab, rng, device)
-
-    starts = [0] + list(torch.tensor(lens).cumsum(0)[:-1].tolist())
-    alone = [{"input_ids": row["input_ids"][:, s:s + n], "position_ids": row["position_ids"][:, s:s + n]}
-             for s, n in zip(starts, lens)]
-    out = {"lengths": lens}
-    scale = T * model.config.vocab_size
-
-    def grads() -> list[torch.Tensor]:
-        return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-
-    def grads_rel_err(mine: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-        # over all parameters together, one parameter at a time (a 2 B-parameter model's gradients
-        # do not fit in float64 twice)
-        num = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(mine, ref))
-        den = sum(float(b.float().square().sum()) for b in ref)
-        return math.sqrt(num / den) if den else math.sqrt(num)
-
-    for side in ("unpatched", "patched"):
-        (patch_model if side == "patched" else unpatch_model)(model)
-        # one loss, a sum over the row's tokens: the packed row's gradient is the sum of its documents'
-        model.zero_grad(set_to_none=True)
-        packed = model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
-        (packed.float().square().sum() / scale).backward()
-        packed_grads = grads()
-        model.zero_grad(set_to_none=True)
-        logits = []
-        for b in alone:
-            o = model(**b, use_cache=False).logits
-            (o.float().square().sum() / scale).backward()
-            logits.append(o.detach()[0])
-        out[side] = {"logits_rel_err": rel_err(packed.detach()[0].float(), torch.cat(logits).float()),
-                     "grads_rel_err": grads_rel_err(packed_grads, grads())}
+    vocab = model.config.vocab_size
+    lens = [*CHECK_LENGTHS, CHECK_TOKENS - sum(CHECK_LENGTHS)]
+    tokens = torch.randint(3, vocab, (CHECK_TOKENS,), generator=torch.Generator().manual_seed(seed))
+    docs = list(tokens.to(device).split(lens))
+    readout = Readout(CHECK_TOKENS, torch.float32, seed, device)
     unpatch_model(model)
-    model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(model).float()
+    patch_model(reference, backend=backend)
+    ref_logits, ref_grads = documents_alone(reference, docs, readout)
+    del reference
+
+    def errors(logits, grads) -> dict:
+        return {"logits_rel_err": rel_err(logits.float(), ref_logits), "grads_rel_err": _grads_rel_err(grads, ref_grads)}
+
+    out = {"lengths": lens, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+           "reference": "the patched model in float32, documents run one by one"}
+    for side in ("unpatched", "patched"):
+        (patch_model(model, backend=backend) if side == "patched" else unpatch_model(model))
+        alone = errors(*documents_alone(model, docs, readout))
+        model.zero_grad(set_to_none=True)
+        logits = backward_through(model, packed_row(docs, False, device), readout)
+        out[side] = {"packed": errors(logits, trainable_grads(model)), "alone": alone}
+        model.zero_grad(set_to_none=True)
+    unpatch_model(model)
     return out
 
 
@@ -128,7 +138,7 @@ def gpu_by_family(run, opt, batch) -> dict:
     return {"gpu_ms": total, "gpu_ms_by_family": per, "launches": launches}
 
 
-def _liger_patch(model: nn.Module):
+def liger_patch(model: nn.Module):
     """Liger-Kernel's patch for ``model``'s family, or None where it has none or is not installed."""
     try:
         from liger_kernel.transformers import monkey_patch
@@ -138,8 +148,17 @@ def _liger_patch(model: nn.Module):
     return getattr(monkey_patch, f"apply_liger_kernel_to_{family}", None)
 
 
-def run_sides(model: nn.Module, batches: list[dict], warmup: int, out: dict, save, backend: str, policy: str,
-              sides: tuple[str, ...]) -> None:
+def side_summary(ms: list[float], tokens: int) -> dict:
+    med = statistics.median(ms)
+    after3 = ms[3:]
+    return {"step_ms": ms, "median_step_ms": med, "p90_step_ms": sorted(ms)[int(0.9 * (len(ms) - 1))],
+            "max_step_ms": max(ms), "slowest_after_step_3_x_median": max(after3) / med if after3 else None,
+            "tokens_per_s": tokens / med * 1e3}
+
+
+def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, policy: str,
+              sides: tuple[str, ...], on_side, step=lambda label: None) -> None:
+    """Time each side in turn; ``on_side(side, row)`` as each finishes."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -148,17 +167,19 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, out: dict, sav
     from .compile_bench import dynamo_counts
     from .model_bench import Snapshot, optimizer_for
 
+    cuda = batches[0]["input_ids"].is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     opt = optimizer_for(model, 1e-5)
     _step(model, opt, batches[0])               # AdamW's state exists before any timed step
     snap = Snapshot(model, opt)
     compiled = torch.compile(model)
     tokens = batches[0]["input_ids"].numel()
-    for side in sides:
+    # Liger patches the model's classes for the rest of the process: its sides come last.
+    for side in sorted(sides, key=lambda x: (x.endswith("+ liger"), ALL_SIDES.index(x))):
         if side.endswith("+ liger"):
-            apply = _liger_patch(model)
+            apply = liger_patch(model)
             if apply is None:
-                out["sides"][side] = {"skipped": "Liger-Kernel is not installed or has no patch for this model"}
-                save()
+                on_side(side, {"skipped": "Liger-Kernel is not installed or has no patch for this model"})
                 continue
             apply(model=model)
         snap.restore()
@@ -170,80 +191,151 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, out: dict, sav
         torch._dynamo.reset()
         counters.clear()
         reset_dispatch_report()
-        ms, losses = [], []
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        ms, warm_ms, losses = [], [], []
+        sync()
+        if cuda:
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         for i, batch in enumerate([batches[0]] * warmup + batches):
             t0 = time.perf_counter()
             losses.append(_step(run, opt, batch))
-            torch.cuda.synchronize()
-            if i >= warmup:
-                ms.append((time.perf_counter() - t0) * 1e3)
-        med = statistics.median(ms)
-        after3 = ms[3:]
-        row = {"step_ms": ms, "median_step_ms": med, "p90_step_ms": sorted(ms)[int(0.9 * (len(ms) - 1))],
-               "max_step_ms": max(ms), "slowest_after_step_3_x_median": max(after3) / med if after3 else None,
-               "tokens_per_s": tokens / med * 1e3, "peak_mb": torch.cuda.max_memory_allocated() / 2**20,
+            sync()
+            (ms if i >= warmup else warm_ms).append((time.perf_counter() - t0) * 1e3)
+            step(side)
+        row = {**side_summary(ms, tokens), "warmup_step_ms": warm_ms,
+               "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
                "loss": losses, "dispatch": dispatch_report()}
         if is_compiled:
             row.update(dynamo_counts())
-        row.update(gpu_by_family(run, opt, batches[-1]))
-        out["sides"][side] = row
-        save()
-        print(f"{side}: median {med:.1f} ms, p90 {row['p90_step_ms']:.1f}, max {row['max_step_ms']:.1f}, "
-              f"{row['tokens_per_s']:.0f} tok/s, peak {row['peak_mb']:.0f} MB"
-              + (f", {row['graphs']} graphs, {row['graph_breaks']} breaks" if is_compiled else ""), flush=True)
+        if cuda:
+            row.update(gpu_by_family(run, opt, batches[-1]))
+        on_side(side, row)
     unpatch_model(model)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3.5-gva-1b-248k")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--policy", default="recompute")
-    p.add_argument("--sides", default=",".join(SIDES + LIGER_SIDES),
-                   help="comma-separated, of: " + ", ".join(SIDES + LIGER_SIDES))
-    p.add_argument("--no-check", action="store_true", help="skip the packed-row check against the documents")
-    p.add_argument("--lift-gdn-guard", action="store_true",
-                   help="let FLA's GDN backward run on Hopper with Triton < 3.7.1 (its guard refuses it there): "
-                        "the unpatched GDN sides' times are valid, their gradients are not trusted")
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    from ..models.presets import build_preset
-
-    sides = tuple(x.strip() for x in args.sides.split(",") if x.strip())
-    unknown = [x for x in sides if x not in SIDES + LIGER_SIDES]
-    if unknown:
-        raise SystemExit(f"unknown sides {unknown}; choose from {', '.join(SIDES + LIGER_SIDES)}")
-    guard = None
-    if args.lift_gdn_guard:
-        from .op_bench import lift_gdn_guard
-
-        guard = lift_gdn_guard()
-    model = build_preset(args.model).to("cuda", torch.bfloat16).train()
+def run_packed_bench(model: nn.Module, *, device: str, steps: int, warmup: int, seq_len: int, seed: int,
+                     backend: str, policy: str, sides: tuple[str, ...], check: bool, on_side,
+                     on_check=lambda c: None, step=lambda label: None) -> dict:
+    """The documents check (unless ``check`` is False), then the timed sides; returns what they
+    measured besides the sides (given to ``on_side`` one by one)."""
+    out: dict = {}
+    if check:
+        out["documents_check"] = documents_check(model, device, backend)
+        on_check(out["documents_check"])
     vocab = model.config.vocab_size
-    out = {"model": args.model, "parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab,
-           "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "backend": args.backend,
-           "policy": args.policy, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "gdn_guard": guard, "sides": {}}
-
-    def save():
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-
-    if not args.no_check:
-        out["documents_check"] = documents_check(model, vocab, "cuda")
-        save()
-        print("documents check:", json.dumps(out["documents_check"]), flush=True)
-    batches, lens = packings(args.steps, args.seq_len, vocab, seed=0, device="cuda")
+    batches, lens = packings(steps, seq_len, vocab, seed=seed, device=device)
     out["documents_per_step"] = [len(x) for x in lens]
     out["longest_document_per_step"] = [max(x) for x in lens]
-    run_sides(model, batches, args.warmup, out, save, args.backend, args.policy, sides)
-    save()
+    if sides:
+        run_sides(model, batches, warmup, backend, policy, sides, on_side, step)
+    return out
 
 
-if __name__ == "__main__":
-    main()
+def packed_summary(data: dict) -> dict:
+    """Against the fastest unpatched side: each side's speed-up and peak-memory ratio."""
+    sides = {k: v for k, v in data.get("sides", {}).items() if "skipped" not in v}
+    unpatched = {k: v for k, v in sides.items() if k.startswith("unpatched")}
+    if not unpatched:
+        return {}
+    best = max(unpatched, key=lambda k: unpatched[k]["tokens_per_s"])
+    ref = unpatched[best]
+    return {"fastest_unpatched": best,
+            "vs_fastest_unpatched": {k: {"speedup": v["tokens_per_s"] / ref["tokens_per_s"],
+                                         "peak_ratio": v["peak_mb"] / ref["peak_mb"] if v["peak_mb"] else None}
+                                     for k, v in sides.items()}}
+
+
+def format_packed_result(data: dict, markdown: bool = False) -> str:
+    """One line per side: median / p90 / max step, the stall figure, tokens/s, x the fastest
+    unpatched side, peak memory, graphs and breaks, GPU ms by family."""
+    from .compile_bench import FAMILIES
+
+    summary = packed_summary(data)
+    vs = summary.get("vs_fastest_unpatched", {})
+    head = ["side", "median ms", "p90 ms", "max ms", "slowest after 3 / median", "tokens/s",
+            f"x {summary.get('fastest_unpatched', 'fastest unpatched')}", "peak MB", "graphs", "breaks",
+            *(f"{f} ms" for f in FAMILIES)]
+    rows = []
+    for side, r in data.get("sides", {}).items():
+        if "skipped" in r:
+            rows.append([side, *["-"] * (len(head) - 1)])
+            continue
+        per = r.get("gpu_ms_by_family") or {}
+        stall = r.get("slowest_after_step_3_x_median")
+        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
+                     "-" if stall is None else f"{stall:.2f}", f"{r['tokens_per_s']:.0f}",
+                     f"{vs[side]['speedup']:.2f}" if side in vs else "-",
+                     "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
+                     str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")),
+                     *(f"{per[f]:.1f}" if f in per else "-" for f in FAMILIES)])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+        lines = ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
+                 for line in (head, *rows)]
+    check = data.get("documents_check")
+    if check:
+        lines.append("")
+        lines.append(f"documents check ({check['dtype']}, against {check['reference']}; lengths {check['lengths']}):")
+        for side in ("patched", "unpatched"):
+            c = check[side]
+            lines.append(f"  {side}: packed row logits {c['packed']['logits_rel_err']:.3g}, gradients "
+                         f"{c['packed']['grads_rel_err']:.3g}; documents alone logits {c['alone']['logits_rel_err']:.3g}, "
+                         f"gradients {c['alone']['grads_rel_err']:.3g}")
+    skipped = [f"{side}: {r['skipped']}" for side, r in data.get("sides", {}).items() if "skipped" in r]
+    return "\n".join(lines + skipped)
+
+
+def packed_problems(data: dict) -> list[str]:
+    """Why a packed run does not show rewy at work and correct, if it does not (empty: it does)."""
+    from ..patching.dispatch import total_calls
+
+    problems = []
+    for side, r in data.get("sides", {}).items():
+        if "skipped" in r:
+            continue
+        if side.startswith("patched") and total_calls(r["dispatch"], "optimized_backward_calls") == 0:
+            problems.append(f"the {side} side ran no optimized backward")
+        if not all(math.isfinite(x) for x in r["loss"]):
+            problems.append(f"a loss of the {side} side was not finite")
+    check = data.get("documents_check")
+    if check:
+        c = check["patched"]
+        # the packed row may round differently from the documents alone, not by more than twice as much
+        for what in ("logits_rel_err", "grads_rel_err"):
+            if c["packed"][what] > 2 * c["alone"][what] + 1e-3:
+                problems.append(f"the patched packed row's {what.split('_')[0]} are {c['packed'][what]:.3g} off the "
+                                f"documents alone (float32), against {c['alone'][what]:.3g} for the documents alone "
+                                "in the model's dtype")
+    return problems
+
+
+def plot_packed(data: dict, path: str, title: str) -> None:
+    """Left: each side's step time over the run (a stall shows as a spike). Right: tokens/s per side,
+    labelled with peak memory."""
+    from .output import _pyplot
+
+    plt = _pyplot()
+    sides = {k: v for k, v in data["sides"].items() if "skipped" not in v}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    for side, r in sides.items():
+        left.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1, label=side)
+    left.set_xlabel("step (a new packing each step)")
+    left.set_ylabel("step ms")
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    left.set_title(title, fontsize=9)
+    names = list(sides)
+    bars = right.barh([n.replace(" + ", "\n+ ") for n in names], [sides[n]["tokens_per_s"] for n in names])
+    for bar, n in zip(bars, names):
+        if sides[n]["peak_mb"] is not None:
+            right.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {sides[n]['peak_mb'] / 1024:.1f} GiB",
+                       va="center", fontsize=7)
+    right.set_xlabel("tokens/s (median step); label: peak memory")
+    right.invert_yaxis()
+    right.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -113,13 +113,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "and reports how many graphs each compiled (0: no recompile)")
     model.add_argument("--sides", type=parse_sides, default=None, metavar="SIDE,SIDE,...",
                        help="--compile: run only these of the four sides (unpatched-eager, patched-eager, "
-                            "patched-compiled, unpatched-compiled), e.g. to time the slow-to-compile unpatched "
+                            "patched-compiled, unpatched-compiled); --packed: also unpatched-eager-liger, "
+                            "patched-eager-liger, patched-compiled-liger; e.g. to time the slow-to-compile unpatched "
                             "compiled side in a run of its own; `--from-json` of runs on the same settings joins "
                             "their sides into one table (default: all four)")
     model.add_argument("--causal-masks", action="store_true",
                        help="--compile: every side hands a transformers hybrid the mask mapping of an unpadded "
                             "causal batch (models/causal_masks.py), so that compiled attention runs SDPA's causal "
                             "kernel as eager attention does, instead of a materialized mask")
+    model.add_argument("--packed", action="store_true",
+                       help="time padding-free packed fine-tuning as Trainer / TRL feed it: one row of --seq-len "
+                            "tokens (default 8192) packed from long-tailed documents, a new packing each of --steps "
+                            "steps (default 50), on up to seven sides: unpatched / patched, eager / compiled, with "
+                            "Liger-Kernel where it is installed (--sides names them, or `none` for the documents "
+                            "check alone); before the timing, a packed row against its documents run one by one")
+    model.add_argument("--no-documents-check", action="store_true",
+                       help="--packed: skip the packed row's check against its documents run one by one")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="let transformers run the model repository's own code")
@@ -137,13 +146,16 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 
 
 def parse_sides(text: str) -> tuple[str, ...]:
-    from ..bench.compile_bench import SIDES
+    from ..bench.packed_bench import ALL_SIDES, side_name
 
-    names = {side.replace(" ", "-"): side for side in SIDES}
+    if text.strip() == "none":
+        return ()
+    names = {side_name(side): side for side in ALL_SIDES}
     picked = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in picked if x not in names]
     if unknown or not picked:
-        raise argparse.ArgumentTypeError(f"{text!r}: sides are {', '.join(names)} (comma-separated)")
+        raise argparse.ArgumentTypeError(f"{text!r}: sides are {', '.join(names)} (comma-separated; the -liger "
+                                         "ones with --packed only), or none")
     return tuple(side for name, side in names.items() if name in picked)
 
 
@@ -237,7 +249,8 @@ def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
 def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     import torch
 
-    from ..bench.config import MODEL_DTYPE, MODEL_SEQ_LEN, MODEL_STEPS, MODEL_WARMUP, expand, on_cpu
+    from ..bench.config import (MODEL_DTYPE, MODEL_SEQ_LEN, MODEL_STEPS, MODEL_WARMUP, PACKED_SEQ_LEN, PACKED_STEPS,
+                                expand, on_cpu)
     from ..bench.model_bench import ModelSettings, describe_model_run, model_problems, run_model_bench
     from ..bench.output import environment, format_model_result, plot_model_steps, progress
     from ..errors import UnsupportedConfigError
@@ -253,10 +266,13 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     if len(policies) != 1:
         return could_not_run("--model takes one --policy (recompute or full); run it once per policy")
     cpu = on_cpu(device)
+    if args.packed and (reason := packed_refusal(args, device)):
+        return could_not_run(reason)
     dtype_name = args.dtype or MODEL_DTYPE[cpu]
-    s = ModelSettings(device=device, steps=args.steps or MODEL_STEPS[cpu],
+    steps, seq_len = (PACKED_STEPS[cpu], PACKED_SEQ_LEN[cpu]) if args.packed else (MODEL_STEPS[cpu], MODEL_SEQ_LEN[cpu])
+    s = ModelSettings(device=device, steps=args.steps or steps,
                       warmup=MODEL_WARMUP[cpu] if args.warmup is None else args.warmup, batch_size=args.batch_size,
-                      seq_len=args.seq_len or MODEL_SEQ_LEN[cpu], backend=args.backend, policy=policies[0],
+                      seq_len=args.seq_len or seq_len, backend=args.backend, policy=policies[0],
                       seed=args.seed)
     settings = describe_model_run(args.model, s, dtype_name, guard)
     data = {"kind": "model", **environment(device), "settings": settings, "complete": False}
@@ -274,6 +290,8 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
         return failed_to_run(str(exc))
     model = loaded.model
     settings["parameters"] = sum(p.numel() for p in model.parameters())
+    if args.packed:
+        return run_packed_model(args, model, s, settings, data, failed_to_run, report)
     if args.compile:
         return run_compiled_model(args, model, s, settings, data, failed_to_run, report)
     if not args.compile and (args.curve_steps or args.lengths or args.sides):
@@ -305,6 +323,78 @@ def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
     return 1 if problems else 0
 
 
+def packed_refusal(args, device: str) -> str | None:
+    """Why --packed cannot run with these options, or None."""
+    mixed = [flag for flag, value in (("--compile", args.compile), ("--curve-steps", args.curve_steps),
+                                      ("--lengths", args.lengths), ("--causal-masks", args.causal_masks)) if value]
+    if mixed:
+        return (f"{', '.join(mixed)} belong to the --compile bench; --packed runs its own compiled sides "
+                "(choose them with --sides)")
+    if args.batch_size != 1:
+        return "--packed packs one row per step (B = 1, as the padding-free collators do); drop --batch-size"
+    return None
+
+
+def run_packed_model(args, model, s, settings: dict, data: dict, failed_to_run, report: JsonReport) -> int:
+    """--model X --packed: bench/packed_bench.py."""
+    from ..bench.output import progress
+    from ..bench.packed_bench import (ALL_SIDES, LIGER_SIDES, SIDES, format_packed_result, packed_problems,
+                                      packed_summary, plot_packed, run_packed_bench)
+
+    data["kind"] = "packed"
+    sides = tuple(ALL_SIDES if args.sides is None else args.sides)
+    if any("compiled" in x for x in sides) and s.warmup < 1:
+        return failed_to_run("compiled sides need --warmup 1 or more: their first step compiles")
+    settings.update(sides=list(sides), documents="log-normal lengths (median 600 tokens or a row's eighth, sigma 1, at least 16), "
+                    "the last cut at the row's end; a new packing every step",
+                    peak_memory="torch.cuda.max_memory_allocated over the side's steps minus what was allocated "
+                                "before them (weights, optimizer state, the restore snapshot)",
+                    timing="time.perf_counter around each full step (device synchronised); the sides run one "
+                           "after the other on the same weights, optimizer state and packings")
+    if not args.no_documents_check:
+        print("documents check: one packed row against its documents run one by one", flush=True)
+    total = len(sides) * (s.warmup + s.steps)
+    try:
+        with progress(total, f"bench {args.model} --packed") as bar:
+            def on_side(side: str, row: dict) -> None:
+                data.setdefault("sides", {})[side] = row
+                if "skipped" in row:
+                    bar.step(side, s.warmup + s.steps)
+                    bar.write(f"{side}: skipped ({row['skipped']})")
+                else:
+                    peak = "" if row["peak_mb"] is None else f", peak {row['peak_mb']:.0f} MB"
+                    bar.write(f"{side}: median {row['median_step_ms']:.1f} ms, max {row['max_step_ms']:.1f}, "
+                              f"{row['tokens_per_s']:.0f} tokens/s{peak}"
+                              + (f", {row['graphs']} graphs, {row['graph_breaks']} breaks" if "graphs" in row
+                                 else ""))
+                report.save(data)       # a run stopped half way keeps the sides it finished
+
+            def on_check(check: dict) -> None:
+                data["documents_check"] = check
+                report.save(data)
+
+            res = run_packed_bench(model, device=s.device, steps=s.steps, warmup=s.warmup, seq_len=s.seq_len, seed=s.seed,
+                                   backend=s.backend, policy=s.policy, sides=sides,
+                                   check=not args.no_documents_check, on_side=on_side, on_check=on_check,
+                                   step=bar.step)
+    except Exception as exc:
+        hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
+                "unpatched sides anyway") if "#640" in str(exc) else ""
+        return failed_to_run(f"{type(exc).__name__}: {exc}{hint}")
+    data.update(res)
+    data["summary"] = packed_summary(data)
+    print(format_packed_result(data))
+    problems = packed_problems(data)
+    data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
+    report.finish(data)
+    write_markdown(args, data)
+    if args.plot and data.get("sides"):
+        plot_packed(data, args.plot, f"{args.model}, 1x{s.seq_len} packed tokens, {data['device_name']}")
+    for p in problems:
+        print(f"FAIL: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run, report: JsonReport) -> int:
     """--model X --compile: the four sides of bench/compile_bench.py."""
     from ..bench.compile_bench import SIDES, compile_problems, format_compile_result, format_side, run_compile_bench
@@ -316,6 +406,8 @@ def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run
     settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
     curve = args.curve_steps or 0
     sides = args.sides or SIDES
+    if liger := [x for x in sides if x not in SIDES]:
+        return failed_to_run(f"{', '.join(liger)}: the Liger-Kernel sides belong to --packed runs")
     settings.update(curve_steps=curve, lengths=list(args.lengths), sides=list(sides),
                     causal_masks=args.causal_masks)
     total = len(sides) * (s.warmup + s.steps + curve) + sum(x.endswith("compiled") for x in sides) * len(args.lengths)
@@ -370,6 +462,13 @@ def render(args) -> int:
             from ..bench.output import plot_compile_result
 
             plot_compile_result(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
+    elif data["kind"] == "packed":
+        from ..bench.packed_bench import format_packed_result, plot_packed
+
+        print(format_packed_result(data))
+        if args.plot and data.get("sides"):
+            plot_packed(data, args.plot, f"{data['settings']['model']}, 1x{data['settings']['seq_len']} packed tokens, "
+                                         f"{data['device_name']}")
     elif data["kind"] == "context_parallel":
         from ..bench.cp_bench import format_rows
 
@@ -404,6 +503,10 @@ def write_markdown(args, data: dict) -> None:
         from ..bench.cp_bench import format_rows
 
         text = format_rows(data["rows"]) + "\n"
+    elif data.get("kind") == "packed":
+        from ..bench.packed_bench import format_packed_result
+
+        text = format_packed_result(data, markdown=True) + "\n"
     else:
         text = markdown_report(data, baseline_label(data.get("device", "cuda"), data.get("versions")))
     with open(args.markdown, "w", encoding="utf-8") as f:

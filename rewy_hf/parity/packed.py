@@ -163,24 +163,24 @@ class Readout:
         return (logits.to(self.dtype) * self.weights[start:start + logits.shape[0]]).sum()
 
 
-def _trainable_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+def trainable_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
-def _backward(model: nn.Module, inputs: dict, readout: Readout, start: int = 0) -> torch.Tensor:
+def backward_through(model: nn.Module, inputs: dict, readout: Readout, start: int = 0) -> torch.Tensor:
     logits = model(**inputs, use_cache=False).logits[0]
     readout.loss(logits, start).backward()
     return logits.detach()
 
 
-def _documents_alone(model: nn.Module, documents: list[torch.Tensor], readout: Readout):
+def documents_alone(model: nn.Module, documents: list[torch.Tensor], readout: Readout):
     """Logits of the documents run one by one, concatenated, and their gradients summed (accumulated)."""
     model.zero_grad(set_to_none=True)
     logits, start = [], 0
     for doc in documents:
-        logits.append(_backward(model, {"input_ids": doc[None]}, readout, start))
+        logits.append(backward_through(model, {"input_ids": doc[None]}, readout, start))
         start += len(doc)
-    return torch.cat(logits), _trainable_grads(model)
+    return torch.cat(logits), trainable_grads(model)
 
 
 def _compare_row(side: str, given: str, logits, grads, ref_logits, ref_grads, tol: Tolerance) -> PackedRow:
@@ -197,12 +197,12 @@ def _compare_row(side: str, given: str, logits, grads, ref_logits, ref_grads, to
 
 def _check_side(side: str, model: nn.Module, documents: list[torch.Tensor], readout: Readout,
                 tol: Tolerance) -> list[PackedRow]:
-    ref_logits, ref_grads = _documents_alone(model, documents, readout)
+    ref_logits, ref_grads = documents_alone(model, documents, readout)
     rows = []
     for given, flash_kwargs in ROW_FORMS.items():
         model.zero_grad(set_to_none=True)
-        logits = _backward(model, packed_row(documents, flash_kwargs, readout.device), readout)
-        rows.append(_compare_row(side, given, logits, _trainable_grads(model), ref_logits, ref_grads, tol))
+        logits = backward_through(model, packed_row(documents, flash_kwargs, readout.device), readout)
+        rows.append(_compare_row(side, given, logits, trainable_grads(model), ref_logits, ref_grads, tol))
     model.zero_grad(set_to_none=True)
     return rows
 

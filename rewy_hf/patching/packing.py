@@ -11,14 +11,14 @@ decoder layers do not pass ``position_ids`` on. Given ``position_ids`` alone,
 each document's recurrence and short convolution would run on from the one
 before.
 
-So a patched model's ``forward`` derives the bounds from ``position_ids``
-where the caller gave none, and passes them down under the keyword its layers
+So a forward pre-hook on a patched model derives the bounds from
+``position_ids`` where the caller gave none, and passes them down under the keyword its layers
 read (``Adapter.bounds_kwarg``): the same call the collator makes with
 ``return_flash_attn_kwargs=True``. A packed forward also runs without a
 cache (``use_cache=False`` unless the caller asked for one, which is
 refused): these models make a cache in a training forward by default, and
-with one transformers' attention masks stop following the document bounds. The bounds travel as a forward argument,
-not as process state, so a layer recomputed under gradient checkpointing sees
+with one transformers' attention masks stop following the document bounds.
+The bounds travel as a forward argument, not as process state, so a layer recomputed under gradient checkpointing sees
 them again.
 
 Deriving bounds reads tensor values: one host synchronisation per forward of
@@ -83,100 +83,65 @@ def _prepare_derive() -> None:
         _derive = torch.compiler.disable(bounds_from_positions)
 
 
-class PackedRowsForward:
-    """The forward bound into a patched model's ``__dict__``: adds the document bounds of a packed
-    row given by ``position_ids`` alone, then calls the model's own forward. A class with
-    ``__reduce__`` so a pickled or deep-copied model keeps it."""
-
-    __name__ = "forward"
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        state: RowPacking = self.model.__dict__[PACKING_ATTR]
-        if any(kwargs.get(k) is not None for k in _CACHES) or active_context() is not None:
-            # decoding (a cache continues its own rows), or context parallelism (the context holds the
-            # row's bounds; each rank's positions are those of its slice)
-            return state.call(self.model, args, kwargs)
-        given = packed_bounds(kwargs)
-        packed = given is not None
-        if state.kwarg == "cu_seqlens" and kwargs.get("cu_seqlens") is None and packed:
-            # The collators' flash-attention bounds, for FLA's layers, which read only ``cu_seqlens``.
-            kwargs["cu_seqlens"] = given
-        if not packed:
-            positions = kwargs.get("position_ids")
-            if positions is None and state.position_index is not None and len(args) > state.position_index:
-                positions = args[state.position_index]
-            bounds = None
-            if isinstance(positions, torch.Tensor) and positions.dim() == 2:
-                # Read on the host: always for one row (a packing), eagerly only for B > 1 (to refuse
-                # restarts there), so a compiled step of unpacked rows has no graph break.
-                if positions.shape[0] == 1:
-                    bounds = _derive(positions)
-                elif not torch.compiler.is_compiling():
-                    bounds_from_positions(positions)
-            if bounds is not None:
-                kwargs[state.kwarg] = bounds
-                packed = True
-        if packed and state.takes_use_cache:
-            if kwargs.get("use_cache"):
-                raise UnsupportedConfigError(
-                    "use_cache=True on a packed row (several documents in one row): a cache holds one state "
-                    "per row and cannot continue several documents, and transformers' attention masks ignore "
-                    "the document bounds once a cache is made. Pass use_cache=False for training, or generate "
-                    "one document per row.")
-            # A training forward of these models makes a cache unless told not to (config.use_cache).
-            kwargs["use_cache"] = False
-        return state.call(self.model, args, kwargs)
-
-    def __reduce__(self):
-        return (PackedRowsForward, (self.model,))
-
-    @property
-    def __self__(self) -> nn.Module:
-        return self.model
-
-    @property
-    def __wrapped__(self):
-        return self.model.__dict__[PACKING_ATTR].inner(self.model)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.__wrapped__)
-
-
 class RowPacking:
-    """What ``PackedRowsForward`` needs: the keyword the layers read, where ``position_ids`` sits
-    among the positional arguments, and the instance-level forward that was there before."""
+    """What the hook needs: the keyword the layers read, where ``position_ids`` sits among the
+    positional arguments, and whether the forward takes ``use_cache``."""
 
-    def __init__(self, kwarg: str, position_index: int | None, previous_forward: Callable | None,
-                 takes_use_cache: bool):
+    def __init__(self, kwarg: str, position_index: int | None, takes_use_cache: bool):
         self.kwarg = kwarg
         self.position_index = position_index
-        self.previous_forward = previous_forward
         self.takes_use_cache = takes_use_cache
 
-    def inner(self, model: nn.Module) -> Callable:
-        return self.previous_forward or type(model).forward.__get__(model)
 
-    def call(self, model: nn.Module, args: tuple, kwargs: dict):
-        # The class's function called with the instance, not a method bound by ``__get__``: dynamo
-        # resolves such a binding to the instance attribute, which is the wrapper itself.
-        if self.previous_forward is not None:
-            return self.previous_forward(*args, **kwargs)
-        return type(model).forward(model, *args, **kwargs)
+def _packed_rows_hook(model: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a patched model: adds the document bounds of a row packed by
+    ``position_ids`` alone. A hook, not an instance-level ``forward``: Liger-Kernel and accelerate
+    replace the instance's forward, before or after rewy, and a hook runs before whichever it is."""
+    state: RowPacking | None = model.__dict__.get(PACKING_ATTR)
+    if state is None or any(kwargs.get(k) is not None for k in _CACHES) or active_context() is not None:
+        # decoding (a cache continues its own rows), or context parallelism (the context holds the
+        # row's bounds; each rank's positions are those of its slice)
+        return None
+    given = packed_bounds(kwargs)
+    packed = given is not None
+    if state.kwarg == "cu_seqlens" and kwargs.get("cu_seqlens") is None and packed:
+        # The collators' flash-attention bounds, for FLA's layers, which read only ``cu_seqlens``.
+        kwargs["cu_seqlens"] = given
+    if not packed:
+        positions = kwargs.get("position_ids")
+        if positions is None and state.position_index is not None and len(args) > state.position_index:
+            positions = args[state.position_index]
+        bounds = None
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+            # Read on the host: always for one row (a packing), eagerly only for B > 1 (to refuse
+            # restarts there), so a compiled step of unpacked rows has no graph break.
+            if positions.shape[0] == 1:
+                bounds = _derive(positions)
+            elif not torch.compiler.is_compiling():
+                bounds_from_positions(positions)
+        if bounds is not None:
+            kwargs[state.kwarg] = bounds
+            packed = True
+    if packed and state.takes_use_cache:
+        if kwargs.get("use_cache"):
+            raise UnsupportedConfigError(
+                "use_cache=True on a packed row (several documents in one row): a cache holds one state "
+                "per row and cannot continue several documents, and transformers' attention masks ignore "
+                "the document bounds once a cache is made. Pass use_cache=False for training, or generate "
+                "one document per row.")
+        # A training forward of these models makes a cache unless told not to (config.use_cache).
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def bind_packed_rows(model: nn.Module, kwarg: str) -> bool:
-    """Bind ``PackedRowsForward`` into ``model`` (once) where its forward takes ``position_ids``
+    """Register the packed-rows hook on ``model`` (once) where its forward takes ``position_ids``
     and can pass ``kwarg`` on; returns whether the model carries it."""
     if PACKING_ATTR in model.__dict__:
         return True
     _prepare_derive()
-    forward = model.__dict__.get("forward") or type(model).forward.__get__(model)
     try:
-        params = inspect.signature(forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -186,17 +151,17 @@ def bind_packed_rows(model: nn.Module, kwarg: str) -> bool:
     positional = [n for n, p in params.items()
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     index = positional.index("position_ids") if "position_ids" in positional else None
-    model.__dict__[PACKING_ATTR] = RowPacking(kwarg, index, model.__dict__.get("forward"),
-                                              "use_cache" in params or takes_kwargs)
-    model.forward = PackedRowsForward(model)
+    model.__dict__[PACKING_ATTR] = RowPacking(kwarg, index, "use_cache" in params or takes_kwargs)
+    model.register_forward_pre_hook(_packed_rows_hook, with_kwargs=True)
     return True
 
 
 def unbind_packed_rows(model: nn.Module) -> None:
-    state = model.__dict__.pop(PACKING_ATTR, None)
-    if state is None:
+    if model.__dict__.pop(PACKING_ATTR, None) is None:
         return
-    if state.previous_forward is not None:
-        model.forward = state.previous_forward
-    else:
-        model.__dict__.pop("forward", None)
+    # Found by identity, not by a stored handle: a deep-copied or unpickled model has the hook
+    # under the same id in its own dictionaries, which a handle of the original does not reach.
+    for hook_id, hook in list(model._forward_pre_hooks.items()):
+        if hook is _packed_rows_hook:
+            del model._forward_pre_hooks[hook_id]
+            model._forward_pre_hooks_with_kwargs.pop(hook_id, None)

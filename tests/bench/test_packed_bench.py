@@ -1,11 +1,19 @@
-"""The packed fine-tuning benchmark's batches and its check against the documents (CPU, tiny model)."""
+"""`rewy-hf bench --model X --packed`: its packings, its documents check, the command on the CPU
+(tiny model, eager sides), and runs of some sides each joined by `--from-json`."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
+
+from bench_cli import run_bench
 
 from rewy_hf.bench import packed_bench
 from rewy_hf.models.presets import build_preset
+
+TINY = ["--model", "tiny-qwen3.5", "--packed", "--device", "cpu", "--warmup", "1", "--steps", "3"]
 
 
 def test_packings_fill_the_row_and_mark_each_document():
@@ -21,6 +29,76 @@ def test_packings_fill_the_row_and_mark_each_document():
 
 def test_documents_check_separates_the_patched_model_from_the_leaking_one():
     model = build_preset("tiny-qwen3.5").train()
-    out = packed_bench.documents_check(model, model.config.vocab_size, "cpu", T=2048)
-    assert out["patched"]["logits_rel_err"] < 1e-5 and out["patched"]["grads_rel_err"] < 1e-5
-    assert out["unpatched"]["logits_rel_err"] > 1e-3 and out["unpatched"]["grads_rel_err"] > 1e-3
+    out = packed_bench.documents_check(model, "cpu")
+    assert sum(out["lengths"]) == packed_bench.CHECK_TOKENS
+    patched, unpatched = out["patched"], out["unpatched"]
+    # float32 against the float32 reference: the documents alone are that reference itself
+    assert patched["alone"]["logits_rel_err"] == 0 and patched["alone"]["grads_rel_err"] == 0
+    assert patched["packed"]["logits_rel_err"] < 1e-5 and patched["packed"]["grads_rel_err"] < 1e-5
+    assert unpatched["alone"]["logits_rel_err"] < 1e-5      # transformers' torch core agrees on one document
+    assert unpatched["packed"]["logits_rel_err"] > 1e-3 and unpatched["packed"]["grads_rel_err"] > 1e-3
+    assert packed_bench.packed_problems({"documents_check": out}) == []
+    leaking = {**out, "patched": unpatched}
+    assert len(packed_bench.packed_problems({"documents_check": leaking})) == 2
+
+
+@pytest.fixture(scope="module")
+def unpatched_run(tmp_path_factory):
+    """One CPU run of the unpatched eager side with the documents check, shared."""
+    path = tmp_path_factory.mktemp("packed") / "unpatched.json"
+    code = packed_bench_cli([*TINY, "--sides", "unpatched-eager", "--json", str(path)])
+    assert code == 0
+    return path
+
+
+def packed_bench_cli(argv):
+    from rewy_hf import cli
+
+    return cli.main(["bench", *argv])
+
+
+def test_the_command_times_each_side_over_new_packings(unpatched_run, tmp_path, capsys):
+    plot, md, path = tmp_path / "packed.png", tmp_path / "packed.md", tmp_path / "patched.json"
+    code, out, err = run_bench([*TINY, "--sides", "patched-eager", "--no-documents-check", "--json", str(path)],
+                               capsys)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert data["kind"] == "packed" and data["complete"] and "documents_check" not in data
+    side = data["sides"]["patched eager"]
+    assert len(side["step_ms"]) == 3 and len(side["loss"]) == 1 + 3 and side["peak_mb"] is None
+    assert side["dispatch"]["ops"]["gated_delta_rule"]["optimized_backward_calls"] >= 3
+    assert data["documents_per_step"] == [len(x) for x in packed_bench.packings(
+        3, 256, build_preset("tiny-qwen3.5").config.vocab_size, 0, "cpu")[1]]
+    assert min(data["documents_per_step"]) > 1
+
+    code, out, err = run_bench(["--from-json", str(unpatched_run), str(path), "--plot", str(plot),
+                                "--markdown", str(md)], capsys)
+    assert code == 0, err
+    for name in ("unpatched eager", "patched eager"):
+        assert name in out and name in md.read_text()
+    assert "documents check" in out and plot.stat().st_size > 10_000
+
+
+def test_joining_refuses_a_side_twice_and_two_documents_checks(unpatched_run, capsys):
+    code, _, err = run_bench(["--from-json", str(unpatched_run), str(unpatched_run)], capsys)
+    assert code == 2 and "unpatched eager side is in both" in err
+
+
+@pytest.mark.parametrize("extra, message", [(["--compile"], "belong to the --compile bench"),
+                                            (["--batch-size", "2"], "one row per step"),
+                                            (["--sides", "patched-compiled", "--warmup", "0"], "--warmup 1 or more")])
+def test_options_that_do_not_fit_are_refused(extra, message, capsys):
+    code, _, err = run_bench([*TINY, *extra], capsys)
+    assert code == 2 and message in err
+
+
+def test_summary_holds_each_side_to_the_fastest_unpatched_one():
+    def side(tokens_per_s, peak):
+        return {"tokens_per_s": tokens_per_s, "peak_mb": peak}
+
+    data = {"sides": {"unpatched eager": side(100, 10), "unpatched eager + liger": side(120, 5),
+                      "patched compiled": side(180, 8), "patched eager + liger": {"skipped": "no"}}}
+    summary = packed_bench.packed_summary(data)
+    assert summary["fastest_unpatched"] == "unpatched eager + liger"
+    assert summary["vs_fastest_unpatched"]["patched compiled"] == {"speedup": 1.5, "peak_ratio": 1.6}
+    assert "patched eager + liger" not in summary["vs_fastest_unpatched"]

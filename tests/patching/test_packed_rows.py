@@ -138,13 +138,29 @@ def test_fla_packed_row_equals_its_documents(kind):
     _assert_grads_match(grads, ref_grads, FLOAT32_TOL)
 
 
-def test_unpatching_removes_the_bounds_from_position_ids():
+def test_a_forward_replaced_after_patching_still_gets_the_bounds_and_unpatching_keeps_it():
+    """Liger-Kernel's ``apply_liger_kernel_to_*(model=...)`` and accelerate replace the instance's
+    forward after rewy may have patched it: the bounds still reach that forward, and unpatching
+    leaves it in place."""
     model = hf.build("qwen3_5")
-    original = model.forward
     patch_model(model, backend="torch")
-    assert "forward" in model.__dict__
+    seen = {}
+    inner = model.forward
+
+    def replaced(*args, **kwargs):
+        seen.update(kwargs)
+        return inner(*args, **kwargs)
+
+    model.forward = replaced
+    batch = _packed(_docs(model.config.vocab_size), flash_kwargs=False)
+    model(**batch)
+    bounds = [0] + list(torch.tensor(LENGTHS).cumsum(0).tolist())
+    assert seen["cu_seq_lens_q"].tolist() == bounds and seen["use_cache"] is False
     unpatch_model(model)
-    assert "forward" not in model.__dict__ and model.forward == original
+    assert model.forward is replaced
+    seen.clear()
+    model(**batch)
+    assert "cu_seq_lens_q" not in seen
 
 
 def test_rows_of_a_batch_that_restart_are_refused():
