@@ -15,7 +15,10 @@ take the same sum with each tap masked where it would reach into the previous
 document, so the convolution restarts at every document start as it does for
 a document run alone. The mask is built on the device from the bounds, with
 shapes that depend on T and W only, so a compiled graph does not change with
-the number or lengths of the documents.
+the number or lengths of the documents. Eagerly on CUDA, where nothing fuses
+those taps (a dozen float32 passes over the row per layer, forward and
+backward), packed rows go to FLA's Triton causal convolution instead, which
+takes the bounds itself.
 """
 
 from __future__ import annotations
@@ -45,9 +48,21 @@ def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
                          f"got B = {x.shape[0]}; flatten the documents into one row, as "
                          "DataCollatorWithFlattening does.")
+    if x.is_cuda and not torch.compiler.is_compiling():
+        return _fla_packed_conv(x, weight, bias, activation, cu_seqlens)
     W, T = weight.shape[-1], x.shape[-1]
     keep = sequence_keep(cu_seqlens, T, W, x.device)
     return conv_taps(F.pad(x, (W - 1, 0)), weight, bias, activation, keep)
+
+
+def _fla_packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+    from fla.modules.convolution import causal_conv1d
+
+    # FLA's layout is [B, T, C]: transformers hands a transposed view of one, so no copy either way.
+    out, _ = causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation, backend="triton",
+                           cu_seqlens=cu_seqlens.to(torch.int32))
+    return out.transpose(1, 2)
 
 
 def sequence_keep(cu_seqlens: torch.Tensor, T: int, W: int, device,

@@ -44,10 +44,16 @@ class ModelSettings:
 class Snapshot:
     """Weights and optimizer state, restored in place (the optimizer keeps its references)."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, on: str | None = None):
+        """``on``: where the copies live (default: beside the originals); "cpu" leaves a large model's
+        GPU memory to the steps."""
         self.model, self.opt = model, opt
-        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.state = {p: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+
+        def copy(v: torch.Tensor) -> torch.Tensor:
+            return v.detach().clone() if on is None else v.detach().to(on, copy=True)
+
+        self.weights = {k: copy(v) for k, v in model.state_dict().items()}
+        self.state = {p: {k: (copy(v) if torch.is_tensor(v) else v) for k, v in s.items()}
                       for p, s in opt.state.items()}
 
     @torch.no_grad()

@@ -171,7 +171,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     opt = optimizer_for(model, 1e-5)
     _step(model, opt, batches[0])               # AdamW's state exists before any timed step
-    snap = Snapshot(model, opt)
+    snap = Snapshot(model, opt, on="cpu")      # 6 bytes a parameter that the steps may need
     compiled = torch.compile(model)
     tokens = batches[0]["input_ids"].numel()
     # Liger patches the model's classes for the rest of the process: its sides come last.

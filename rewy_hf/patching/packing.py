@@ -21,9 +21,10 @@ with one transformers' attention masks stop following the document bounds.
 The bounds travel as a forward argument, not as process state, so a layer recomputed under gradient checkpointing sees
 them again.
 
-Deriving bounds reads tensor values: one host synchronisation per forward of
-one row given ``position_ids`` (eagerly, rows of B > 1 are read too, only to
-refuse restarts inside them). Under ``torch.compile`` the derivation runs
+A row of one document gets the bounds ``[0, T]``: every row of a packed run
+then takes the same kernels. Deriving bounds reads tensor values: one host
+synchronisation per forward of one row given ``position_ids`` (eagerly, rows
+of B > 1 are read too, only to refuse restarts inside them). Under ``torch.compile`` the derivation runs
 outside the graph (one graph break at the model's entry, none inside a
 layer; none at all for a call without ``position_ids`` or with B > 1), and
 the bounds enter the graph with a dynamic length, so a new number of
@@ -46,11 +47,13 @@ _CACHES = ("past_key_values", "cache", "cache_params")
 
 
 def bounds_from_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """``cu_seqlens`` (int32, ``[0, ..., T]``) of the documents in a packed row [1, T] whose
+    """``cu_seqlens`` (int32, ``[0, ..., T]``) of the documents in a row [1, T] whose
     ``position_ids`` restart at each one (any restart: a position that is not the previous one plus
-    one), or None where the row is one document. Rows of B > 1 that restart are refused: the
-    padding-free collators build one row, and transformers' flash attention also reads packing from
-    ``position_ids`` only for B = 1."""
+    one); ``[0, T]`` for a row of one document, so that every row of a packed run takes the same
+    kernels (a row that happens to hold one long document would otherwise compile and tune the
+    unpacked kernels in the middle of the run). None for rows of B > 1 that do not restart; those
+    that do are refused: the padding-free collators build one row, and transformers' flash
+    attention also reads packing from ``position_ids`` only for B = 1."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
         return None
     restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
@@ -62,8 +65,6 @@ def bounds_from_positions(position_ids: torch.Tensor | None) -> torch.Tensor | N
                 "collator build it. Flatten the batch into one row, or pass the bounds as cu_seq_lens_q.")
         return None
     inner = restarts[0].nonzero().squeeze(1).to(torch.int32) + 1
-    if inner.numel() == 0:
-        return None
     T = position_ids.shape[1]
     edge = inner.new_tensor
     cu = torch.cat([edge([0]), inner, edge([T])])
@@ -113,12 +114,16 @@ def _packed_rows_hook(model: nn.Module, args: tuple, kwargs: dict):
             positions = args[state.position_index]
         bounds = None
         if isinstance(positions, torch.Tensor) and positions.dim() == 2:
-            # Read on the host: always for one row (a packing), eagerly only for B > 1 (to refuse
-            # restarts there), so a compiled step of unpacked rows has no graph break.
-            if positions.shape[0] == 1:
+            if kwargs.get("use_cache"):
+                # A cache asked for (a prefill): the row as the caller gave it, unless it packs several
+                # documents, which is refused below.
+                several = bounds_from_positions(positions)
+                packed = several is not None and several.numel() > 2
+            elif positions.shape[0] == 1:
+                # Read on the host (outside the graph under torch.compile).
                 bounds = _derive(positions)
             elif not torch.compiler.is_compiling():
-                bounds_from_positions(positions)
+                bounds_from_positions(positions)    # only to refuse restarts in rows of B > 1
         if bounds is not None:
             kwargs[state.kwarg] = bounds
             packed = True

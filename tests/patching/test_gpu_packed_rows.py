@@ -95,3 +95,30 @@ def test_compiled_packings_do_not_recompile_on_the_gpu():
     assert graphs[2] == graphs[-1] and graphs[-1] <= 2, graphs
     assert not breaks or ("bounds_from_positions" in breaks and "rewy." not in breaks), breaks
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_the_eager_packed_convolution_on_cuda_restarts_at_every_document(activation):
+    """On CUDA, eagerly, packed rows take FLA's Triton convolution: the values and gradients of rewy's
+    masked-tap sum (float64, on the CPU), for bounds inside chunks and on their edges, from the
+    transposed view transformers hands it."""
+    from rewy_hf.kernels.short_conv import packed_causal_short_conv
+
+    gen = torch.Generator().manual_seed(3)
+    C, T, W = 96, sum(LENGTHS), 4
+    x = torch.randn(1, T, C, generator=gen).transpose(1, 2)           # [1, C, T], as transformers passes it
+    weight, bias = torch.randn(C, W, generator=gen), torch.randn(C, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    grad = torch.randn(1, C, T, generator=gen)
+
+    def run(device, dtype):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (x, weight, bias)]
+        out = packed_causal_short_conv(*leaves, activation, cu.to(device))
+        out.backward(grad.to(device, dtype))
+        return [out.detach().cpu().double()] + [t.grad.cpu().double() for t in leaves]
+
+    ref = run("cpu", torch.float64)
+    got = run("cuda", torch.float32)
+    assert got[0].shape == ref[0].shape
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5, rel_err(a, b)

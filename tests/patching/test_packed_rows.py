@@ -163,6 +163,28 @@ def test_a_forward_replaced_after_patching_still_gets_the_bounds_and_unpatching_
     assert "cu_seq_lens_q" not in seen
 
 
+def test_a_row_of_one_document_takes_the_packed_path_unless_a_cache_is_asked_for():
+    """A packed run whose row happens to hold one document must not switch kernels for that step;
+    a prefill (use_cache=True) keeps the row as the caller gave it."""
+    model = hf.build("qwen3_5")
+    patch_model(model, backend="torch")
+    seen = {}
+    inner = model.forward
+
+    def spy(*args, **kwargs):
+        seen.clear()
+        seen.update(kwargs)
+        return inner(*args, **kwargs)
+
+    model.forward = spy
+    ids = hf.input_ids(batch=1, seq_len=20)
+    packed = model(input_ids=ids, position_ids=torch.arange(20)[None]).logits
+    assert seen["cu_seq_lens_q"].tolist() == [0, 20] and seen["use_cache"] is False
+    prefill = model(input_ids=ids, position_ids=torch.arange(20)[None], use_cache=True).logits
+    assert "cu_seq_lens_q" not in seen
+    assert rel_err(packed, prefill) < 1e-6
+
+
 def test_rows_of_a_batch_that_restart_are_refused():
     model = hf.build("qwen3_5")
     patch_model(model, backend="torch")
