@@ -15,10 +15,11 @@ take the same sum with each tap masked where it would reach into the previous
 document, so the convolution restarts at every document start as it does for
 a document run alone. The mask is built on the device from the bounds, with
 shapes that depend on T and W only, so a compiled graph does not change with
-the number or lengths of the documents. Eagerly on CUDA, where nothing fuses
-those taps (a dozen float32 passes over the row per layer, forward and
-backward), packed rows go to FLA's Triton causal convolution instead, which
-takes the bounds itself.
+the number or lengths of the documents. Eagerly, where nothing fuses those
+taps (a dozen float32 passes over the row per layer, forward and backward),
+the row goes through ``F.conv1d`` as transformers' own path runs it, and only
+the first W - 1 outputs of each document, the ones that read across a bound,
+are recomputed from their own document.
 """
 
 from __future__ import annotations
@@ -48,21 +49,39 @@ def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
                          f"got B = {x.shape[0]}; flatten the documents into one row, as "
                          "DataCollatorWithFlattening does.")
-    if x.is_cuda and not torch.compiler.is_compiling():
-        return _fla_packed_conv(x, weight, bias, activation, cu_seqlens)
+    if not torch.compiler.is_compiling():
+        return _restarted_conv1d(x, weight, bias, activation, cu_seqlens)
     W, T = weight.shape[-1], x.shape[-1]
     keep = sequence_keep(cu_seqlens, T, W, x.device)
     return conv_taps(F.pad(x, (W - 1, 0)), weight, bias, activation, keep)
 
 
-def _fla_packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                     cu_seqlens: torch.Tensor) -> torch.Tensor:
-    from fla.modules.convolution import causal_conv1d
+def _restarted_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The row through ``F.conv1d``, as transformers' torch path runs it, then the first W - 1
+    outputs of every document after the first recomputed from their own document's inputs: only
+    those outputs read across a bound. A few columns per document, gathered by indices read on
+    the host, so this form is for eager calls."""
+    W, T, C = weight.shape[-1], x.shape[-1], x.shape[1]
+    x_ext = F.pad(x, (W - 1, 0))
+    y = F.conv1d(x_ext, weight[:, None, :].to(x.dtype), None if bias is None else bias.to(x.dtype), groups=C)
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    t = (cu[1:-1, None] + torch.arange(W - 1, device=x.device)).reshape(-1)
+    t = torch.unique(t[t < T])
+    if t.numel():
+        start = cu[torch.searchsorted(cu, t, right=True) - 1]
+        source = t[:, None] - (W - 1) + torch.arange(W, device=x.device)       # [M, W] input positions
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        taps = x_ext[0][:, source + (W - 1)].to(acc) * (source >= start[:, None])
+        fixed = (taps * weight.to(acc)[:, None, :]).sum(-1)
+        if bias is not None:
+            fixed = fixed + bias.to(acc)[:, None]
+        y = y.index_copy(2, t, fixed.to(y.dtype)[None])
+    if activation is not None:
+        from transformers.activations import ACT2FN
 
-    # FLA's layout is [B, T, C]: transformers hands a transposed view of one, so no copy either way.
-    out, _ = causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation, backend="triton",
-                           cu_seqlens=cu_seqlens.to(torch.int32))
-    return out.transpose(1, 2)
+        y = ACT2FN[activation](y)
+    return y
 
 
 def sequence_keep(cu_seqlens: torch.Tensor, T: int, W: int, device,

@@ -323,8 +323,8 @@ def plot_packed(data: dict, path: str, title: str) -> None:
     for side, r in sides.items():
         left.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1, label=side)
     left.set_xlabel("step (a new packing each step)")
-    left.set_ylabel("step ms")
-    left.set_ylim(bottom=0)
+    left.set_ylabel("step ms (log scale)")
+    left.set_yscale("log")
     left.legend(fontsize=7)
     left.set_title(title, fontsize=9)
     names = list(sides)

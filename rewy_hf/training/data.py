@@ -59,14 +59,32 @@ def _looks_like_path(spec: str) -> bool:
     return os.sep in spec or spec.startswith(".") or spec.endswith((".txt", ".jsonl", ".json", ".md"))
 
 
+def _utf8_text(path: Path, spec: str) -> str:
+    """The file's text; a file that is not UTF-8 text (binary data, another encoding) is refused rather
+    than decoded with replacement characters and trained on."""
+    raw = path.read_bytes()
+    what = ("binary data, not text" if b"\0" in raw[:8192]
+            else "not UTF-8 text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data file {spec} is {what} (byte {exc.start} does not decode as UTF-8); pass a UTF-8 "
+                        ".txt or .jsonl file (convert another encoding first, e.g. `iconv -t UTF-8`)") from None
+    if "\0" in text:
+        raise DataError(f"data file {spec} holds NUL bytes (binary data, not text); pass a UTF-8 .txt or .jsonl "
+                        "file")
+    return text
+
+
 def read_documents(spec: str, split: str = "train") -> list[str]:
     """Documents from a text file (one document), a JSONL file (one ``{"text": ...}`` per line),
     or, if the ``datasets`` package is installed, a ``datasets`` dataset name with a "text" column."""
     path = Path(spec)
     if path.is_file():
+        text = _utf8_text(path, spec)
         if path.suffix in (".jsonl", ".json"):
             docs = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -78,7 +96,7 @@ def read_documents(spec: str, split: str = "train") -> list[str]:
                     raise DataError(f'{spec}, line {n}: expected an object with a string "text" field')
                 docs.append(record["text"])
         else:
-            docs = [path.read_text(encoding="utf-8", errors="replace")]
+            docs = [text]
         if not any(d.strip() for d in docs):
             raise DataError(f"data file {spec} is empty (no text); pass --data with a non-empty .txt file or a "
                             '.jsonl file of {"text": ...} records')

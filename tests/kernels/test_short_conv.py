@@ -1,6 +1,7 @@
 """The fused form of the layers' short causal convolution (kernels/short_conv.py) against
 transformers' ``F.conv1d`` statement of it, in float64: values and the gradients of input,
-weight and bias, with and without the activation; and the shapes it refuses."""
+weight and bias, with and without the activation; the packed convolution, eager and compiled
+forms, against the documents run one by one; and the shapes it refuses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from rewy_hf.kernels.short_conv import causal_short_conv
+from rewy_hf.kernels.short_conv import causal_short_conv, packed_causal_short_conv
 from rewy_hf.rel_error import rel_err
 
 
@@ -55,3 +56,36 @@ def test_bfloat16_input_rounds_once():
 def test_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match=r"x \[B, C, T\] and weight \[C, W\]"):
         causal_short_conv(torch.zeros(2, 6, 10), torch.zeros(5, 4))
+
+
+# documents of 1, 2 and 3 tokens (shorter than the width: their outputs sit within W - 1 of two
+# bounds), a bound right after position 0, and longer ones
+PACKED = (1, 9, 2, 3, 1, 20, 7)
+
+
+@pytest.mark.parametrize("activation,with_bias", [("silu", True), (None, False)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_packed_row_equals_its_documents_in_float64(activation, with_bias, compiled):
+    """Eagerly the row runs through F.conv1d and the outputs within W - 1 after each bound are
+    recomputed; compiled, every tap is masked. Both give each document its own convolution."""
+    gen = torch.Generator().manual_seed(9)
+    C, W, T = 5, 4, sum(PACKED)
+    x = torch.randn(1, C, T, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(C, W, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(C, generator=gen, dtype=torch.float64, requires_grad=True) if with_bias else None
+    leaves = [x, weight] + ([bias] if with_bias else [])
+    dy = torch.randn(1, C, T, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(PACKED).cumsum(0).tolist()], dtype=torch.int32)
+
+    docs = [conv1d_statement(part, weight, bias, activation) for part in x.split(list(PACKED), dim=-1)]
+    ref = torch.cat(docs, dim=-1)
+    ref_grads = torch.autograd.grad((ref * dy).sum(), leaves)
+    conv = torch.compile(packed_causal_short_conv, backend="aot_eager", fullgraph=True) if compiled \
+        else packed_causal_short_conv
+    out = conv(x, weight, bias, activation, cu)
+    grads = torch.autograd.grad((out * dy).sum(), leaves)
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= 1e-12
+    whole = conv1d_statement(x, weight, bias, activation)
+    assert rel_err(whole, ref) > 1e-2                 # the row run as one document would differ

@@ -99,9 +99,9 @@ def test_compiled_packings_do_not_recompile_on_the_gpu():
 
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_the_eager_packed_convolution_on_cuda_restarts_at_every_document(activation):
-    """On CUDA, eagerly, packed rows take FLA's Triton convolution: the values and gradients of rewy's
-    masked-tap sum (float64, on the CPU), for bounds inside chunks and on their edges, from the
-    transposed view transformers hands it."""
+    """On CUDA, eagerly (cuDNN's depthwise convolution, then the outputs after each bound
+    recomputed): the values and gradients of the same call in float64 on the CPU, for bounds inside
+    chunks and on their edges, from the transposed view transformers hands it."""
     from rewy_hf.kernels.short_conv import packed_causal_short_conv
 
     gen = torch.Generator().manual_seed(3)

@@ -250,6 +250,16 @@ def test_data_pieces(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
     with pytest.raises(DataError, match="line 1"):
         read_documents(str(tmp_path / "bad.jsonl"))
+    # binary data and other encodings are refused, not decoded into replacement characters
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 16)
+    with pytest.raises(DataError, match="blob.txt is binary data, not text"):
+        read_documents(str(tmp_path / "blob.txt"))
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \(byte 13"):
+        read_documents(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "nul.txt").write_bytes(b"some text\0more")
+    with pytest.raises(DataError, match="NUL bytes"):
+        read_documents(str(tmp_path / "nul.txt"))
     from importlib import resources
 
     from rewy_hf.training.options import BUNDLED_CORPUS
