@@ -38,7 +38,8 @@ sequences is a dynamic size (dynamo makes it one at its first change).
 
 Restrictions, as in FLA: B = 1 packed input, no user initial state, no final
 state, the contiguous layout (FLA's ``zigzag`` layout is refused with a
-message).
+message). Unlike FLA, a context without a process group is refused: FLA runs
+it as a plain packed call of the slice, from a zero state.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UnsupportedConfigError
-from .context_parallel_call import (IS_FIRST, IS_LAST, POST_RANKS, PRE_RANKS, CPCall, gather_ranks,
+from .context_parallel_call import (IS_FIRST, IS_LAST, POST_RANKS, PRE_RANKS, CPCall, check_slice, gather_ranks,
                                     process_group)
 from .core import delta_rule
 from .core_args import CoreArgs
@@ -117,6 +118,9 @@ def _initial_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tens
                    qk_l2norm: bool, safe_gate: bool, backend: str) -> Tensor:
     """h0 [N, HV, K, V]: the initial states of this rank's sequences, the first one's composed from
     the gathered forward summaries of the ranks it came through (zero elsewhere and on a first rank)."""
+    # Before the core's own check of the bounds, which would name cu_seqlens, an argument a
+    # context-parallel caller did not pass.
+    check_slice(bounds, q.shape[1])
     a = _one_sequence_args(q, k, v, g, beta, w, scale, family, policy, qk_l2norm, safe_gate)
     group = process_group(group_name)
     rank = torch.distributed.get_rank(group=group)

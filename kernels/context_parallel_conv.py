@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import UnsupportedConfigError
-from .context_parallel_call import PRE_CONV_TOKENS, CPCall, gather_ranks, process_group
+from .context_parallel_call import PRE_CONV_TOKENS, CPCall, check_slice, gather_ranks, process_group
 from .short_conv import check_conv_inputs, conv_taps, sequence_keep
 
 
@@ -35,13 +35,15 @@ def cp_causal_short_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activat
     W, T = weight.shape[-1], x.shape[-1]
     if x.shape[0] != 1:
         raise UnsupportedConfigError(f"context parallelism takes one packed row (B = 1), got B = {x.shape[0]}.")
-    if call.group_name and T < W - 1:
+    if not torch.compiler.is_compiling():
+        # The host read would break a compiled graph; there the core's exchange refuses the length.
+        check_slice(call.bounds, T)
+    if T < W - 1:
         raise UnsupportedConfigError(
             f"context parallelism needs at least {W - 1} tokens per rank for a width-{W} convolution, got {T}; "
             "use fewer ranks or longer rows.")
     tail = x[..., T - (W - 1):] if W > 1 else x[..., :0]
-    before = (torch.ops.rewy.cp_previous_tail(tail.contiguous(), call.meta, call.group_name) if call.group_name
-              else torch.zeros_like(tail))
+    before = torch.ops.rewy.cp_previous_tail(tail.contiguous(), call.meta, call.group_name)
     # How many of the W - 1 inputs before this slice belong to its first sequence.
     borrowed = call.pre_conv_tokens.clamp(max=W - 1)
     keep = sequence_keep(call.cu_seqlens, T, W, x.device, borrowed)

@@ -115,8 +115,7 @@ def _cp_split(op, cp_context, q, initial_state, output_final_state, cu_seqlens):
 
     call = cp_call(op, cp_context)
     check_call(op, q, initial_state, output_final_state)
-    # FLA's context without a process group: a plain packed call
-    return call.cu_seqlens, (call if call.group_name else None)
+    return call.cu_seqlens, call
 
 
 def _prepare_beta(beta, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):

@@ -425,7 +425,7 @@ def plot_unavailable() -> str | None:
     return None
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")   # files only: no display needed
@@ -436,7 +436,7 @@ def _pyplot():
 
 def plot_op_speedups(rows: list[dict], boundaries: list[str], path: str, title: str) -> None:
     """Grouped bars of speedup (baseline / rewy) per shape, one bar per op, one panel per (boundary, policy)."""
-    plt = _pyplot()
+    plt = pyplot()
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     ops = list(dict.fromkeys(r["op"] for r in rows))
     shapes = list(dict.fromkeys(_shape(r) for r in rows))
@@ -500,7 +500,7 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
     (one colour per kernel name across all panels, the rest grey), so the sides' stages line up."""
     from .kernel_profile import largest
 
-    plt = _pyplot()
+    plt = pyplot()
     top = 6
     panel_sides = [_profiled_sides(r, bd, base) for r, bd in panels]
     names: list[str] = []
@@ -540,7 +540,7 @@ def plot_kernel_profiles(panels: list[tuple[dict, str]], path: str, base: str, d
 
 
 def plot_model_steps(res: dict, path: str, title: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     values = [res["unpatched"]["median_step_ms"], res["patched"]["median_step_ms"]]
     ax.bar(["unpatched", "patched (rewy)"], values, color=["#888888", "#3a7dc9"])
@@ -555,7 +555,7 @@ def plot_compile_result(res: dict, path: str, title: str) -> None:
     """GPU time by kernel family per side (stacked bars) and, when run, the four loss curves."""
     from .compile_bench import CURVE_LR, FAMILIES
 
-    plt = _pyplot()
+    plt = pyplot()
     curves = any("curve_loss" in r for r in res["sides"].values())
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(10 if curves else 5.5, 3.6))
     ax = axes[0] if curves else axes

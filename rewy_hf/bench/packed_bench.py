@@ -315,9 +315,9 @@ def packed_problems(data: dict) -> list[str]:
 def plot_packed(data: dict, path: str, title: str) -> None:
     """Left: each side's step time over the run (a stall shows as a spike). Right: tokens/s per side,
     labelled with peak memory."""
-    from .output import _pyplot
+    from .output import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     sides = {k: v for k, v in data["sides"].items() if "skipped" not in v}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     for side, r in sides.items():

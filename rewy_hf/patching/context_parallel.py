@@ -16,8 +16,11 @@ the caller's ``position_ids``. Everything else in these models is per token,
 so a rank that feeds its slice of the packed row computes its slice of the
 whole row's outputs.
 
-Refused, with the reason: FLA's attention layers (hybrid FLA configs) and
-delta-rule layers that are not patched.
+Refused, with the reason: FLA's attention layers (hybrid FLA configs),
+delta-rule layers that are not patched, a context without a process group,
+contexts and row bounds that do not describe one packed row
+(context_parallel_checks.py), a hybrid called without ``position_ids``, and
+inputs longer or shorter than the rank's slice.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedConfigError
-from .context_parallel_attention import RowAttention, attention_layers, row_attention_active
-from ..kernels.context_parallel_call import cp_call
+from .context_parallel_attention import RowAttention, attention_layers, require_positions, row_attention_active
+from .context_parallel_checks import check_row, row_fault
+from ..kernels.context_parallel_call import check_slice, cp_call
 from .dispatch import active_context, set_active_context
 from .patch import patch_state
 
@@ -79,6 +83,9 @@ def _with_context(original):
             y = cp_causal_short_conv(kwargs["x"].transpose(1, 2), kwargs["weight"], kwargs.get("bias"),
                                      kwargs.get("activation"), call)
             return y.transpose(1, 2).contiguous(), None
+        x = args[0] if args else kwargs.get("x")
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and not torch.compiler.is_compiling():
+            check_slice(call.bounds, x.shape[1])
         return original(*args, **{**kwargs, "cp_context": call.fla_context})
 
     _WRAPPED[original] = conv
@@ -91,9 +98,13 @@ def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
     (FLA's, from ``fla.ops.cp.build_cp_context``) inside the block.
 
     ``cu_seqlens``: the whole packed row's sequence bounds (the ones ``cp_context`` was built from);
-    needed when the model has transformers attention layers, which then attend over the row. Pass
-    the model each local token's place in its sequence as ``position_ids`` (``RowAttention
-    .positions``) and ``attention_mask={layer type: None}``: the bounds say the mask."""
+    needed when the model has transformers attention layers, which then attend over the row, and
+    checked against ``cp_context`` whenever given. Pass the model each local token's place in its
+    sequence as ``position_ids`` (``RowAttention.positions``) and ``attention_mask={layer type:
+    None}``: the bounds say the mask.
+
+    Entering the block is collective: every rank of the context's group enters it together, and
+    all refuse if any rank's context or bounds do not describe one packed row."""
     attention = attention_layers(model)
     if (reason := _refusal(model, attention, cu_seqlens)) is not None:
         raise UnsupportedConfigError(f"context_parallel: {reason}.")
@@ -101,14 +112,18 @@ def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
     saved = [site.causal_conv1d for site in sites]
 
     # The layers take the context as a CPCall: its per-row values in tensors, so a compiled model
-    # neither breaks its graph at the exchanges nor compiles again for a new packing.
-    call = cp_call("context_parallel", cp_context, keep_fla_context=True)
+    # neither breaks its graph at the exchanges nor compiles again for a new packing. Its own checks
+    # are left to check_row, which refuses on every rank at once.
+    call = cp_call("context_parallel", cp_context, keep_fla_context=True, checked=False)
+    check_row(call, cp_context.group, cu_seqlens)
     row = RowAttention(cu_seqlens, cp_context.group) if attention else None
+    if attention:
+        require_positions(model)
     # These sizes follow the packing: dynamic from the first compile, so a new packing reuses the graph
     # (dynamo still gives a rank holding one sequence a graph of its own: it specialises a size of 1).
     for t in (call.cu_seqlens, call.bounds) + ((row.bounds,) if row is not None else ()):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    rows = row_attention_active(attention, row) if attention else contextlib.nullcontext()
+    rows = row_attention_active(attention, row, model) if attention else contextlib.nullcontext()
     previous = set_active_context(call)
     try:
         for site, original in zip(sites, saved):
@@ -119,3 +134,32 @@ def context_parallel(model: nn.Module, cp_context, cu_seqlens=None):
         for site, original in zip(sites, saved):
             site.causal_conv1d = original
         set_active_context(previous)
+
+
+def build_cp_context(cu_seqlens: torch.Tensor, group=None, conv1d_kernel_size: int | None = None,
+                     cu_seqlens_cpu: torch.Tensor | None = None):
+    """FLA's ``fla.ops.cp.build_cp_context`` (contiguous layout) for this rank of ``group``, after
+    checking what FLA takes on trust or refuses with a bare assertion: a process group, and the
+    whole row's ``cu_seqlens`` from 0 upwards, never decreasing, its length a multiple of the
+    group's size. The same on every rank of the group (not collective)."""
+    import torch.distributed as dist
+    from fla.ops.cp import build_cp_context as fla_build_cp_context
+
+    if group is None:
+        start = ("" if dist.is_available() and dist.is_initialized() else
+                 "call torch.distributed.init_process_group() in every process first (torchrun sets up the "
+                 "ranks), then ")
+        raise UnsupportedConfigError(
+            "build_cp_context: group=None; a context-parallel context needs the process group whose ranks share "
+            f"the row: {start}pass group=torch.distributed.group.WORLD (every rank) or the subgroup that splits "
+            "the row. To run the whole row in one process, pass cu_seqlens to the model or op instead of a "
+            "context.")
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()
+            or cu_seqlens.dtype == torch.bool):
+        raise UnsupportedConfigError("build_cp_context: cu_seqlens must be a 1-D integer tensor of the whole row's "
+                                     "sequence bounds [0, ..., row length].")
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    if (fault := row_fault(host.tolist(), dist.get_world_size(group))) is not None:
+        raise UnsupportedConfigError(f"build_cp_context: {fault}.")
+    return fla_build_cp_context(cu_seqlens, group=group, conv1d_kernel_size=conv1d_kernel_size,
+                                cu_seqlens_cpu=cu_seqlens_cpu)

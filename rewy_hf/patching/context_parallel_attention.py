@@ -16,6 +16,7 @@ the slice), so that rotary embeddings on every rank see the positions one proces
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ class RowAttention:
 
 
 _ACTIVE: list[RowAttention] = []
+# The models whose attention attends over the row, innermost block last.
+_OWNERS: list[nn.Module] = []
+_POSITIONS_ATTR = "_rewy_row_positions"
 
 
 def row_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -89,15 +93,46 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
             if n.rsplit(".", 1)[-1] == "self_attn" and patch_state(m) is None and served(m)]
 
 
+def require_positions(model: nn.Module) -> None:
+    """Make ``model`` refuse a call without ``position_ids`` inside its row-attention block. Without
+    them a model numbers each rank's tokens from 0, and the keys gathered from earlier ranks meet
+    queries at the wrong distances. A hook kept on the model for good, inert outside the block: one
+    added and removed at each block would not reach a model compiled in between."""
+    if _POSITIONS_ATTR in model.__dict__:
+        return
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    model.__dict__[_POSITIONS_ATTR] = positional.index("position_ids") if "position_ids" in positional else None
+    model.register_forward_pre_hook(_positions_given, with_kwargs=True)
+
+
+def _positions_given(model: nn.Module, args: tuple, kwargs: dict):
+    if not _OWNERS or _OWNERS[-1] is not model or kwargs.get("position_ids") is not None:
+        return None
+    index = model.__dict__.get(_POSITIONS_ATTR)
+    if index is not None and len(args) > index and args[index] is not None:
+        return None
+    raise UnsupportedConfigError(
+        f"context_parallel: {type(model).__name__} was called without position_ids, but its attention layers "
+        "attend over the whole row and need each token's place in its own sequence (without them each rank "
+        "numbers its slice from 0). Pass position_ids=RowAttention(cu_seqlens, group).positions(device) "
+        "(rewy_hf.patching.context_parallel_attention; the row's cu_seqlens, as given to context_parallel).")
+
+
 @contextlib.contextmanager
-def row_attention_active(layers: list[nn.Module], split: RowAttention):
-    """Inside: ``layers`` attend through :func:`row_attention` with ``split``."""
+def row_attention_active(layers: list[nn.Module], split: RowAttention, owner: nn.Module | None = None):
+    """Inside: ``layers`` attend through :func:`row_attention` with ``split``; ``owner`` (the model
+    that holds them) refuses calls without ``position_ids`` if ``require_positions`` hooked it."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, row_attention)
     configs = list({id(m.config): m.config for m in layers}.values())
     saved = [c._attn_implementation for c in configs]
     _ACTIVE.append(split)
+    _OWNERS.append(owner)
     try:
         for c in configs:
             c._attn_implementation = NAME
@@ -106,3 +141,4 @@ def row_attention_active(layers: list[nn.Module], split: RowAttention):
         for c, old in zip(configs, saved):
             c._attn_implementation = old
         _ACTIVE.pop()
+        _OWNERS.pop()

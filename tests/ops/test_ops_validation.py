@@ -474,8 +474,9 @@ def test_cp_context_delta_rule():
 
 
 def _context(**changes):
-    fields = dict(group=None, cu_seqlens=torch.tensor([0, 10]), cu_seqlens_cpu=None, is_first_rank=True,
-                  is_last_rank=True, pre_num_ranks=0, post_num_ranks=0, layout="contiguous")
+    # A stand-in group: these calls are refused before any exchange.
+    fields = dict(group=SimpleNamespace(group_name="stand-in"), cu_seqlens=torch.tensor([0, 10]), cu_seqlens_cpu=None,
+                  is_first_rank=True, is_last_rank=True, pre_num_ranks=0, post_num_ranks=0, layout="contiguous")
     return SimpleNamespace(**{**fields, **changes})
 
 
@@ -498,13 +499,37 @@ def test_cp_context_needs_one_row(op):
 
 
 @pytest.mark.parametrize("op", V_FIRST_OPS)
-def test_cp_context_without_group_is_a_packed_call(op):
-    """As in FLA: a context without a process group runs the call on its local bounds."""
-    inputs = make_inputs(op)
-    bounds = torch.tensor([0, 4, 10])
-    o_cp, _ = call(op, inputs, cp_context=_context(cu_seqlens=bounds))
-    o, _ = call(op, inputs, cu_seqlens=bounds)
-    assert torch.equal(o_cp, o)
+def test_cp_context_without_group_is_refused(op):
+    """FLA runs a context without a process group as a plain packed call: each rank's slice alone,
+    from a zero state, which is not the row's result."""
+    with pytest.raises(UnsupportedConfigError, match=lit(
+            "cp_context has no process group (group=None), so no rank could receive the state of the sequences it "
+            "continues. Build it with fla.ops.cp.build_cp_context(cu_seqlens, group=<the context-parallel process "
+            "group>)")):
+        call(op, make_inputs(op), cp_context=_context(group=None, cu_seqlens=torch.tensor([0, 4, 10])))
+
+
+@pytest.mark.parametrize("op", V_FIRST_OPS)
+@pytest.mark.parametrize("changes,fragment", [
+    (dict(cu_seqlens=torch.tensor([0, 6, 4, 10])), "its local bounds [0, 6, 4, 10] do not run from 0 up"),
+    (dict(is_first_rank=False), "its chain position contradicts itself (is_first_rank=False, pre_num_ranks=0"),
+    (dict(is_last_rank=True, post_num_ranks=1), "its chain position contradicts itself"),
+])
+def test_cp_context_that_no_row_makes_is_refused(op, changes, fragment):
+    """FLA builds such contexts from bounds that decrease somewhere."""
+    with pytest.raises(UnsupportedConfigError, match=lit(f"cp_context cannot come from one packed row: {fragment}")):
+        call(op, make_inputs(op), cp_context=_context(**changes))
+
+
+@pytest.mark.parametrize("op", V_FIRST_OPS)
+@pytest.mark.parametrize("bounds", [[0, 2, 5], [0, 20]])
+def test_cp_context_names_the_ranks_slice(op, bounds):
+    """Not the core's complaint about cu_seqlens, an argument the caller never passed."""
+    part, whole = bounds[-1], " (the whole row?)" if bounds[-1] == 5 else ""
+    with pytest.raises(InputValidationError, match=lit(
+            f"context parallelism: this rank's inputs hold 10 tokens{whole}, but cp_context gives it a slice of "
+            f"{part} tokens of the packed row. Pass each rank only its own slice")):
+        call(op, make_inputs(op), cp_context=_context(cu_seqlens=torch.tensor(bounds)))
 
 
 @pytest.mark.parametrize("op", ALL)

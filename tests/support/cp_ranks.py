@@ -478,3 +478,49 @@ def check_attention_dropout() -> None:
 
 def attention_dropout_rank_main(rank: int, world: int, port: int, cases: list) -> None:
     _serve(rank, world, port, cases, check_attention_dropout, 120)
+
+
+def check_refusals() -> None:
+    """Contexts and row bounds that do not describe one packed row, entering ``context_parallel`` on
+    every rank of two: each rank refuses, saying what is wrong, where a rank that passed its own
+    checks would otherwise wait in the first exchange for one that refused; a consistent row enters."""
+    from fla.ops.cp import build_cp_context
+
+    import rewy_hf
+
+    rank = dist.get_rank()
+    model = _gdn2_model()
+    rewy_hf.patch_model(model, backend="torch")
+
+    def ctx(bounds):
+        return build_cp_context(torch.tensor(bounds), group=dist.group.WORLD)
+
+    cases = [
+        # FLA's rank 0 sends its last sequence on, its rank 1 expects none
+        ("unsorted bounds", ctx([0, 150, 100, 200]), None,
+         "rank 0's context says its last sequence runs on into rank 1's slice, but rank 1's says its first "
+         "sequence starts there"),
+        ("contexts from different rows", ctx([[0, 50, 200], [0, 150, 200]][rank]), None,
+         "ranks 0 and 1 disagree on where the sequence they share starts or ends"),
+        # rank 1's slice is the same under both bounds: only rank 0 can see the difference
+        ("row bounds other than the context's", ctx([0, 50, 100, 200]), [0, 60, 100, 200],
+         ["cu_seqlens=[0, 60, 100, 200] are not the bounds cp_context was built from",
+          "rank(s) [0] refused the row's context"][rank]),
+        # each rank's bounds are its context's, and the two contexts chain as the row [0, 200] would
+        ("different row bounds per rank", ctx([[0, 150, 200], [0, 200]][rank]), [[0, 150, 200], [0, 200]][rank],
+         "the ranks passed context_parallel different cu_seqlens"),
+    ]
+    for what, context, row, fragment in cases:
+        try:
+            with rewy_hf.context_parallel(model, context, cu_seqlens=None if row is None else torch.tensor(row)):
+                pass
+        except rewy_hf.UnsupportedConfigError as exc:
+            assert fragment in str(exc), f"{what}, rank {rank}: {exc}"
+        else:
+            raise AssertionError(f"{what}, rank {rank}: context_parallel accepted it")
+    with rewy_hf.context_parallel(model, ctx([0, 50, 200]), cu_seqlens=torch.tensor([0, 50, 200])):
+        pass
+
+
+def refusal_rank_main(rank: int, world: int, port: int, cases: list) -> None:
+    _serve(rank, world, port, cases, check_refusals, 60)
