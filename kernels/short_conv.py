@@ -20,6 +20,9 @@ taps (a dozen float32 passes over the row per layer, forward and backward),
 the row goes through ``F.conv1d`` as transformers' own path runs it, and only
 the first W - 1 outputs of each document, the ones that read across a bound,
 are recomputed from their own document.
+
+Eagerly on CUDA, packed or not, the convolution runs on FLA's Triton causal
+convolution instead (``triton_short_conv``), with the activation fused.
 """
 
 from __future__ import annotations
@@ -54,6 +57,25 @@ def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     W, T = weight.shape[-1], x.shape[-1]
     keep = sequence_keep(cu_seqlens, T, W, x.device)
     return conv_taps(F.pad(x, (W - 1, 0)), weight, bias, activation, keep)
+
+
+def triton_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The convolution on FLA's Triton causal convolution (forward and backward, the activation
+    fused, the sum in float32 and one rounding), for x [B, C, T] as transformers passes it, packed
+    rows restarting at every bound of ``cu_seqlens``. For eager CUDA calls, where transformers would
+    otherwise run ``F.conv1d`` and the activation as separate library kernels."""
+    from fla.modules.convolution import causal_conv1d
+
+    check_conv_inputs(x, weight)
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
+                         f"got B = {x.shape[0]}; flatten the documents into one row, as "
+                         "DataCollatorWithFlattening does.")
+    # FLA's layout is [B, T, C]: transformers hands a transposed view of one, so no copy either way.
+    out, _ = causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation, backend="triton",
+                           cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32))
+    return out.transpose(1, 2)
 
 
 def _restarted_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,

@@ -23,7 +23,7 @@ import torch
 
 from .. import ops
 from ..adapters.transformers_common import is_hub_function, plain_torch, runs_torch_fallback
-from ..kernels.short_conv import causal_short_conv, packed_causal_short_conv
+from ..kernels.short_conv import causal_short_conv, packed_causal_short_conv, triton_short_conv
 from ..kernels.core import LISTENERS
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
@@ -221,27 +221,38 @@ def packed_bounds(kwargs: dict):
     return None
 
 
+CONV_OP = "short_conv"      # the convolution's entry in the dispatch report
+
+
 def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: dict):
     """A patched layer's short convolution: inside ``context_parallel``, the convolution with its
-    exchange across ranks (kernels/context_parallel_conv.py); on a packed row, rewy's convolution
-    restarting at every document start (transformers' own ignores the bounds); under
-    torch.compile, where transformers would run its ``F.conv1d`` fallback, the same convolution
-    in the form inductor fuses (kernels/short_conv.py); otherwise, and eagerly, transformers' own
-    choice."""
+    exchange across ranks (kernels/context_parallel_conv.py); eagerly on CUDA where transformers
+    would run its ``F.conv1d`` fallback, and on every packed row there, FLA's Triton convolution
+    with the activation fused; on a packed row elsewhere, rewy's convolution restarting at every
+    document start (transformers' own ignores the bounds); under torch.compile, where transformers
+    would run its ``F.conv1d`` fallback, the same convolution in the form inductor fuses
+    (kernels/short_conv.py); otherwise transformers' own choice (a kernel package it found)."""
     context = active_context()
     bounds = packed_bounds(kwargs)
-    if context is None and bounds is None and not (torch_fallback and torch.compiler.is_compiling()):
-        return original(*args, **kwargs)
+    compiling = torch.compiler.is_compiling()
     names = ("hidden_states", "weight", "bias", "activation")
     bound = dict(zip(names, args))
     bound.update((k, kwargs[k]) for k in names if k in kwargs)
     x, weight, bias, activation = (bound.get(n) for n in names)
+    on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
+    if context is None and bounds is None and not (torch_fallback and (compiling or on_cuda)):
+        return original(*args, **kwargs)
     if context is not None:
         # Imported here: the context-parallel modules load Triton, which importing rewy_hf must not.
         from ..kernels import context_parallel_conv
 
         return context_parallel_conv.cp_causal_short_conv(x, weight, bias, activation, context)
+    if on_cuda and not compiling:
+        count_forward(CONV_OP, "fla-triton", "-", "packed row" if bounds is not None else "in place of F.conv1d")
+        return triton_short_conv(x, weight, bias, activation, bounds)
     if bounds is not None:
+        if not compiling:
+            count_forward(CONV_OP, "torch", "-", "packed row")
         return packed_causal_short_conv(x, weight, bias, activation, bounds)
     return causal_short_conv(x, weight, bias, activation)
 

@@ -1,7 +1,8 @@
 """The fused form of the layers' short causal convolution (kernels/short_conv.py) against
 transformers' ``F.conv1d`` statement of it, in float64: values and the gradients of input,
 weight and bias, with and without the activation; the packed convolution, eager and compiled
-forms, against the documents run one by one; and the shapes it refuses."""
+forms, against the documents run one by one; FLA's Triton convolution that eager CUDA calls take
+(here under Triton's interpreter), packed and not; and the shapes it refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from rewy_hf.kernels.short_conv import causal_short_conv, packed_causal_short_conv
+from rewy_hf.kernels.short_conv import causal_short_conv, packed_causal_short_conv, triton_short_conv
 from rewy_hf.rel_error import rel_err
 
 
@@ -89,3 +90,40 @@ def test_packed_row_equals_its_documents_in_float64(activation, with_bias, compi
         assert rel_err(g, r) <= 1e-12
     whole = conv1d_statement(x, weight, bias, activation)
     assert rel_err(whole, ref) > 1e-2                 # the row run as one document would differ
+
+
+@pytest.mark.parametrize("activation,with_bias", [("silu", True), (None, False)])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_triton_convolution_matches_float64(activation, with_bias, packed):
+    """float32 through FLA's kernel against the documents (or rows) in float64: values and the
+    gradients of input, weight and bias, from the transposed view transformers passes."""
+    gen = torch.Generator().manual_seed(10)
+    C, W = 16, 4
+    B, T = (1, sum(PACKED)) if packed else (2, 29)
+    x64 = torch.randn(B, T, C, generator=gen, dtype=torch.float64).transpose(1, 2)
+    w64, b64 = torch.randn(C, W, generator=gen, dtype=torch.float64), torch.randn(C, generator=gen, dtype=torch.float64)
+    dy = torch.randn(B, C, T, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(PACKED).cumsum(0).tolist()], dtype=torch.int32) if packed else None
+
+    def run(dtype, conv):
+        leaves = [x64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()]
+        leaves += [b64.to(dtype).requires_grad_()] if with_bias else []
+        out = conv(leaves[0], leaves[1], leaves[2] if with_bias else None)
+        grads = torch.autograd.grad((out * dy.to(dtype)).sum(), leaves)
+        return [out.double(), *(g.double() for g in grads)]
+
+    def reference(x, w, b):
+        if not packed:
+            return conv1d_statement(x, w, b, activation)
+        return torch.cat([conv1d_statement(p, w, b, activation) for p in x.split(list(PACKED), -1)], -1)
+
+    ref = run(torch.float64, reference)
+    got = run(torch.float32, lambda x, w, b: triton_short_conv(x, w, b, activation, cu))
+    assert got[0].shape == ref[0].shape
+    for a, r in zip(got, ref):
+        assert rel_err(a, r) <= 1e-5, rel_err(a, r)
+
+
+def test_triton_convolution_refuses_a_packed_batch():
+    with pytest.raises(ValueError, match="one row"):
+        triton_short_conv(torch.zeros(2, 4, 10), torch.zeros(4, 4), None, None, torch.tensor([0, 4, 10]))

@@ -122,3 +122,23 @@ def test_the_eager_packed_convolution_on_cuda_restarts_at_every_document(activat
     assert got[0].shape == ref[0].shape
     for a, b in zip(got, ref):
         assert rel_err(a, b) < 1e-5, rel_err(a, b)
+
+
+def test_eager_convolution_on_cuda_runs_the_triton_kernel_in_patched_layers_only():
+    """A patched layer's convolution eagerly on CUDA (transformers would run F.conv1d) takes FLA's
+    Triton kernel, counted in the dispatch report; the logits stay within bf16 rounding of the
+    unpatched model's, and an unpatched model runs its own convolution again."""
+    model = _model("qwen3_5")
+    layers = sum(t == "linear_attention" for t in model.config.layer_types)
+    ids = torch.randint(3, hf.VOCAB, (2, 300), generator=torch.Generator().manual_seed(4)).cuda()
+    ref = model(input_ids=ids, use_cache=False).logits.float()
+    patch_model(model, backend="triton")
+    before = dispatch_report()
+    out = model(input_ids=ids, use_cache=False).logits.float()
+    routes = report_difference(before, dispatch_report())["ops"]["short_conv"]["routes"]
+    assert routes == {"fla-triton: in place of F.conv1d": layers}
+    assert rel_err(out, ref) < 2e-2
+    unpatch_model(model)
+    before = dispatch_report()
+    model(input_ids=ids, use_cache=False)
+    assert "short_conv" not in report_difference(before, dispatch_report())["ops"]
