@@ -47,14 +47,74 @@ def load_run(path: str) -> dict:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise MergeError(f"--from-json {path}: {exc}; pass the file an earlier run wrote with --json") from None
-    if data.get("kind") not in ("ops", "model", "context_parallel", "packed") or "settings" not in data:
+    if not isinstance(data, dict):
+        raise MergeError(f"--from-json {path} holds a JSON {_json_type(data)}, not a `rewy-hf bench --json` report "
+                         "(an object with kind, settings, ...); pass the file an earlier run wrote with --json")
+    if data.get("kind") not in ("ops", "model", "context_parallel", "packed") or not isinstance(data.get("settings"),
+                                                                                                 dict):
         raise MergeError(f"--from-json {path} is not a `rewy-hf bench --json` file")
+    code = data.get("exit_code", 1)
+    # bool is an int to Python, but no run writes one: true/false there is an edited file
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise MergeError(f"--from-json {path}: exit_code is {code!r}, not a whole number (0 passed, 1 a check "
+                         "failed, 2 could not run); pass the file an earlier run wrote with --json, or fix that field")
+    if data["kind"] in _ROW_FIELDS and not data.get("error"):
+        _check_rows(path, data)
     return data
+
+
+# What the tables (and combining runs) read of every row of a kind of run that has rows.
+_ROW_FIELDS = {
+    "ops": ("op", "policy", "B", "T", "H", "K", "V", "check_T", "check_reduced"),
+    "context_parallel": ("op", "policy", "shape", "processes", "tokens_per_process", "ms", "peak_mb", "err",
+                         "errors", "pass", "check_T"),
+}
+
+_SETTING_FIELDS = {"ops": ("ops", "policies", "boundaries", "shapes")}
+
+
+def _json_type(value) -> str:
+    return {list: "list", type(None): "null", str: "string", bool: "boolean", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)
+
+
+def _check_rows(path: str, data: dict) -> None:
+    """MergeError naming ``path`` and what is wrong unless its rows are a list of rows of its kind. An
+    empty list passes: a run stopped before its first row may still be completed by a later run."""
+    missing = [key for key in _SETTING_FIELDS.get(data["kind"], ()) if key not in data["settings"]]
+    if missing:
+        raise MergeError(f"--from-json {path}: its settings have no {', '.join(missing)}; pass the file an earlier "
+                         "run wrote with --json")
+    if "rows" not in data:
+        raise MergeError(f"--from-json {path}: this {data['kind']} run has no \"rows\"; pass the file an earlier "
+                         "run wrote with --json")
+    rows = data["rows"]
+    if not isinstance(rows, list):
+        raise MergeError(f"--from-json {path}: \"rows\" is a JSON {_json_type(rows)}, not a list of rows; pass the "
+                         "file an earlier run wrote with --json")
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise MergeError(f"--from-json {path}: rows[{n}] is a JSON {_json_type(row)}, not an object; pass the file "
+                             "an earlier run wrote with --json")
+        missing = [key for key in _ROW_FIELDS[data["kind"]] if key not in row]
+        if missing:
+            raise MergeError(f"--from-json {path}: rows[{n}] has no {', '.join(missing)}; pass the file an earlier run "
+                             "wrote with --json, or fix that row")
+
+
+def _refuse_no_rows(paths: list[str], data: dict) -> None:
+    """MergeError where the report to show has no rows: an empty table and exit 0 would read as a pass."""
+    if data["kind"] in _ROW_FIELDS and not data.get("error") and not data["rows"]:
+        which = f" {paths[0]} has no rows" if len(paths) == 1 else f": none of {', '.join(paths)} has a row"
+        raise MergeError(f"--from-json{which} (\"rows\": []): nothing was timed or checked, so "
+                         "there is no table to show and no verdict; rerun the bench (a run stopped before its first "
+                         "configuration writes none)")
 
 
 def merge_runs(paths: list[str]) -> dict:
     runs = [load_run(p) for p in paths]
     if len(runs) == 1:
+        _refuse_no_rows(paths, runs[0])
         return runs[0]
     first = runs[0]
     if all(run["kind"] == "model" and "sides" in run for run in runs):
@@ -89,6 +149,7 @@ def merge_runs(paths: list[str]) -> dict:
     else:
         merged["complete"] = _covers_requests(runs, merged["rows"])
         merged["exit_code"] = 0 if merged["complete"] and merged["ok"] else 1
+    _refuse_no_rows(paths, merged)
     return merged
 
 

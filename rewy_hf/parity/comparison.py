@@ -84,6 +84,7 @@ class ParamResult:
     cosine: float
     ok: bool
     tiny: bool = False     # judged against the tiny-gradient floor, see compare()
+    raw_rel_err: float | None = None   # update rows: the error before the weights' rounding is taken off
 
 
 @dataclass
@@ -289,12 +290,41 @@ def run_parity(
 
 
 def _compare_update(reference_model: nn.Module, model: nn.Module, tol: Tolerance) -> list[ParamResult]:
-    """One SGD step from each side's last gradients: the updates must agree too."""
-    updates = []
+    """One SGD step from each side's last gradients: the updates must agree too (``compare_update``)."""
+    updates, after = [], []
     for side in (reference_model, model):
         before = {n: p.detach().clone() for n, p in side.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in side.parameters() if p.requires_grad], lr=1e-2)
         opt.step()
-        updates.append({n: side.get_parameter(n).detach() - before[n] for n in before})
-    floor = TINY_GRADIENT * max((u.double().norm().item() for u in updates[0].values()), default=0.0)
-    return [compare(f"update:{n}", updates[1][n], u, tol, floor) for n, u in updates[0].items()]
+        after.append({n: side.get_parameter(n).detach() for n in before})
+        updates.append({n: after[-1][n].double() - before[n].double() for n in before})
+    floor = TINY_GRADIENT * max((u.norm().item() for u in updates[0].values()), default=0.0)
+    return [compare_update(f"update:{n}", updates[1][n], ref, after[1][n], after[0][n], tol, floor)
+            for n, ref in updates[0].items()]
+
+
+def compare_update(name: str, update: torch.Tensor, ref: torch.Tensor, updated: torch.Tensor,
+                   ref_updated: torch.Tensor, tol: Tolerance, floor: float = 0.0) -> ParamResult:
+    """``compare`` of a parameter's update against the reference side's, beyond the rounding of the
+    updated weights (``updated``, ``ref_updated``, in the parameter's dtype) to that dtype.
+
+    A step of lr * g is far below a weight's own size, so in bfloat16 it is a few units in the last
+    place (ulp) of the weight: two sides whose gradients agree to 1e-3 still round a weight now and then
+    to neighbouring values, one ulp apart, which alone can be 10 % of a small update. Each element's
+    difference is therefore judged less the one rounding step it may take (the ulp of the larger of the
+    two updated weights): what is left is at most lr times the gradients' difference, and must be within
+    the gradient tolerance of the update. In float32 that step is about 1e-7 of the weight and changes
+    nothing. ``raw_rel_err`` keeps the error before that step is taken off."""
+    diff = update.double() - ref.double()
+    step = torch.maximum(rounding_step(updated), rounding_step(ref_updated))
+    beyond = diff.sign() * (diff.abs() - step).clamp_min(0.0)
+    result = compare(name, ref + beyond, ref, tol, floor)
+    result.raw_rel_err = compare(name, update, ref, tol, floor).rel_err
+    return result
+
+
+def rounding_step(x: torch.Tensor) -> torch.Tensor:
+    """Per element, the distance (float64) from ``|x|`` to the next larger value of ``x``'s dtype: how far
+    apart two roundings of nearly the same number to that dtype can land."""
+    mag = x.detach().abs()
+    return (torch.nextafter(mag, torch.full_like(mag, math.inf)) - mag).double()

@@ -43,8 +43,8 @@ def format_result(result: ParityResult, *, model: str, dtype: str, device: str) 
     lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
     if result.update:
         worst = max(result.update, key=lambda r: r.rel_err)
-        lines.append(f"\noptimizer step (SGD): worst update rel err {worst.rel_err:.2e} ({worst.name[7:]})  "
-                     f"{'OK' if all(r.ok for r in result.update) else 'FAIL'}")
+        lines.append(f"\noptimizer step (SGD): worst update rel err {worst.rel_err:.2e} beyond the rounding of the "
+                     f"updated weights ({worst.name[7:]})  {'OK' if all(r.ok for r in result.update) else 'FAIL'}")
     ms, speed = d["backward_ms"], d["backward_speedup"]
     lines.append(f"backward time (median): unpatched {_fmt(ms['unpatched'], '.1f')} ms, "
                  f"patched {_fmt(ms['patched'], '.1f')} ms" + (f"  ({speed:.2f}x)" if speed else ""))

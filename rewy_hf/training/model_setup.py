@@ -25,6 +25,63 @@ def _gdn2_preset_name(spec: str) -> str | None:
     return None
 
 
+def check_runs_here(args, device: torch.device) -> None:
+    """RecipeError, before the data and the model are loaded, where ``--model`` names a GDN2 preset that
+    cannot run on ``device``: a hybrid's full-attention layers are FLA's ``Attention``, which its
+    constructor refuses without flash-attn, a CUDA-only package."""
+    import importlib.util
+
+    name = _gdn2_preset_name(args.model)
+    if name is None:
+        return
+    from rewy_hf.models.gdn2 import GDN2_PRESETS
+
+    attn = GDN2_PRESETS[name].get("attn")
+    if not attn:
+        return
+    installed = importlib.util.find_spec("flash_attn") is not None
+    if installed and device.type == "cuda":
+        return
+    missing = "flash-attn is not installed" if not installed else "flash-attn runs on CUDA GPUs only"
+    fix = ("install it on a CUDA machine (pip install flash-attn --no-build-isolation) and run there"
+           if not installed else "run on a CUDA GPU")
+    raise RecipeError(f"--model {args.model}: its full-attention layers ({', '.join(map(str, attn['layers']))}) "
+                      f"are FLA's Attention, which needs flash-attn, and {missing}; "
+                      f"{fix}, or train a model without them: gdn2-1b (the same size, delta-rule layers only) or "
+                      "qwen3.5-1b (a hybrid whose attention runs in torch, on CPU too)")
+
+
+#: From this many parameters up, a CPU run gets a warning of its time per step and its checkpoints' size.
+CPU_LARGE_PARAMS = 250_000_000
+
+
+def cpu_size_warning(model, args, device: torch.device) -> str | None:
+    """The warning for a model too large to train comfortably on CPU (None on a GPU or for a smaller model):
+    its time per step and the disk its checkpoints take, from its parameters and the run's settings."""
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    if device.type != "cpu" or total < CPU_LARGE_PARAMS:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    # checkpoint-N: the model as save_pretrained writes it (the adapter alone under LoRA), the full state
+    # accelerate saves for --resume, and AdamW's two moments of every trained parameter.
+    per_checkpoint = (trained if args.lora else weights) + weights + 2 * trained
+    saves = {args.max_steps} | (set(range(args.save_every, args.max_steps + 1, args.save_every))
+                                if args.save_every else set())
+    kept = min(len(saves), args.keep_checkpoints) if args.keep_checkpoints else len(saves)
+    disk = kept * per_checkpoint + weights      # + final/
+    return (f"warning: {total:,} parameters on CPU: expect many seconds per step (8-34 s for the ~1 B "
+            f"presets), and about {_size(per_checkpoint)} per checkpoint, {_size(disk)} in all "
+            f"({kept} checkpoint(s) kept with --save-every {args.save_every}, --max-steps {args.max_steps} and "
+            f"--keep-checkpoints {args.keep_checkpoints}, plus final/); train on a GPU, or smoke-test on CPU with "
+            "gdn2-tiny or tiny-qwen3.5")
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.1f} MB"
+
+
 def _all_presets() -> str:
     from rewy_hf.models.gdn2 import GDN2_PRESETS
     from rewy_hf.models.presets import PRESETS

@@ -55,7 +55,8 @@ def build_parser(default_model: str = DEFAULT_MODEL, prog: str | None = None) ->
     a("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm; 0 = no clipping "
       "(the norm is still logged)")
     a("--mixed-precision", choices=("auto", "no", *MIXED_PRECISION), default="auto",
-      help="auto: the accelerate config's setting if launched with one, else bfloat16 on a GPU and none on CPU")
+      help="auto: the accelerate config's setting if launched with one, else bfloat16 on a GPU and none on CPU; "
+           "float16 needs a GPU (Accelerate runs no float16 autocast on CPU, so it is refused there)")
     a("--compile", choices=("auto", "on", "off"), default="auto",
       help="torch.compile the model (in place: checkpoints keep their names); auto: on with CUDA, off on CPU, "
            "where compiling costs more than a short run gains")

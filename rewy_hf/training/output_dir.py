@@ -16,6 +16,7 @@ import socket
 import warnings
 from pathlib import Path
 
+from .checkpoint import list_checkpoints
 from .options import RecipeError
 
 LOCK_NAME = ".lock"
@@ -41,6 +42,10 @@ def claim(out_dir: Path, *, fresh: bool, overwrite: bool) -> Path:
     if fresh and previous and not overwrite:
         release_lock(lock)
         names = ", ".join(p.name for p in previous[:4]) + (", ..." if len(previous) > 4 else "")
+        if not list_checkpoints(out_dir):
+            raise RecipeError(f"--output-dir {out_dir} holds a run that stopped before its first checkpoint "
+                              f"({names}), so --resume has nothing to continue: start it again with "
+                              "--overwrite-output-dir (deletes those files), or pass another --output-dir")
         raise RecipeError(f"--output-dir {out_dir} already holds a run ({names}); continue it with --resume, "
                           "replace it with --overwrite-output-dir, or pass another --output-dir")
     return lock

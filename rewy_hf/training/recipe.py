@@ -30,7 +30,7 @@ from .data import DataError, WindowSampler, pack, read_documents
 from .context_split import check as check_split
 from .context_split import row_split
 from .metrics import MetricsWriter, plot_loss, read_metrics
-from .model_setup import load_model_and_tokenizer, lora_targets
+from .model_setup import check_runs_here, cpu_size_warning, load_model_and_tokenizer, lora_targets
 from .options import (BUNDLED_CORPUS, DEFAULT_MODEL, RecipeError, accelerate_mixed_precision, build_parser,
                       check_args, compile_choice)
 from .schedule import build_scheduler
@@ -67,6 +67,15 @@ def train(args) -> RunResult:
 
     accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(args.mixed_precision),
                               step_scheduler_with_optimizer=False)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate sets up float16 autocast and loss scaling only off the CPU: the run would train in
+        # float32 while its log says fp16.
+        asked = ("--mixed-precision float16" if args.mixed_precision == "float16"
+                 else "the accelerate config's mixed_precision fp16")
+        raise RecipeError(f"{asked} on CPU: Accelerate runs no float16 autocast (nor loss scaling) on CPU, so "
+                          "the run would train in float32 under an fp16 label; use --mixed-precision bfloat16 "
+                          "(CPU autocast) or --mixed-precision no, or run on a CUDA GPU")
+    check_runs_here(args, accelerator.device)
     out_dir = Path(args.output_dir)
     # Before any heavy work: an unwritable or busy --output-dir, or an earlier run in it, fails at once.
     lock = _on_main(accelerator, lambda: output_dir.claim(out_dir, fresh=args.resume is None,
@@ -135,6 +144,11 @@ def _latest_sound_checkpoint(out_dir: Path) -> Path:
     """The newest complete checkpoint that is not damaged; each damaged newer one is skipped with a warning."""
     found = ckpt.list_checkpoints(out_dir)
     if not found:
+        if output_dir.previous_outputs(out_dir):
+            # A fresh run is refused there too (output_dir.claim): name the one way forward.
+            raise RecipeError(f"--resume: no complete checkpoint in {out_dir}: the run there stopped before its "
+                              "first save, so there is nothing to resume; start it again with "
+                              "--overwrite-output-dir in place of --resume, or pass another --output-dir")
         raise RecipeError(f"--resume: no complete checkpoint in {out_dir}; run without --resume to start fresh")
     damaged = []
     for _, path in reversed(found):
@@ -204,6 +218,8 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
                                                  task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
+    if main_proc and (warning := cpu_size_warning(model, args, accelerator.device)):
+        print(warning, file=sys.stderr, flush=True)
 
     patch_report = None
     rewy_hf.reset_dispatch_report()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -244,3 +245,101 @@ def test_unwritable_output_dir_fails_before_loading(tmp_path, capsys, no_model_l
     (tmp_path / "a-file").write_text("")
     err = _refused(capsys, "--output-dir", tmp_path / "a-file" / "out")
     assert f"--output-dir {tmp_path / 'a-file' / 'out'}: cannot create it" in err
+
+
+# --- a run stopped before its first checkpoint ---------------------------------------------------------
+
+def test_a_run_stopped_before_its_first_checkpoint_has_one_way_forward(tmp_path, capsys):
+    """Neither a fresh run nor --resume can take up such a directory: both refusals name the same way
+    forward, --overwrite-output-dir, and it works (neither sends the user to the other)."""
+    out = tmp_path / "run"
+    assert _main("--output-dir", out, "--save-every", "2", "--stop-after", "1") == 0
+    capsys.readouterr()
+    assert not ckpt.list_checkpoints(out) and (out / "metrics.jsonl").is_file()
+    before = _snapshot(out)
+    fresh = _refused(capsys, "--output-dir", out)
+    assert f"--output-dir {out} holds a run that stopped before its first checkpoint" in fresh
+    assert "start it again with --overwrite-output-dir" in fresh and "continue it with --resume" not in fresh
+    resumed = _refused(capsys, "--output-dir", out, "--resume")
+    assert f"--resume: no complete checkpoint in {out}: the run there stopped before its first save" in resumed
+    assert "--overwrite-output-dir in place of --resume" in resumed and "run without --resume" not in resumed
+    assert _snapshot(out) == before and not (out / ".lock").exists()
+    assert _main("--output-dir", out, "--overwrite-output-dir") == 0
+    assert _losses(out)[0] == [1, 2, 3] and (out / "final").is_dir()
+
+
+def test_resume_in_an_empty_output_dir_still_says_to_run_without_it(tmp_path, capsys, no_model_load):
+    err = _refused(capsys, "--output-dir", tmp_path / "new", "--resume")
+    assert f"--resume: no complete checkpoint in {tmp_path / 'new'}; run without --resume to start fresh" in err
+
+
+# --- float16 mixed precision on CPU ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("asked", ["flag", "accelerate config"])
+def test_float16_mixed_precision_on_cpu_is_refused(asked, tmp_path, capsys, monkeypatch, no_model_load):
+    """Accelerate runs no float16 autocast on CPU: a run would be float32 under an fp16 label, so it is
+    refused, whether the flag or an accelerate config asks for it."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")     # the CPU even where a GPU is
+    if asked == "flag":
+        argv = ["--mixed-precision", "float16"]
+        named = "--mixed-precision float16 on CPU"
+    else:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+        argv = []
+        named = "the accelerate config's mixed_precision fp16 on CPU"
+    err = _refused(capsys, "--output-dir", tmp_path / "out", *argv)
+    assert named in err and "no float16 autocast" in err
+    assert "--mixed-precision bfloat16" in err and "--mixed-precision no" in err
+    assert not (tmp_path / "out").exists(), "refused before --output-dir is claimed"
+
+
+# --- models that cannot, or should not, train on CPU ------------------------------------------------------
+
+def test_a_gdn2_hybrid_without_flash_attention_is_refused_with_the_alternatives(tmp_path, capsys, monkeypatch,
+                                                                                no_model_load):
+    """gdn2-1b-hybrid's attention layers are FLA's, whose constructor raises ImportError without flash-attn
+    (CUDA only): refused before the data and the 1 B model are loaded, naming what to install or train."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    err = _refused(capsys, "--output-dir", tmp_path / "out", "--model", "gdn2-1b-hybrid")
+    assert "--model gdn2-1b-hybrid: its full-attention layers (3, 7, 11, 15, 19) are FLA's Attention" in err
+    assert "needs flash-attn" in err and ("is not installed" in err or "runs on CUDA GPUs only" in err)
+    assert "gdn2-1b (the same size, delta-rule layers only)" in err and "qwen3.5-1b" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_large_model_on_cpu_gets_a_warning_with_its_checkpoint_size(tmp_path, capsys, monkeypatch):
+    """The warning's sizes are what the run then writes: the threshold is lowered so the tiny preset gets it."""
+    from rewy_hf.training import model_setup
+
+    monkeypatch.setattr(model_setup, "CPU_LARGE_PARAMS", 1)
+    out = tmp_path / "run"
+    assert _main("--output-dir", out, "--keep-checkpoints", "2") == 0
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
+    assert "parameters on CPU: expect many seconds per step" in line and "train on a GPU" in line
+    assert "2 checkpoint(s) kept with --save-every 1, --max-steps 3 and --keep-checkpoints 2, plus final/" in line
+    per, total = (float(x) for x in re.findall(r"about ([\d.]+) MB per checkpoint, ([\d.]+) MB in all", line)[0])
+    written = [_dir_bytes(c) for _, c in ckpt.list_checkpoints(out)]
+    assert len(written) == 2 and all(per == pytest.approx(b / 1e6, rel=0.05) for b in written), (per, written)
+    assert total == pytest.approx((sum(written) + _dir_bytes(out / "final")) / 1e6, rel=0.05)
+
+
+def test_the_cpu_warning_is_for_the_1b_presets_on_cpu_only():
+    import torch
+
+    from rewy_hf.models.gdn2 import GDN2ForCausalLM, gdn2_config
+    from rewy_hf.training.model_setup import cpu_size_warning
+
+    args = build_parser().parse_args(["--max-steps", "1000", "--save-every", "500"])
+    with torch.device("meta"):
+        big, tiny = GDN2ForCausalLM(gdn2_config("1b")), GDN2ForCausalLM(gdn2_config("tiny"))
+    warning = cpu_size_warning(big, args, torch.device("cpu"))
+    # float32 weights, written twice, and AdamW's two moments: 16 bytes a parameter, about 18.5 GB
+    assert "1,159,336,768 parameters on CPU" in warning and "about 18.5 GB per checkpoint" in warning
+    assert "2 checkpoint(s) kept" in warning
+    assert cpu_size_warning(big, args, torch.device("cuda")) is None
+    assert cpu_size_warning(tiny, args, torch.device("cpu")) is None
