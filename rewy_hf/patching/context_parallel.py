@@ -75,15 +75,18 @@ def _with_context(original):
     def conv(*args, **kwargs):
         call = active_context()
         # Under torch.compile the same sum is rewy's, whose exchange is a custom op: FLA's sends and
-        # receives run inside an autograd Function, which dynamo does not trace.
-        if (torch.compiler.is_compiling() and not args and call.group_name and kwargs.get("residual") is None
-                and kwargs.get("initial_state") is None and not kwargs.get("output_final_state")):
+        # receives run inside an autograd Function, which dynamo does not trace. On the CPU too:
+        # FLA's exchange does not run in Triton's interpreter.
+        x = args[0] if args else kwargs.get("x")
+        on_cpu = isinstance(x, torch.Tensor) and x.device.type == "cpu"
+        if ((torch.compiler.is_compiling() or on_cpu) and not args and call.group_name
+                and kwargs.get("residual") is None and kwargs.get("initial_state") is None
+                and not kwargs.get("output_final_state")):
             from ..kernels.context_parallel_conv import cp_causal_short_conv
 
             y = cp_causal_short_conv(kwargs["x"].transpose(1, 2), kwargs["weight"], kwargs.get("bias"),
                                      kwargs.get("activation"), call)
             return y.transpose(1, 2).contiguous(), None
-        x = args[0] if args else kwargs.get("x")
         if isinstance(x, torch.Tensor) and x.dim() == 3 and not torch.compiler.is_compiling():
             check_slice(call.bounds, x.shape[1])
         return original(*args, **{**kwargs, "cp_context": call.fla_context})

@@ -18,12 +18,18 @@ from ..patching.context_parallel_attention import RowAttention
 from .options import RecipeError
 
 
-def check(args, world: int) -> None:
+def check(args, world: int, on_cpu: bool = False) -> None:
     """Refuse a --context-parallel run that cannot work, before anything heavy loads."""
     if not args.context_parallel:
         return
     if args.core != "rewy":
         raise RecipeError("--context-parallel runs rewy's delta-rule layers; drop --core original")
+    if world < 2 and on_cpu:
+        # `accelerate launch --cpu --num_processes N` starts one process: it launches several on the
+        # CPU only through mpirun.
+        raise RecipeError("--context-parallel splits each row across processes: launch 2 or more. On the CPU, "
+                          "`accelerate launch --cpu` starts a single process whatever --num_processes says; run "
+                          "`torchrun --nproc_per_node 2 recipes/finetune_gdn2.py --context-parallel ...`")
     if world < 2:
         raise RecipeError("--context-parallel splits each row across processes: launch 2 or more, e.g. "
                           "`accelerate launch --num_processes 2 recipes/finetune_gdn2.py --context-parallel ...`")

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -65,8 +66,12 @@ def train(args) -> RunResult:
     if args.backend == "triton" and not torch.cuda.is_available():
         raise RecipeError("--backend triton needs a CUDA GPU; on CPU use --backend auto (the default) or torch")
 
+    # Several processes on a machine without CUDA (torchrun, or accelerate launch --cpu): Accelerate
+    # forms their process group (gloo) only when told the run is on the CPU; otherwise each process
+    # would run alone, as the main one.
+    launched_on_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(args.mixed_precision),
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False, cpu=launched_on_cpu)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         # Accelerate sets up float16 autocast and loss scaling only off the CPU: the run would train in
         # float32 while its log says fp16.
@@ -185,7 +190,7 @@ def _run(args, accelerator, out_dir: Path) -> RunResult:
     world = accelerator.num_processes
     run_config = {k: getattr(args, k) for k in vars(args)} | {"data": data_spec, "world_size": world}
 
-    check_split(args, world)
+    check_split(args, world, on_cpu=accelerator.device.type == "cpu")
     # Resume target before any heavy work: a bad --resume should fail at once.
     target = _on_main(accelerator, lambda: _resume_target(args, out_dir, run_config))
     resume_from, state = target if target is not None else (None, None)
