@@ -46,7 +46,8 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              activation: str | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``causal_short_conv`` over one packed row x [1, C, T] whose documents ``cu_seqlens`` bounds
-    (``[0, ..., T]``): every output reads only inputs of its own document."""
+    (``[0, ..., T]``): every output reads only inputs of its own document. Traced, the masked-tap
+    sum (shapes from T and W only); eagerly, ``F.conv1d`` and the outputs after each bound redone."""
     check_conv_inputs(x, weight)
     if x.shape[0] != 1:
         raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "

@@ -126,24 +126,35 @@ def test_refuses_other_token_mixers():
 
 
 def test_short_convolution_gets_the_context_inside_only(monkeypatch):
-    seen = []
+    """FLA's layers' convolution: inside the block it exchanges with the context (on the CPU through
+    rewy's exchange, since FLA's does not run in Triton's interpreter); outside, FLA's own runs
+    without one."""
+    from rewy_hf.kernels import context_parallel_conv
+
+    seen, exchanged = [], []
+    real = context_parallel_conv.cp_causal_short_conv
 
     def spy(*args, cp_context=None, **kwargs):
         seen.append(cp_context)
         return tiny.torch_causal_conv1d(*args, **kwargs)
 
+    def exchange_spy(x, weight, bias, activation, call):
+        exchanged.append(call)
+        return real(x, weight, bias, activation, call)
+
     for name in ("fla.modules.causal_conv1d.ops", "fla.layers.gated_deltanet"):
         monkeypatch.setattr(importlib.import_module(name), "causal_conv1d", spy)
+    monkeypatch.setattr(context_parallel_conv, "cp_causal_short_conv", exchange_spy)
     model = tiny.build("gated_deltanet")
     rewy_hf.patch_model(model, backend="torch")
     ids = torch.randint(0, tiny.VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
     ctx = _context([0, 8])
     with rewy_hf.context_parallel(model, ctx):
         inside = model(input_ids=ids, cu_seqlens=ctx.cu_seqlens).logits
-    assert seen and all(c is ctx for c in seen)
-    seen.clear()
+    assert exchanged and all(c.fla_context is ctx for c in exchanged) and not seen
+    exchanged.clear()
     outside = model(input_ids=ids, cu_seqlens=ctx.cu_seqlens).logits
-    assert seen and all(c is None for c in seen)
+    assert seen and all(c is None for c in seen) and not exchanged
     # One rank: its sequence starts from the zero state it starts from outside.
     torch.testing.assert_close(inside, outside, rtol=1e-6, atol=1e-6)
 
