@@ -38,7 +38,7 @@ class CPCall:
     sequence bounds on the inputs' device; ``bounds``: the same bounds, int64 on the host;
     ``meta``: int64 on the host, the values indexed by ``IS_FIRST`` ... ``PRE_CONV_TOKENS``;
     ``pre_conv_tokens``: ``meta[PRE_CONV_TOKENS]`` on the device (the convolution's mask reads it there);
-    ``fla_context``: FLA's context it was made from, for FLA's own convolution in eager runs."""
+    ``fla_context``: FLA's context it was made from, for FLA's own convolution in eager CUDA runs."""
 
     group_name: str
     cu_seqlens: torch.Tensor

@@ -1,7 +1,9 @@
 """Reference cores: what an *unpatched* model runs where its original core can't.
 
-On CPU with FLA installed, transformers' delta-rule core dispatches to FLA's
-Triton op and crashes, and FLA-hub layers' cores are Triton-only. To compare a
+FLA-hub layers' cores are Triton-only, so on CPU they cannot run unpatched;
+transformers' layers run their plain-torch core there (transformers 5.25),
+which is also what this module points them at, to hold every unpatched core of
+a comparison to one definition. To compare a
 patched model with its unpatched self there, ``use_reference_cores(model)``
 temporarily points every core site the model uses at a reference:
 transformers' own plain-torch function (the one its hub wrapper falls back
