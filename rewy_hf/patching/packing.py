@@ -12,23 +12,24 @@ each document's recurrence and short convolution would run on from the one
 before.
 
 So a forward pre-hook on a patched model derives the bounds from
-``position_ids`` where the caller gave none, and passes them down under the keyword its layers
-read (``Adapter.bounds_kwarg``): the same call the collator makes with
-``return_flash_attn_kwargs=True``. A packed forward also runs without a
-cache (``use_cache=False`` unless the caller asked for one, which is
-refused): these models make a cache in a training forward by default, and
-with one transformers' attention masks stop following the document bounds.
-The bounds travel as a forward argument, not as process state, so a layer recomputed under gradient checkpointing sees
-them again.
+``position_ids`` where the caller gave none, and passes them down under the
+keyword its layers read (``Adapter.bounds_kwarg``): the same call the collator
+makes with ``return_flash_attn_kwargs=True``. A packed forward also runs
+without a cache: these models make one in a training forward by default, and
+with one transformers' attention masks stop following the document bounds. A
+caller who asks for a cache (``use_cache=True``, a prefill) gets the row as
+given if it holds one document, and a refusal if it holds several. The
+bounds travel as a forward argument, not as process state, so a layer
+recomputed under gradient checkpointing sees them again.
 
 A row of one document gets the bounds ``[0, T]``: every row of a packed run
 then takes the same kernels. Deriving bounds reads tensor values: one host
 synchronisation per forward of one row given ``position_ids`` (eagerly, rows
-of B > 1 are read too, only to refuse restarts inside them). Under ``torch.compile`` the derivation runs
-outside the graph (one graph break at the model's entry, none inside a
-layer; none at all for a call without ``position_ids`` or with B > 1), and
-the bounds enter the graph with a dynamic length, so a new number of
-documents does not recompile.
+of B > 1 are read too, only to refuse restarts inside them). Under
+``torch.compile`` the derivation runs outside the graph (one graph break at
+the model's entry, none inside a layer; none at all for a call without
+``position_ids`` or with B > 1), and the bounds enter the graph with a dynamic
+length, so a new number of documents does not recompile.
 """
 
 from __future__ import annotations
