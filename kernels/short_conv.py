@@ -49,10 +49,7 @@ def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     (``[0, ..., T]``): every output reads only inputs of its own document. Traced, the masked-tap
     sum (shapes from T and W only); eagerly, ``F.conv1d`` and the outputs after each bound redone."""
     check_conv_inputs(x, weight)
-    if x.shape[0] != 1:
-        raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
-                         f"got B = {x.shape[0]}; flatten the documents into one row, as "
-                         "DataCollatorWithFlattening does.")
+    check_one_row(x)
     if not torch.compiler.is_compiling():
         return _restarted_conv1d(x, weight, bias, activation, cu_seqlens)
     W, T = weight.shape[-1], x.shape[-1]
@@ -69,10 +66,8 @@ def triton_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     from fla.modules.convolution import causal_conv1d
 
     check_conv_inputs(x, weight)
-    if cu_seqlens is not None and x.shape[0] != 1:
-        raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
-                         f"got B = {x.shape[0]}; flatten the documents into one row, as "
-                         "DataCollatorWithFlattening does.")
+    if cu_seqlens is not None:
+        check_one_row(x)
     # FLA's layout is [B, T, C]: transformers hands a transposed view of one, so no copy either way.
     out, _ = causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation, backend="triton",
                            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32))
@@ -148,6 +143,13 @@ def conv_taps(x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
         out = ACT2FN[activation](out)
     return out.to(x_ext.dtype)
+
+
+def check_one_row(x: torch.Tensor) -> None:
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed convolution takes one row (B = 1) with its document bounds in cu_seqlens, "
+                         f"got B = {x.shape[0]}; flatten the documents into one row, as "
+                         "DataCollatorWithFlattening does.")
 
 
 def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:

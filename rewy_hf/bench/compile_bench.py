@@ -270,6 +270,16 @@ def format_side(side: str, r: dict) -> str:
             + (f"; GPU ms by family: {fams}" if fams else ""))
 
 
+def side_table(head: list[str], rows: list[list[str]], markdown: bool = False) -> list[str]:
+    """The lines of a model run's table, one row per side: Markdown, or plain columns with the side
+    names left-aligned and the figures right-aligned."""
+    if markdown:
+        return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
+            for line in (head, *rows)]
+
+
 def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
     """The four sides as a table (plain text, or Markdown for docs/performance.md), then the curve and
     the recompiles at further lengths when they were run."""
@@ -288,15 +298,11 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
                      str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")),
                      *(f"{per[f]:.1f}" if f in per else "-" for f in FAMILIES)])
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines = side_table(head, rows, markdown=True)
     else:
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
         st = res.get("settings", {})
         tokens = res.get("tokens_per_step") or st.get("batch_size", 0) * st.get("seq_len", 0) or "?"
-        lines = [f"{spec}: {tokens} tokens per step"]
-        lines += ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
-                  for line in (head, *rows)]
+        lines = [f"{spec}: {tokens} tokens per step", *side_table(head, rows)]
     lines.append("")
     asked = res.get("settings", {}).get("sides", SIDES)
     stopped = [side for side in SIDES if side in asked and side not in res["sides"]]

@@ -34,6 +34,8 @@ import time
 import torch
 import torch.nn as nn
 
+from .compile_bench import FAMILIES, dynamo_counts, gpu_time_by_family, side_table
+
 SIDES = ("unpatched eager", "patched eager", "patched compiled", "unpatched compiled")
 LIGER_SIDES = ("unpatched eager + liger", "patched eager + liger", "patched compiled + liger")
 ALL_SIDES = SIDES + LIGER_SIDES
@@ -132,8 +134,6 @@ def documents_check(model: nn.Module, device, backend: str = "auto", seed: int =
 
 
 def gpu_by_family(run, opt, batch) -> dict:
-    from .compile_bench import gpu_time_by_family
-
     total, per, launches = gpu_time_by_family(lambda: _step(run, opt, batch))
     return {"gpu_ms": total, "gpu_ms_by_family": per, "launches": launches}
 
@@ -164,7 +164,6 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
 
     from ..patching.dispatch import dispatch_report, reset_dispatch_report
     from ..patching.patch import patch_model, unpatch_model
-    from .compile_bench import dynamo_counts
     from .model_bench import Snapshot, optimizer_for
 
     cuda = batches[0]["input_ids"].is_cuda
@@ -248,8 +247,6 @@ def packed_summary(data: dict) -> dict:
 def format_packed_result(data: dict, markdown: bool = False) -> str:
     """One line per side: median / p90 / max step, the stall figure, tokens/s, x the fastest
     unpatched side, peak memory, graphs and breaks, GPU ms by family."""
-    from .compile_bench import FAMILIES
-
     summary = packed_summary(data)
     vs = summary.get("vs_fastest_unpatched", {})
     head = ["side", "median ms", "p90 ms", "max ms", "slowest after 3 / median", "tokens/s",
@@ -268,13 +265,7 @@ def format_packed_result(data: dict, markdown: bool = False) -> str:
                      "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
                      str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")),
                      *(f"{per[f]:.1f}" if f in per else "-" for f in FAMILIES)])
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    else:
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        lines = ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
-                 for line in (head, *rows)]
+    lines = side_table(head, rows, markdown)
     check = data.get("documents_check")
     if check:
         lines.append("")

@@ -84,7 +84,7 @@ def _with_context(original):
                 and not kwargs.get("output_final_state")):
             from ..kernels.context_parallel_conv import cp_causal_short_conv
 
-            y = cp_causal_short_conv(kwargs["x"].transpose(1, 2), kwargs["weight"], kwargs.get("bias"),
+            y = cp_causal_short_conv(x.transpose(1, 2), kwargs["weight"], kwargs.get("bias"),
                                      kwargs.get("activation"), call)
             return y.transpose(1, 2).contiguous(), None
         if isinstance(x, torch.Tensor) and x.dim() == 3 and not torch.compiler.is_compiling():
