@@ -1,5 +1,6 @@
-"""KDA / GDN2's per-channel gate activation (FLA's ``use_gate_in_kernel=True``) as one autograd node
-that keeps only its raw input.
+"""The gate activation of FLA's ``use_gate_in_kernel=True`` as one autograd node that keeps only its
+raw input: KDA / GDN2's per-channel gate (``vector_gate``) and GDN's scalar gate per value head
+(``scalar_gate``, the same node on a channel axis of one).
 
 ``-exp(A_log[h]) * softplus(g + dt_bias[h])``, or with ``lower_bound``
 ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))``: the formulas of
@@ -82,3 +83,11 @@ def vector_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tens
     if lower_bound is None and A_log is None:
         raise ValueError("vector_gate: A_log is required when lower_bound is None.")
     return VectorGateActivation.apply(g, A_log, dt_bias, lower_bound, dtype)
+
+
+def scalar_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """GDN's activated gate [..., HV] in ``dtype``: ``-exp(A_log) * softplus(g + dt_bias)`` with A_log and
+    dt_bias of HV elements, as one node keeping the raw g (plain torch ops keep two float32 copies of
+    the gate's size)."""
+    return vector_gate(g.unsqueeze(-1), A_log, dt_bias, None, dtype).squeeze(-1)

@@ -1,8 +1,8 @@
 """Public delta-rule ops with FLA 0.6.0's names, argument order and return value.
 
 Each op validates its inputs, applies the activations FLA fuses into its
-kernels (q/k l2norm, gate and beta activations) as torch ops (KDA / GDN2's
-gate as one autograd node, kernels/gate_activation.py), and
+kernels (q/k l2norm, gate and beta activations) as torch ops (the gate as one
+autograd node that keeps its raw input, kernels/gate_activation.py), and
 hands the activated tensors to the selected backend, whose autograd Function
 runs the chunked forward and the ReWY backward. Extra keyword arguments:
 ``backend`` ("auto", "torch", "triton") and ``policy`` ("recompute", "full";
@@ -18,8 +18,8 @@ import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
 from .kernels.core import CoreArgs, delta_rule
-from .kernels.gate_activation import vector_gate
-from .kernels.reference import beta_activation, gdn_gate, l2norm
+from .kernels.gate_activation import scalar_gate, vector_gate
+from .kernels.reference import beta_activation, l2norm
 from .kernels.torch_backend import compute_dtype
 from .validation import (
     check_chunk_size,
@@ -257,8 +257,7 @@ def chunk_gated_delta_rule(
     if extras.get("use_gate_in_kernel", False):
         A_log, dt_bias = extras.get("A_log"), extras.get("dt_bias")
         _check_gate_params(A_log, dt_bias, HV, HV, need_a=True)
-        dt = compute_dtype(g)
-        g = gdn_gate(g.to(dt), A_log.reshape(-1).to(dt), None if dt_bias is None else dt_bias.reshape(-1).to(dt))
+        g = scalar_gate(g, A_log, dt_bias, compute_dtype(g))
     beta = _prepare_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     why = ""
     if backend == "auto" and chosen == "triton":

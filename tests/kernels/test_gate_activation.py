@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewy_hf.kernels.gate_activation import vector_gate
+from rewy_hf.kernels.gate_activation import scalar_gate, vector_gate
 from rewy_hf.kernels.reference import kda_gate
 
 B, T, H, K = 2, 9, 3, 8
@@ -97,3 +97,52 @@ def test_compiles_whole_with_the_eager_gradients():
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for a, b in zip(torch.autograd.grad(compiled(g, A_log, dt_bias), (g, A_log, dt_bias)), eager):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+# GDN's scalar gate per value head: the same node on a channel axis of one.
+
+def _scalar_inputs(dtype, seed=0, HV=4):
+    gen = torch.Generator().manual_seed(seed)
+    a = (3 * torch.randn(B, T, HV, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    A_log = torch.randn(HV, generator=gen, dtype=torch.float64).requires_grad_()
+    dt_bias = torch.randn(HV, generator=gen, dtype=torch.float64).requires_grad_()
+    return a, A_log, dt_bias
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_scalar_gate_float64_gradients_are_exact(with_bias):
+    a, A_log, dt_bias = _scalar_inputs(torch.float64)
+    args = (a, A_log, dt_bias) if with_bias else (a, A_log)
+    assert torch.autograd.gradcheck(
+        lambda *xs: scalar_gate(xs[0], xs[1], xs[2] if with_bias else None, torch.float64), args,
+        eps=1e-6, atol=1e-9, rtol=1e-7)
+
+
+def test_scalar_gate_matches_the_qwen35_layers_formula_in_bf16():
+    """transformers' Qwen3.5 / Qwen3-Next layer: ``-A_log.float().exp() * softplus(a.float() + dt_bias)``
+    on a bf16 projection with float32 parameters. The node's values and gradients equal autograd
+    through that formula on the same values, to float32 rounding (a's gradient to one bf16 step)."""
+    a, A_log, dt_bias = _scalar_inputs(torch.bfloat16, seed=3)
+    A_log, dt_bias = A_log.detach().float().requires_grad_(), dt_bias.detach().float().requires_grad_()
+    out = scalar_gate(a, A_log, dt_bias, torch.float32)
+    ref_a, ref_A, ref_dt = (x.detach().clone().requires_grad_() for x in (a, A_log, dt_bias))
+    ref = -ref_A.float().exp() * torch.nn.functional.softplus(ref_a.float() + ref_dt)
+    assert out.dtype == torch.float32 and out.shape == a.shape
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad((out * dout).sum(), (a, A_log, dt_bias))
+    ref_grads = torch.autograd.grad((ref * dout).sum(), (ref_a, ref_A, ref_dt))
+    assert grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=1e-2, atol=1e-3)
+    for got, want in zip(grads[1:], ref_grads[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scalar_gate_keeps_only_the_raw_gate_and_its_parameters():
+    a, A_log, dt_bias = _scalar_inputs(torch.bfloat16)
+    A_log, dt_bias = A_log.detach().float().requires_grad_(), dt_bias.detach().float().requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        scalar_gate(a, A_log, dt_bias, torch.float32)
+    big = [t for t in kept if t.numel() >= a.numel()]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16 and big[0].data_ptr() == a.data_ptr()
