@@ -1,8 +1,8 @@
-"""Model-family adapters that swap the delta-rule core (see base.Adapter).
+"""Adapters that swap the delta-rule core of FLA's layers and of transformers' models (see base.Adapter).
 
 The registry is a flat tuple; ``find_adapter`` matches a layer by its class
-(or a base class) qualified name, so nothing is imported for families the
-model does not use.
+(or a base class) qualified name, so matching a layer imports no modeling
+module.
 """
 
 from __future__ import annotations

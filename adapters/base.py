@@ -7,17 +7,24 @@ from typing import Callable
 
 import torch.nn as nn
 
+from ..kernels.vocabulary import REPORT_OPS, family_of_report
+
 
 @dataclass(frozen=True)
 class Adapter:
-    """One model family's delta-rule layers.
+    """The delta-rule layers of one source: FLA's layer library, or one transformers model.
+
+    ``source`` is ``"fla"`` for FLA-hub layers, else the transformers model folder
+    (``"qwen3_5"``, ...). ``op`` is the op the layers run, by its report name (the dispatch
+    report's key: ``"gated_delta_rule"``, ...); ``delta_rule_family`` is the delta-rule family
+    behind it (``"gdn"``; kernels/vocabulary.py).
 
     ``site`` is ``"<module>:<attribute>"``: the module-level core function the
     layer's forward calls for the chunked path. ``decode_site``, where set, is
     the one its one-token decode step calls: it keeps its implementation, except
-    that on CPU tensors the plain-torch function behind it runs (transformers
+    that on CPU tensors the plain-torch function behind it runs (transformers 5.24
     picks FLA's recurrent kernel whenever FLA is importable, and that kernel
-    needs CUDA). ``conv_site``, where set, is the layer's short causal convolution: under
+    needs CUDA; 5.25 falls back to the torch function on CPU itself). ``conv_site``, where set, is the layer's short causal convolution: under
     torch.compile, where it would run transformers' ``F.conv1d`` fallback, rewy runs the same
     convolution as shifted multiply-adds that inductor fuses (kernels/short_conv.py); otherwise
     it keeps its implementation. ``bounds_kwarg`` is the keyword argument of the model's forward
@@ -28,7 +35,7 @@ class Adapter:
     from a rewy op.
     """
 
-    family: str
+    source: str
     op: str
     layer_classes: tuple[str, ...]
     site: str
@@ -38,6 +45,16 @@ class Adapter:
     # The keyword under which the model hands a packed row's document bounds down to this layer
     # (FLA's models: ``cu_seqlens``; transformers': the flash-attention ``cu_seq_lens_q``).
     bounds_kwarg: str = "cu_seqlens"
+
+    def __post_init__(self):
+        if self.op not in REPORT_OPS.values():
+            raise ValueError(f"adapter op {self.op!r} is not a delta-rule op; expected one of "
+                             f"{tuple(REPORT_OPS.values())} (kernels/vocabulary.py)")
+
+    @property
+    def delta_rule_family(self) -> str:
+        """The delta-rule family of ``op`` (``"gdn"`` for ``"gated_delta_rule"``)."""
+        return family_of_report(self.op)
 
     @property
     def sites(self) -> tuple[str, ...]:

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rewy_hf import ops
+
+from ..kernels.vocabulary import names_of
 from .base import Adapter
 
 _POSITIONAL = ("g", "beta", "chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
@@ -101,15 +104,17 @@ def runs_torch_fallback(fn: Callable) -> bool:
         return False
 
 
-def hf_adapters(models: tuple[tuple[str, str], ...], op: str, site_attr: str, rewy_op: Callable,
-                decode_attr: str, conv_attr: str = "causal_conv1d_fn") -> tuple[Adapter, ...]:
+def hf_adapters(models: tuple[tuple[str, str], ...], family: str, site_attr: str, decode_attr: str,
+                conv_attr: str = "causal_conv1d_fn") -> tuple[Adapter, ...]:
     """One adapter per (model folder, layer class) pair whose modeling module
     defines the core ``site_attr``, the decode-step core ``decode_attr`` and the short
-    convolution ``conv_attr``."""
+    convolution ``conv_attr``; its calls run the public op of the delta-rule ``family``."""
+    names = names_of(family)
+    rewy_op = getattr(ops, names.public)
     return tuple(
         Adapter(
-            family=model,
-            op=op,
+            source=model,
+            op=names.report,
             layer_classes=(f"transformers.models.{model}.modeling_{model}.{cls}",),
             site=f"transformers.models.{model}.modeling_{model}:{site_attr}",
             call=hf_core_call(rewy_op),

@@ -8,8 +8,6 @@ transformers_common for the call convention.
 
 from __future__ import annotations
 
-from rewy_hf import ops
-
 from .transformers_common import hf_adapters
 
 _MODELS = (
@@ -21,5 +19,4 @@ _MODELS = (
     ("qwen4_exp", "Qwen4ExpTextGatedDeltaNet"),
 )
 
-ADAPTERS = hf_adapters(_MODELS, "gated_delta_rule", "torch_chunk_gated_delta_rule", ops.chunk_gated_delta_rule,
-                       decode_attr="torch_recurrent_gated_delta_rule")
+ADAPTERS = hf_adapters(_MODELS, "gdn", "torch_chunk_gated_delta_rule", decode_attr="torch_recurrent_gated_delta_rule")

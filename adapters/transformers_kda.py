@@ -9,8 +9,6 @@ call maps to ``chunk_kda`` without ``use_gate_in_kernel``.
 
 from __future__ import annotations
 
-from rewy_hf import ops
-
 from .transformers_common import hf_adapters
 
 _MODELS = (
@@ -19,5 +17,4 @@ _MODELS = (
     ("glm5_next", "Glm5NextTextLinearAttention"),
 )
 
-ADAPTERS = hf_adapters(_MODELS, "kda", "chunk_kimi_delta_attention", ops.chunk_kda,
-                       decode_attr="recurrent_kimi_delta_attention")
+ADAPTERS = hf_adapters(_MODELS, "kda", "chunk_kimi_delta_attention", decode_attr="recurrent_kimi_delta_attention")

@@ -49,7 +49,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ..errors import UnsupportedConfigError
+from .errors import UnsupportedConfigError
 from .context_parallel_call import (IS_FIRST, IS_LAST, POST_RANKS, PRE_RANKS, CPCall, check_slice, gather_ranks,
                                     process_group)
 from .core import delta_rule
@@ -109,7 +109,8 @@ def cp_delta_rule(a: CoreArgs, backend: str, call: CPCall) -> Tensor:
 
 
 def _one_sequence_args(q, k, v, g, beta, w, scale, family, policy, qk_l2norm, safe_gate) -> CoreArgs:
-    return CoreArgs(q, k, v, g, beta, w, None, None, scale, family, policy, False, qk_l2norm, safe_gate)
+    return CoreArgs(q=q, k=k, v=v, g=g, beta=beta, w=w, h0=None, cu_seqlens=None, scale=scale, family=family,
+                    policy=policy, state_v_first=False, qk_l2norm=qk_l2norm, safe_gate=safe_gate)
 
 
 @torch.library.custom_op("rewy::cp_initial_state", mutates_args=())

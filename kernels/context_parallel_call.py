@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import InputValidationError, UnsupportedConfigError
+from .errors import InputValidationError, UnsupportedConfigError
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn that they are
 # deprecated).

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import UnsupportedConfigError
+from .errors import UnsupportedConfigError
 from .context_parallel_call import PRE_CONV_TOKENS, CPCall, check_slice, gather_ranks, process_group
 from .short_conv import check_conv_inputs, conv_taps, sequence_keep
 

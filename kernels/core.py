@@ -29,10 +29,17 @@ Function), which the GPU does not hide at the smaller benchmark shapes.
 
 A call made by a patched layer carries ``report_as``, its op name in the
 dispatch report; each forward and backward of such a call is announced to
-``LISTENERS`` from inside the boundary itself (eager Function or custom op
-alike). A compiled graph runs the custom op on every call, so the counts are
-right there too, and the traced code never reads a counter (dynamo would
-guard on its value and recompile at every step).
+the listeners registered with ``add_listener`` (a ``CoreListener``: the
+dispatch report's counter, rewy_hf/patching/dispatch.py) from inside the
+boundary itself (eager Function or custom op alike). A compiled graph runs the
+custom op on every call, so the counts are right there too, and the traced
+code never reads a counter (dynamo would guard on its value and recompile at
+every step).
+
+The custom ops take ``CoreArgs`` flattened (core_args.py) and spell its
+fields out in their signatures, as torch.library needs; ``_spelled_as`` checks
+each signature against the dataclass's fields at import, so the two cannot
+drift apart.
 
 Checks that read tensor values (packed bounds, the opt-in finite check) run
 here, inside the boundary, so the traced code around the core never reads a
@@ -41,19 +48,61 @@ tensor's values.
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from dataclasses import replace
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from .core_args import FAMILIES, CoreArgs
+from .core_args import GRADIENT_FIELDS, SETTING_FIELDS, TENSOR_FIELDS, CoreArgs, gradients_by_field
+from .errors import UnsupportedConfigError
+from .value_checks import check_cu_seqlens_values, check_finite
+from .vocabulary import CORE_BACKENDS, FAMILIES
 
-__all__ = ["CoreArgs", "delta_rule", "CoreFunction"]
+__all__ = ["CoreArgs", "CoreFunction", "CoreListener", "add_listener", "delta_rule", "remove_listener"]
 
-BACKENDS = ("torch", "triton", "flash_qla")
-# Called as listener(event, report_as, backend, policy, why), event "forward" or "backward", after
-# each forward and backward of a call that has a ``report_as`` (the dispatch report counts them).
-LISTENERS: list[Callable[[str, str, str, str, str], None]] = []
+
+class CoreListener(Protocol):
+    """Told of each forward and backward of a core call that has a ``report_as`` (``op``), with the
+    backend that ran it, the call's policy and, where ``backend="auto"`` weighed a peer, why."""
+
+    def forward(self, op: str, backend: str, policy: str, why: str) -> None: ...
+
+    def backward(self, op: str, backend: str, policy: str, why: str) -> None: ...
+
+
+# Replaced, never mutated, so a forward announcing on one thread while another registers sees a
+# consistent tuple.
+_listeners: tuple[CoreListener, ...] = ()
+
+
+def add_listener(listener: CoreListener) -> None:
+    """Announce every reported forward and backward to ``listener`` (once, however often added)."""
+    global _listeners
+    missing = [m for m in ("forward", "backward") if not callable(getattr(listener, m, None))]
+    if missing:
+        raise TypeError(f"a core listener needs forward() and backward() methods; {listener!r} lacks {missing}")
+    if listener not in _listeners:
+        _listeners = _listeners + (listener,)
+
+
+def remove_listener(listener: CoreListener) -> None:
+    """Stop announcing to ``listener`` (nothing happens if it was not added)."""
+    global _listeners
+    _listeners = tuple(x for x in _listeners if x is not listener)
+
+
+def _announce_forward(a: CoreArgs, backend: str) -> None:
+    if a.report_as:
+        for listener in _listeners:
+            listener.forward(a.report_as, backend, a.policy, a.why)
+
+
+def _announce_backward(a: CoreArgs, backend: str) -> None:
+    if a.report_as:
+        for listener in _listeners:
+            listener.backward(a.report_as, backend, a.policy, a.why)
 
 
 def _backend(name: str):
@@ -65,30 +114,14 @@ def _backend(name: str):
     elif name == "flash_qla":
         from . import flash_qla_backend as module
     else:
-        raise ValueError(f"unknown core backend {name!r}; expected one of {BACKENDS}")
+        raise ValueError(f"unknown core backend {name!r}; expected one of {CORE_BACKENDS}")
     return module
 
 
 def _check_values(a: CoreArgs) -> None:
-    from ..validation import check_cu_seqlens_values, check_finite
-
     check_cu_seqlens_values(a.cu_seqlens, a.q.shape[1])
     gates = dict(b=a.beta, w=a.w) if a.family == "gdn2" else dict(beta=a.beta)     # the op's argument names
     check_finite(reset_gate="g", q=a.q, k=a.k, v=a.v, g=a.g, **gates, initial_state=a.h0)
-
-
-def _settings(a: CoreArgs) -> tuple:
-    return a.scale, a.family, a.policy, a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as, a.why
-
-
-def _announce(event: str, a: CoreArgs, backend: str) -> None:
-    if a.report_as:
-        for listener in LISTENERS:
-            listener(event, a.report_as, backend, a.policy, a.why)
-
-
-def _tensors(a: CoreArgs) -> tuple:
-    return a.q, a.k, a.v, a.g, a.beta, a.w, a.h0, a.cu_seqlens
 
 
 def _kept(a: CoreArgs, backend: str) -> tuple:
@@ -96,16 +129,17 @@ def _kept(a: CoreArgs, backend: str) -> tuple:
     copy of each per layer instead of two; the backward takes the normalised ones in their place,
     same shape and dtype)."""
     if _backend(backend).normalised_qk(a) is not None:
-        return (None, None) + _tensors(a)[2:]
-    return _tensors(a)
+        return replace(a, q=None, k=None).tensors()
+    return a.tensors()
 
 
-def _restored(inputs: tuple, a_settings: tuple, backend: str, saved: list) -> tuple:
-    q, k, *rest = inputs
-    if q is None:
-        iq, ik = _backend(backend).normalised_qk(CoreArgs(None, None, *rest, *a_settings))
-        q, k = saved[iq], saved[ik]
-    return (q, k, *rest)
+def _restored(kept: tuple, settings: tuple, backend: str, saved: list) -> CoreArgs:
+    """The call's record from what ``_kept`` kept, q and k taken from ``saved`` where they were left out."""
+    a = CoreArgs.from_flat(kept, settings)
+    if a.q is None:
+        iq, ik = _backend(backend).normalised_qk(a)
+        a = replace(a, q=saved[iq], k=saved[ik])
+    return a
 
 
 def delta_rule(a: CoreArgs, backend: str) -> tuple[Tensor, Tensor]:
@@ -115,24 +149,31 @@ def delta_rule(a: CoreArgs, backend: str) -> tuple[Tensor, Tensor]:
     if a.family not in FAMILIES:
         raise ValueError(f"unknown delta-rule family {a.family!r}; expected one of {FAMILIES}")
     if torch.compiler.is_compiling():
-        out = torch.ops.rewy.delta_rule(*_tensors(a), *_settings(a), backend)
+        out = torch.ops.rewy.delta_rule(*a.tensors(), *a.settings(), backend)
         return out[0], out[1]
-    return CoreFunction.apply(*_tensors(a), _settings(a), backend)
+    return CoreFunction.apply(*a.tensors(), a.settings(), backend)
+
+
+# The inputs the eager path keeps as dense copies where they are views into a larger buffer (_compact).
+_KEPT_DENSE = frozenset(("q", "k", "v", "g", "beta", "w"))
 
 
 class CoreFunction(torch.autograd.Function):
-    """The eager path: o, ht = f(q, k, v, g, beta, w, h0) for ``backend``."""
+    """The eager path: o, ht = f(q, k, v, g, beta, w, h0) for ``backend``; its arguments are
+    ``CoreArgs.tensors()``, then ``CoreArgs.settings()`` as one tuple, then the backend."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, w, h0, cu_seqlens, settings: tuple, backend: str):
+    def forward(ctx, *args):
+        *tensors, settings, backend = args
         ctx.set_materialize_grads(False)       # no zero tensors for an unused output or final state
-        a = CoreArgs(*map(_compact, (q, k, v, g, beta, w)), h0, cu_seqlens, *settings)
+        a = CoreArgs.from_flat([_compact(x) if name in _KEPT_DENSE else x for name, x in zip(TENSOR_FIELDS, tensors)],
+                               settings)
         _check_values(a)
         o, ht, saved = _backend(backend).forward(a)
-        _announce("forward", a, backend)
+        _announce_forward(a, backend)
         kept = list(_kept(a, backend))
         if a.g is not None and not _backend(backend).BACKWARD_READS_GATE:
-            kept[3] = _stand_in(a.g)
+            kept[TENSOR_FIELDS.index("g")] = _stand_in(a.g)
         ctx.save_for_backward(*kept, *saved)
         ctx.settings, ctx.backend = settings, backend
         return o, ht
@@ -140,8 +181,6 @@ class CoreFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         if torch.is_grad_enabled():
-            from ..errors import UnsupportedConfigError
-
             raise UnsupportedConfigError(
                 "double backward (a gradient with create_graph=True) through rewy's delta-rule core is not "
                 "supported: its backward is written by hand and is not itself differentiable. Take first-order "
@@ -149,33 +188,56 @@ class CoreFunction(torch.autograd.Function):
         # Read once: under non-reentrant activation checkpointing every read of saved_tensors
         # unpacks (recomputes) them, and a second read is refused.
         stored = ctx.saved_tensors
-        inputs, saved = stored[:8], list(stored[8:])
-        a = CoreArgs(*_restored(inputs, ctx.settings, ctx.backend, saved), *ctx.settings)
+        n = len(TENSOR_FIELDS)
+        kept, saved = stored[:n], list(stored[n:])
+        a = _restored(kept, ctx.settings, ctx.backend, saved)
         do = torch.zeros_like(a.v) if do is None else do
         grads = _backend(ctx.backend).backward(a, saved, do, dht)
-        _announce("backward", a, ctx.backend)
-        return (*grads, None, None, None)
+        _announce_backward(a, ctx.backend)
+        return (*gradients_by_field(grads), None, None)
 
 
-# The custom ops. Their signatures spell out CoreArgs' fields, as torch.library needs.
+# The custom ops. Their signatures spell out CoreArgs' fields, as torch.library needs; _spelled_as
+# refuses, at import, a signature that no longer matches the dataclass.
+
+_FORWARD_PARAMETERS = TENSOR_FIELDS + SETTING_FIELDS + ("backend",)
+_BACKWARD_PARAMETERS = TENSOR_FIELDS + ("saved", "do", "dht") + SETTING_FIELDS + ("backend",)
+
+
+def _record(parameters: dict) -> tuple[CoreArgs, str]:
+    """The call's record and backend from a custom op's parameters, passed as the ``locals()`` its
+    body starts with: by name, so only the signature (checked by ``_spelled_as``) spells the fields."""
+    return CoreArgs(**{name: parameters[name] for name in TENSOR_FIELDS + SETTING_FIELDS}), parameters["backend"]
+
+
+def _spelled_as(parameters: tuple[str, ...]) -> Callable:
+    def check(fn: Callable) -> Callable:
+        spelled = tuple(inspect.signature(fn).parameters)
+        if spelled != parameters:
+            raise TypeError(f"{fn.__name__}'s parameters {spelled} do not follow CoreArgs' fields: expected "
+                            f"{parameters} (kernels/core_args.py)")
+        return fn
+    return check
+
 
 @torch.library.custom_op("rewy::delta_rule", mutates_args=())
+@_spelled_as(_FORWARD_PARAMETERS)
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
                 h0: Tensor | None, cu_seqlens: Tensor | None, scale: float, family: str, policy: str,
                 state_v_first: bool, qk_l2norm: bool, safe_gate: bool, report_as: str, why: str,
                 backend: str) -> list[Tensor]:
-    a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
-                 report_as, why)
+    a, backend = _record(locals())
     _check_values(a)
     o, ht, saved = _backend(backend).forward(a)
-    _announce("forward", a, backend)
+    _announce_forward(a, backend)
     return [_own(x) for x in (o, ht, *saved)]
 
 
 @_forward_op.register_fake
+@_spelled_as(_FORWARD_PARAMETERS)
 def _forward_fake(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
                   report_as, why, backend):
-    a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate)
+    a, backend = _record(locals())
     ctx = torch.library.get_ctx()
     state_dtype = torch.float64 if backend == "torch" and q.dtype == torch.float64 else torch.float32
     o = v.new_empty(v.shape)
@@ -184,20 +246,22 @@ def _forward_fake(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, st
 
 
 @torch.library.custom_op("rewy::delta_rule_backward", mutates_args=())
+@_spelled_as(_BACKWARD_PARAMETERS)
 def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor, w: Tensor | None,
                  h0: Tensor | None, cu_seqlens: Tensor | None, saved: list[Tensor], do: Tensor, dht: Tensor | None,
                  scale: float, family: str, policy: str, state_v_first: bool, qk_l2norm: bool, safe_gate: bool,
                  report_as: str, why: str, backend: str) -> list[Tensor]:
-    a = CoreArgs(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, state_v_first, qk_l2norm, safe_gate,
-                 report_as, why)
+    a, backend = _record(locals())
     grads = _backend(backend).backward(a, list(saved), do, dht)
-    _announce("backward", a, backend)
+    _announce_backward(a, backend)
     return [_own(x) for x in grads if x is not None]
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht, *settings):
-    return [x.new_empty(x.shape) for x in (q, k, v, g, beta, w, h0) if x is not None]
+def _backward_fake(*args):
+    # One gradient per input with a gradient that is present, as _backward_op returns them.
+    inputs = dict(zip(TENSOR_FIELDS, args))
+    return [inputs[name].new_empty(inputs[name].shape) for name in GRADIENT_FIELDS if inputs[name] is not None]
 
 
 def _compact(x: Tensor | None) -> Tensor | None:
@@ -227,21 +291,23 @@ def _own(x: Tensor) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    a = CoreArgs(*inputs[:-1])
-    ctx.save_for_backward(*_kept(a, inputs[-1]), *output[2:])
-    ctx.settings = inputs[8:]
+    *flat, backend = inputs
+    n = len(TENSOR_FIELDS)
+    a = CoreArgs.from_flat(flat[:n], flat[n:])
+    ctx.save_for_backward(*_kept(a, backend), *output[2:])
+    ctx.settings, ctx.backend = a.settings(), backend
 
 
 def _backward(ctx, grads):
     stored = ctx.saved_tensors                 # read once, as in CoreFunction.backward
-    inputs, saved = stored[:8], list(stored[8:])
-    q, k, v, g, beta, w, h0, cu_seqlens = _restored(inputs, ctx.settings[:-1], ctx.settings[-1], saved)
+    n = len(TENSOR_FIELDS)
+    kept, saved = stored[:n], list(stored[n:])
+    a = _restored(kept, ctx.settings, ctx.backend, saved)
     do, dht = grads[0], grads[1]
-    do = torch.zeros_like(v) if do is None else do
-    out = iter(torch.ops.rewy.delta_rule_backward(q, k, v, g, beta, w, h0, cu_seqlens, saved, do, dht,
-                                                   *ctx.settings))
-    dq, dk, dv, dg, dbeta, dw, dh0 = (None if x is None else next(out) for x in (q, k, v, g, beta, w, h0))
-    return (dq, dk, dv, dg, dbeta, dw, dh0, None) + (None,) * len(ctx.settings)
+    do = torch.zeros_like(a.v) if do is None else do
+    out = iter(torch.ops.rewy.delta_rule_backward(*a.tensors(), saved, do, dht, *ctx.settings, ctx.backend))
+    present = [None if getattr(a, name) is None else next(out) for name in GRADIENT_FIELDS]
+    return (*gradients_by_field(present), *(None,) * (len(ctx.settings) + 1))
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)

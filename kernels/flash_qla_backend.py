@@ -30,6 +30,7 @@ import torch
 
 from .constants import CHUNK
 from .core_args import CoreArgs
+from .errors import UnsupportedConfigError
 from .triton_backend.qk_l2norm import normalize, normalize_backward
 
 __all__ = ["forward", "backward", "saved_like", "normalised_qk"]
@@ -78,8 +79,6 @@ def _split_tensors(a: CoreArgs, cache) -> list[torch.Tensor]:
     like = _split_like(a, 0 if got[0] is None else got[0].shape[0])
     for n, t in zip(SPLIT_NAMES, got):
         if t is None or tuple(t.shape) != like[n][0]:
-            from ..errors import UnsupportedConfigError
-
             raise UnsupportedConfigError(
                 f"FlashQLA's forward split cache has {n} of shape {None if t is None else tuple(t.shape)}, rewy "
                 f"expects {like[n][0]}: this flash-qla version keeps its split differently from 0.1.3. Install "

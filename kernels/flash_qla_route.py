@@ -23,7 +23,7 @@ import importlib.util
 
 import torch
 
-BACKEND = "flash_qla"
+from .vocabulary import FLASH_QLA
 
 
 def _probe(device_type: str, index: int) -> str | None:
@@ -70,4 +70,4 @@ def choose(q, k, v, neg_eigval: bool) -> tuple[str, str]:
     """(backend, why) for an ``auto`` GDN call that rewy's Triton kernels can serve."""
     if (reason := unsupported_reason(q, k, v, neg_eigval)) is not None:
         return "triton", reason
-    return BACKEND, "FlashQLA serves this call and is faster"
+    return FLASH_QLA, "FlashQLA serves this call and is faster"

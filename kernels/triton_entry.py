@@ -16,16 +16,18 @@ def triton_gdn_core(q, k, v, g, beta, scale, initial_state, output_final_state, 
     """GDN (g: [B, T, HV] log-decay) or DeltaNet (g None) on CUDA with the ReWY backward.
     ``cu_seqlens``: packed sequences in one row (B = 1), as in FLA. ``qk_l2norm``:
     q and k are normalised inside (FLA's ``use_qk_l2norm_in_kernel``)."""
-    args = CoreArgs(q, k, v, g, beta, None, initial_state, cu_seqlens, scale, "delta_rule" if g is None else "gdn",
-                    policy, state_v_first, qk_l2norm, False)
+    args = CoreArgs(q=q, k=k, v=v, g=g, beta=beta, w=None, h0=initial_state, cu_seqlens=cu_seqlens, scale=scale,
+                    family="delta_rule" if g is None else "gdn", policy=policy, state_v_first=state_v_first,
+                    qk_l2norm=qk_l2norm, safe_gate=False)
     o, ht = delta_rule(args, "triton")
     return o, (ht if output_final_state else None)
 
 
 def _apply(q, k, v, g, beta, w_gate, scale, initial_state, output_final_state, state_v_first, policy, safe_gate,
            cu_seqlens, qk_l2norm):
-    args = CoreArgs(q, k, v, g, beta, w_gate, initial_state, cu_seqlens, scale, "kda" if w_gate is None else "gdn2",
-                    policy, state_v_first, qk_l2norm, safe_gate)
+    args = CoreArgs(q=q, k=k, v=v, g=g, beta=beta, w=w_gate, h0=initial_state, cu_seqlens=cu_seqlens, scale=scale,
+                    family="kda" if w_gate is None else "gdn2", policy=policy, state_v_first=state_v_first,
+                    qk_l2norm=qk_l2norm, safe_gate=safe_gate)
     o, ht = delta_rule(args, "triton")
     return o, (ht if output_final_state else None)
 

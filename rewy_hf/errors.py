@@ -1,17 +1,10 @@
-"""Exceptions raised by rewy-hf.
+"""Exceptions raised by rewy-hf: ``UnsupportedConfigError`` and ``InputValidationError``.
 
-Every error names the offending argument and what would be accepted instead,
-so a user can fix the call without reading our source.
+Both are defined in ``rewy_hf.kernels.errors`` (the kernels raise them too, and
+depend on nothing above them); these are the same classes, so
+``except rewy_hf.errors.UnsupportedConfigError`` catches what the kernels raise.
 """
 
+from .kernels.errors import InputValidationError, UnsupportedConfigError
 
-class UnsupportedConfigError(ValueError):
-    """A call asks for something the selected backend cannot compute.
-
-    Subclasses ValueError so code that already guards FLA calls with
-    ``except ValueError`` keeps working.
-    """
-
-
-class InputValidationError(ValueError):
-    """An input tensor has the wrong shape, rank, dtype or contents."""
+__all__ = ["InputValidationError", "UnsupportedConfigError"]

@@ -1,8 +1,9 @@
 """Random inputs for the four ops, shared by `rewy-hf bench`, `rewy-hf verify` and `rewy-hf demo`.
 
-Ops go by short names here (``delta_rule``, ``gdn``, ``kda``, ``gdn2``); each
-maps to its public op and to the name it has in the dispatch report and in
-``REWY_HF_TEST_FAULT=...@<op>``.
+Ops go by their delta-rule family here (``delta_rule``, ``gdn``, ``kda``,
+``gdn2``; kernels/vocabulary.py); each maps to its public op (``REWY_OPS``)
+and to the name it has in the dispatch report and in
+``REWY_HF_TEST_FAULT=...@<op>`` (``DISPATCH_NAME``).
 """
 
 from __future__ import annotations
@@ -13,23 +14,21 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+# The vocabulary's own objects, under the names the bench and the checks read (op -> report name).
+from .kernels.vocabulary import FAMILIES as OPS
+from .kernels.vocabulary import PUBLIC_OPS
+from .kernels.vocabulary import REPORT_OPS as DISPATCH_NAME
 
-OPS = ("delta_rule", "gdn", "kda", "gdn2")
-REWY_OPS = {"delta_rule": ops.chunk_delta_rule, "gdn": ops.chunk_gated_delta_rule, "kda": ops.chunk_kda,
-            "gdn2": ops.chunk_gdn2}
-DISPATCH_NAME = {"delta_rule": "delta_rule", "gdn": "gated_delta_rule", "kda": "kda", "gdn2": "gdn2"}
-GRAD_NAMES = {
-    "delta_rule": ("q", "k", "v", "beta"),
-    "gdn": ("q", "k", "v", "g", "beta"),
-    "kda": ("q", "k", "v", "g", "beta"),
-    "gdn2": ("q", "k", "v", "g", "b", "w"),
-}
+# A dict the bench looks ops up in at call time (its tests swap an entry).
+REWY_OPS = {op: getattr(ops, PUBLIC_OPS[op]) for op in OPS}
+# The inputs with a gradient, in argument order: q, k, v and the op's own (rewy_hf/ops.py SPECS).
+GRAD_NAMES = {op: ("q", "k", "v") + tuple(x.argument for x in ops.SPECS[op].inputs) for op in OPS}
 
 # Gates near FLA's safe lower bound: g = LOWER_BOUND * sigmoid(x + 3), inside
 # (-5, 0) and mostly near -4.8 per token, as a layer with use_gate_in_kernel
 # and lower_bound = -5 (FLA's safe_gate range) produces when its gate
 # saturates. Only the vector-gated ops have such a bound.
-BOUND_OPS = ("kda", "gdn2")
+BOUND_OPS = tuple(op for op in OPS if ops.SPECS[op].gate_kind == "vector")
 LOWER_BOUND = -5.0
 
 # Strong decay for the scalar-gated op: a log-gate of STRONG_DECAY per token

@@ -1,4 +1,10 @@
-"""Checks shared by the public ops: every failure names the argument and the fix."""
+"""Checks shared by the public ops: every failure names the argument and the fix.
+
+The checks of input values the core makes inside its boundary
+(``check_cu_seqlens_values``, ``check_finite``) are defined with the kernels
+(rewy_hf/kernels/value_checks.py) and exported here with the rest; so are the
+names ``backend`` and ``policy`` take (rewy_hf/kernels/vocabulary.py).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,13 @@ import math
 import torch
 
 from .errors import InputValidationError, UnsupportedConfigError
-from .settings import CHECK_FINITE, check_finite_enabled
+from .kernels.constants import CHUNK as SUPPORTED_CHUNK_SIZE
+from .kernels.value_checks import check_cu_seqlens_values, check_finite
+from .kernels.vocabulary import BACKENDS, POLICIES
 
-SUPPORTED_CHUNK_SIZE = 64
-BACKENDS = ("auto", "torch", "triton")
-POLICIES = ("recompute", "full")
+__all__ = ["BACKENDS", "POLICIES", "SUPPORTED_CHUNK_SIZE", "check_chunk_size", "check_cu_seqlens",
+           "check_cu_seqlens_values", "check_finite", "check_initial_state", "check_qkv", "check_scale",
+           "check_shape", "check_tensor", "pop_fla_extras", "refuse_if_set", "resolve_backend", "resolve_policy"]
 
 
 def check_tensor(name: str, x, rank: int) -> None:
@@ -96,20 +104,6 @@ def check_cu_seqlens(cu_seqlens, B: int) -> int:
     return cu_seqlens.shape[0] - 1
 
 
-def check_cu_seqlens_values(cu_seqlens, T: int) -> None:
-    """The bounds themselves: from 0 to T, never decreasing (a device sync on GPU)."""
-    if cu_seqlens is None:
-        return
-    if cu_seqlens.device.type == "meta":
-        raise InputValidationError("`cu_seqlens` is on the meta device, but the core needs its values (the "
-                                   "sequence bounds); pass it on the CPU or the inputs' device.")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise InputValidationError(
-            f"`cu_seqlens` must start at 0, end at T={T} and never decrease, got {cu if len(cu) < 12 else cu[:12] + ['...']}."
-        )
-
-
 def check_initial_state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, compute_f64: bool) -> None:
     if initial_state is None:
         return
@@ -126,23 +120,6 @@ def check_initial_state(initial_state, N: int, HV: int, K: int, V: int, state_v_
 def check_chunk_size(chunk_size) -> None:
     if chunk_size != SUPPORTED_CHUNK_SIZE:
         raise UnsupportedConfigError(f"`chunk_size`={chunk_size} is not supported; rewy-hf uses chunk_size=64.")
-
-
-def check_finite(reset_gate: str | None = None, **tensors) -> None:
-    """Opt-in (REWY_HF_CHECK_FINITE=1): a full pass over the inputs, so off by default.
-
-    ``reset_gate`` names the log-gate, which may hold -inf (a hard reset of the state)."""
-    if not check_finite_enabled():
-        return
-    for name, x in tensors.items():
-        if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
-            continue
-        ok = torch.isfinite(x) | (x == float("-inf")) if name == reset_gate else torch.isfinite(x)
-        if not ok.all():
-            bad = (~ok).sum().item()
-            raise InputValidationError(
-                f"`{name}` has {bad} non-finite values (NaN or Inf); {CHECK_FINITE.name}=1 checks inputs before the op."
-            )
 
 
 def resolve_backend(backend: str, device: torch.device, triton_unsupported: str | None) -> str:

@@ -192,3 +192,116 @@ def test_every_package_is_listed_for_installation():
     listed = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {name for name, path in walk_modules(package_dirs()).items() if path.name == "__init__.py"}
     assert packages == listed, (sorted(packages - listed), sorted(listed - packages))
+
+
+def imports_leaving(modules: dict[str, Path], package: str) -> list[str]:
+    """Imports by modules of ``package`` of modules outside it (within the scanned roots)."""
+    out = []
+    for name, path in modules.items():
+        if name != package and not name.startswith(package + "."):
+            continue
+        for target, imported, line in imports_of(name, path, modules):
+            if target != package and not target.startswith(package + "."):
+                out.append(f"{path}:{line}: {name} imports {target + ('.' + imported if imported else '')}")
+    return out
+
+
+def test_kernels_import_nothing_of_rewy_hf_above_them(modules):
+    """The math depends on nothing above it: rewy_hf.kernels imports no rewy_hf module outside itself
+    (rewy_hf.errors, rewy_hf.validation and rewy_hf.settings re-export what the kernels define)."""
+    found = imports_leaving(modules, "rewy_hf.kernels")
+    assert not found, "kernels/ imports from the package above it:\n" + "\n".join(found)
+
+
+def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("from . import b\n")
+    (pkg / "low" / "b.py").write_text("def f():\n    from ..errors import E\n")
+    (found,) = imports_leaving(walk_modules({"pkg": pkg}), "pkg.low")
+    assert found.endswith("pkg.low.b imports pkg.errors.E")
+
+
+# --- one vocabulary ------------------------------------------------------------------------------
+
+def _vocabulary() -> dict[str, frozenset]:
+    from rewy_hf.kernels import vocabulary as voc
+
+    return {"FAMILIES": frozenset(voc.FAMILIES), "public op names": frozenset(voc.PUBLIC_OPS.values()),
+            "report names": frozenset(voc.REPORT_OPS.values()), "BACKENDS": frozenset(voc.BACKENDS),
+            "CORE_BACKENDS": frozenset(voc.CORE_BACKENDS), "POLICIES": frozenset(voc.POLICIES),
+            "GATE_KINDS": frozenset(voc.GATE_KINDS)}
+
+
+def _strings(node) -> list[str] | None:
+    """The strings of a tuple / list / set literal of string constants only, else None."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return [e.value for e in node.elts]
+    return None
+
+
+def _spelled_groups(value) -> list[list[str]]:
+    """The string lists a bound value spells out: a literal of strings (also as a call's argument, as in
+    ``frozenset({...})``), or a string-to-string dict literal's keys and its values."""
+    groups = []
+    for node in [value] + (list(value.args) if isinstance(value, ast.Call) else []):
+        if (found := _strings(node)) is not None:
+            groups.append(found)
+        elif isinstance(node, ast.Dict) and node.keys and all(
+                isinstance(x, ast.Constant) and isinstance(x.value, str) for x in node.keys + node.values):
+            groups += [[k.value for k in node.keys], [v.value for v in node.values]]
+    return groups
+
+
+def vocabulary_spelled_out(modules: dict[str, Path], home: str) -> list[str]:
+    """Names bound outside ``home`` to one of the vocabulary's lists spelled by its members (in any
+    order), or to a name mapping (string to string) over them: a second definition, which may drift.
+    ``__all__`` lists exports and is not a definition."""
+    vocabulary = _vocabulary()
+    out = []
+    for name, path in modules.items():
+        if name == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                continue
+            for group in _spelled_groups(node.value):
+                for what, members in vocabulary.items():
+                    if frozenset(group) == members:
+                        out.append(f"{path}:{node.lineno}: {name} spells out {what} {sorted(members)}")
+    return out
+
+
+def test_each_vocabulary_list_is_defined_once(modules):
+    """Families, op names, backends, policies and gate kinds are defined in kernels/vocabulary.py
+    alone; the modules that export them under their own names hand out the same objects."""
+    found = vocabulary_spelled_out(modules, "rewy_hf.kernels.vocabulary")
+    assert not found, "vocabulary defined again outside kernels/vocabulary.py:\n" + "\n".join(found)
+
+    from rewy_hf import op_inputs, validation
+    from rewy_hf.kernels import vocabulary as voc
+
+    assert validation.BACKENDS is voc.BACKENDS and validation.POLICIES is voc.POLICIES
+    assert op_inputs.OPS is voc.FAMILIES and op_inputs.DISPATCH_NAME is voc.REPORT_OPS
+    assert set(voc.BACKENDS) - {"auto"} <= set(voc.CORE_BACKENDS)
+
+
+def test_the_vocabulary_check_finds_a_planted_second_definition(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("__all__ = ['chunk_delta_rule', 'chunk_gated_delta_rule', 'chunk_kda', "
+                                     "'chunk_gdn2']\n")
+    (pkg / "a.py").write_text("MODES = ('full', 'recompute')\nOK = ('full', 'recompute', 'both')\n"
+                              "def f():\n    choices: frozenset = frozenset({'triton', 'auto', 'torch'})\n")
+    (pkg / "b.py").write_text("NAMES = {'delta_rule': 'x', 'gdn': 'y', 'kda': 'z', 'gdn2': 'w'}\n"
+                              "FUNCTIONS = {'delta_rule': f, 'gdn': f, 'kda': f, 'gdn2': f}\n")
+    found = vocabulary_spelled_out(walk_modules({"pkg": pkg}), "pkg.vocabulary")
+    assert [f.rpartition(": ")[2].split(" [")[0] for f in found] == [
+        "pkg.a spells out POLICIES", "pkg.a spells out BACKENDS", "pkg.b spells out FAMILIES"], found

@@ -23,8 +23,6 @@ from ..constants import CHUNK
 from .chunk_backward import Saved, local_backward, reverse_state_pass
 from .chunk_forward import ChunkInputs, gate_terms, output, qk_gram, state_pass, wy_factors, wy_inverse
 
-POLICIES = ("recompute", "full")
-
 
 def forward_pass(x: ChunkInputs, h0: torch.Tensor, A: torch.Tensor | None = None):
     gt = gate_terms(x.g)

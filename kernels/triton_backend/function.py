@@ -1,16 +1,16 @@
-"""The forward and backward both Triton families run: stages, what each policy saves, in one order.
+"""The forward and backward both Triton gate kinds run: stages, what each policy saves, in one order.
 
-A family (``scalar_gate.stages.ScalarGate``: DeltaNet, GDN; ``vector_gate.stages.VectorGate``:
-KDA, GDN2) supplies the stages that differ: the gate's chunk cumsum, the intra-chunk stage, the
-output, the recompute of the WY pair, the reverse state pass and the local ReWY backward. This
-module owns what both share, in one order:
+Each gate kind's ``stages`` (``scalar_gate.stages.ScalarGate``: DeltaNet, GDN;
+``vector_gate.stages.VectorGate``: KDA, GDN2) supply the stages that differ: the gate's
+chunk cumsum, the intra-chunk stage, the output, the recompute of the WY pair, the reverse
+state pass and the local ReWY backward. This module owns what both share, in one order:
 
 forward   q/k l2norm -> FLA's chunk table (packed sequences) -> gate cumsum -> intra stage
           -> state recurrence (h entering every chunk, v_new) -> output
-saves     the family's intermediates (``saved_names``): under ``full`` its ``full_saved`` too;
+saves     the stages' intermediates (``saved_names``): under ``full`` its ``full_saved`` too;
           under ``recompute`` the state checkpoints (flat), empty where the sequential rebuild fills the GPU
-backward  (recompute) the family's recompute, then h and v_new rebuilt (from the checkpoints, or
-          sequentially) -> the family's reverse state pass -> its local backward -> GVA fold
+backward  (recompute) the stages' recompute, then h and v_new rebuilt (from the checkpoints, or
+          sequentially) -> the stages' reverse state pass -> its local backward -> GVA fold
           -> l2norm backward
 
 The inputs themselves are not among the saved tensors: the autograd boundary (kernels/core.py)
@@ -60,9 +60,9 @@ def fold_gva(dq, dk, key_heads: int):
     return dq.view(B, T, key_heads, group, K).sum(3), dk.view(B, T, key_heads, group, K).sum(3)
 
 
-def state_pass(family, t: Tensors, call, pk: dict, final: bool, chunks=None):
-    """h, v_new, final state: FLA's state recurrence on the family's inputs (``chunks``: fwd_h's)."""
-    return state_launch.fwd_h(**family.state_inputs(t), u=t.u, initial_state=t.h0, output_final_state=final,
+def state_pass(stages, t: Tensors, call, pk: dict, final: bool, chunks=None):
+    """h, v_new, final state: FLA's state recurrence on the stages' inputs (``chunks``: fwd_h's)."""
+    return state_launch.fwd_h(**stages.state_inputs(t), u=t.u, initial_state=t.h0, output_final_state=final,
                               chunk_size=CHUNK, state_v_first=call.state_v_first, chunks=chunks, **pk)
 
 
@@ -92,75 +92,75 @@ def _checkpoint_values(a: CoreArgs):
     return count * HV * K * V
 
 
-def saved_names(family, a: CoreArgs) -> tuple[str, ...]:
+def saved_names(stages, a: CoreArgs) -> tuple[str, ...]:
     """The intermediates ``forward`` returns for the backward, in order."""
-    names = (("g2",) if a.g is not None else ()) + family.intra_saved
+    names = (("g2",) if a.g is not None else ()) + stages.intra_saved
     if a.qk_l2norm:
         names += ("q", "k", "q_rstd", "k_rstd")
-    return names + (family.full_saved if a.policy == "full" else ("checkpoints",))
+    return names + (stages.full_saved if a.policy == "full" else ("checkpoints",))
 
 
-def _call(family, a: CoreArgs) -> SimpleNamespace:
-    return SimpleNamespace(scale=a.scale, policy=a.policy, state_v_first=_v_first_inside(family, a),
+def _call(stages, a: CoreArgs) -> SimpleNamespace:
+    return SimpleNamespace(scale=a.scale, policy=a.policy, state_v_first=_v_first_inside(stages, a),
                            safe_gate=a.safe_gate)
 
 
-def _v_first_inside(family, a: CoreArgs) -> bool:
+def _v_first_inside(stages, a: CoreArgs) -> bool:
     """Whether the kernels themselves run in the V-first state layout (the vector gate's take it
     natively; for the scalar gate the state is transposed at the edges)."""
-    return a.state_v_first and family.state_v_first_native
+    return a.state_v_first and stages.state_v_first_native
 
 
-def _state_dims(family, a: CoreArgs) -> tuple[int, int]:
+def _state_dims(stages, a: CoreArgs) -> tuple[int, int]:
     """The last two dims of a state inside the kernels: (V, K) in the V-first layout, else (K, V)."""
     K, V = a.k.shape[-1], a.v.shape[-1]
-    return (V, K) if _v_first_inside(family, a) else (K, V)
+    return (V, K) if _v_first_inside(stages, a) else (K, V)
 
 
-def _state_in(family, a: CoreArgs, state):
-    """A state in the caller's layout -> the layout the family's kernels take, float32."""
+def _state_in(stages, a: CoreArgs, state):
+    """A state in the caller's layout -> the layout the stages' kernels take, float32."""
     if state is None:
         return None
-    if a.state_v_first and not family.state_v_first_native:
+    if a.state_v_first and not stages.state_v_first_native:
         state = state.transpose(-1, -2)
     return state.float().contiguous()
 
 
-def _state_out(family, a: CoreArgs, state):
-    if a.state_v_first and not family.state_v_first_native:
+def _state_out(stages, a: CoreArgs, state):
+    if a.state_v_first and not stages.state_v_first_native:
         state = state.transpose(-1, -2)
     return state.contiguous()
 
 
-def _inputs(family, a: CoreArgs) -> Tensors:
+def _inputs(stages, a: CoreArgs) -> Tensors:
     c = lambda x: None if x is None else x.contiguous()
-    return Tensors(q=c(a.q), k=c(a.k), v=c(a.v), beta=c(a.beta), w_gate=c(a.w), h0=_state_in(family, a, a.h0))
+    return Tensors(q=c(a.q), k=c(a.k), v=c(a.v), beta=c(a.beta), w_gate=c(a.w), h0=_state_in(stages, a, a.h0))
 
 
-def forward(family, a: CoreArgs):
+def forward(stages, a: CoreArgs):
     """(o, final state in the caller's layout, the tensors of ``saved_names``)."""
-    call = _call(family, a)
-    t = _inputs(family, a)
+    call = _call(stages, a)
+    t = _inputs(stages, a)
     t.q, t.q_rstd = normalize(t.q, a.qk_l2norm)
     t.k, t.k_rstd = normalize(t.k, a.qk_l2norm)
     pk = packing(a.cu_seqlens)
-    t.g2 = family.gate_cumsum(None if a.g is None else a.g.contiguous(), pk)
-    family.intra(t, call, pk)
-    t.h, t.v_new, ht = state_pass(family, t, call, pk, final=True,
+    t.g2 = stages.gate_cumsum(None if a.g is None else a.g.contiguous(), pk)
+    stages.intra(t, call, pk)
+    t.h, t.v_new, ht = state_pass(stages, t, call, pk, final=True,
                                   chunks=_chunk_slots(a) if a.policy == "full" else None)
-    o = family.output(t, call, pk)
+    o = stages.output(t, call, pk)
     if a.policy != "full":
         t.checkpoints = state_checkpoints.kept(t.h, t.h0, state_checkpoints.plan(t.v, a.cu_seqlens),
                                                _checkpoint_values(a))
-    return o.to(a.v.dtype), _state_out(family, a, ht), [getattr(t, n) for n in saved_names(family, a)]
+    return o.to(a.v.dtype), _state_out(stages, a, ht), [getattr(t, n) for n in saved_names(stages, a)]
 
 
-def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
+def saved_like(stages, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
     """Empty tensors shaped as ``forward``'s saved ones, every size a function of the input shapes
     (packed calls: the bounds of ``packed_chunks``); ``dynamic_size`` is not needed here."""
     B, T, H, K = a.q.shape
     HV = a.v.shape[2]
-    state = _state_dims(family, a)
+    state = _state_dims(stages, a)
     f32 = torch.float32
     fixed = dict(g2=(a.g.shape if a.g is not None else None, f32), A=((B, T, HV, CHUNK), a.k.dtype),
                  Aqk=((B, T, HV, CHUNK), a.k.dtype), Akk=((B, T, HV, CHUNK), a.k.dtype),
@@ -175,33 +175,33 @@ def saved_like(family, a: CoreArgs, dynamic_size) -> list[torch.Tensor]:
             return (_checkpoint_values(a),), f32 if a.h0 is not None else a.k.dtype
         return fixed[name]
 
-    return [a.q.new_empty(sz, dtype=dt) for sz, dt in map(shape, saved_names(family, a))]
+    return [a.q.new_empty(sz, dtype=dt) for sz, dt in map(shape, saved_names(stages, a))]
 
 
-def backward(family, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | None):
+def backward(stages, a: CoreArgs, saved: list, do: torch.Tensor, dht: torch.Tensor | None):
     """(dq, dk, dv, dg, dbeta, dw, dh0) in the inputs' shapes and dtypes; None where an input is None."""
-    call = _call(family, a)
-    t = _inputs(family, a)
+    call = _call(stages, a)
+    t = _inputs(stages, a)
     t.q_rstd = t.k_rstd = t.g2 = None            # present in the saved list only when the call has them
-    t.__dict__.update(zip(saved_names(family, a), saved))
+    t.__dict__.update(zip(saved_names(stages, a), saved))
     pk = packing(a.cu_seqlens)
     do = do.contiguous()
-    dht = _state_in(family, a, dht)
+    dht = _state_in(stages, a, dht)
     if a.policy != "full":
-        family.recompute(t, do, call, pk)
+        stages.recompute(t, do, call, pk)
         segments = state_checkpoints.plan(t.v, a.cu_seqlens)
         if segments is not None and segments.cuts:
-            HV, dims = a.v.shape[2], _state_dims(family, a)
+            HV, dims = a.v.shape[2], _state_dims(stages, a)
             states = t.checkpoints[:segments.count * HV * dims[0] * dims[1]].view(segments.count, HV, *dims)
-            t.h, t.v_new = state_checkpoints.rebuild(states, segments, t.u, **family.state_inputs(t),
+            t.h, t.v_new = state_checkpoints.rebuild(states, segments, t.u, **stages.state_inputs(t),
                                                      state_v_first=call.state_v_first)
         else:
-            t.h, t.v_new, _ = state_pass(family, t, call, pk, final=False)
+            t.h, t.v_new, _ = state_pass(stages, t, call, pk, final=False)
         t.u = t.checkpoints = None              # freed before the reverse pass allocates dh
-    dh, dh0, dv2 = family.reverse(t, do, dht, call, pk)
-    dq, dk, dv, dg, db, dw = family.local_backward(t, do, dh, dv2, call, pk)
+    dh, dh0, dv2 = stages.reverse(t, do, dht, call, pk)
+    dq, dk, dv, dg, db, dw = stages.local_backward(t, do, dh, dv2, call, pk)
     dq, dk = fold_gva(dq, dk, t.q.shape[2])
     dq, dk = normalize_backward(t.q, t.q_rstd, dq), normalize_backward(t.k, t.k_rstd, dk)
     return (dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype), None if a.g is None else dg.to(a.g.dtype),
             db.to(a.beta.dtype), None if dw is None else dw.to(a.w.dtype),
-            None if a.h0 is None else _state_out(family, a, dh0).to(a.h0.dtype))
+            None if a.h0 is None else _state_out(stages, a, dh0).to(a.h0.dtype))

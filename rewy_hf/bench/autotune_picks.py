@@ -5,8 +5,8 @@ keeps the winner for the rest of the process. FLA's keys mostly leave out the
 batch size and the sequence length: its reverse state recurrence
 (``chunk_gated_delta_rule_bwd_dhu``, which rewy's backward runs too) is keyed
 on heads, head dims and chunk size only, so a pick made at one shape is kept
-at another where a different config is faster (docs/performance.md shows by
-how much). A training run at one shape tunes at that shape, so the bench
+at another where a different config is faster (CHANGELOG.md gives by how
+much). A training run at one shape tunes at that shape, so the bench
 forgets every pick before each shape: each is then timed with what a process
 running only that shape would run.
 

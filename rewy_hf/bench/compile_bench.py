@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 
 import torch
 import torch.nn as nn
@@ -32,8 +31,9 @@ from ..models.causal_masks import causal_only_masks
 from ..patching.dispatch import dispatch_report, reset_dispatch_report, total_calls
 from ..patching.patch import unpatch_model
 from ..installed_kernels import installed_kernels_under_compile
-from .model_bench import ModelSettings, ModelSides, Snapshot, optimizer_for, timed_step, train_step
-from .model_profile import DELTA_RULE
+from .kernel_profile import gpu_time_by_group
+from .model_bench import (ModelSettings, ModelSides, Snapshot, optimizer_for, steady_snapshot, step_summary,
+                          timed_step, train_step)
 
 # The unpatched compiled side comes last: its graph breaks (one or more in every delta-rule layer)
 # give it the most graphs to compile, and a run stopped on time keeps the other three.
@@ -45,40 +45,16 @@ CURVE_BATCHES = ("a fresh batch each step: windows at seeded random offsets into
                  "(rewy_hf/training/corpus.txt), bytes as token ids")
 HELD_KERNELS = ("the installed kernel package's op with its graph breaks (transformers' kernel wrapper's export "
                 "check held False, installed_kernels.py)")
-FAMILIES = ("core", "gemm", "elementwise", "conv", "attention", "optimizer")
 
 
-def kernel_family(name: str) -> str:
-    """The family of a GPU kernel, by its name."""
-    n = name.lower()
-    if any(n.startswith(x) or x in n for x in DELTA_RULE):
-        return "core"
-    if any(x in n for x in ("adam", "multi_tensor_apply", "foreach")):
-        return "optimizer"
-    if any(x in n for x in ("flash", "fmha", "attention", "sdpa")):
-        return "attention"
-    if any(x in n for x in ("conv", "fprop", "dgrad", "wgrad")):
-        return "conv"
-    if any(x in n for x in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk")):
-        return "gemm"
-    return "elementwise"
+def fresh_counts(compile_from_scratch: bool) -> None:
+    """Zero dynamo's counters and the dispatch report for the next side (and forget what dynamo compiled)."""
+    import torch._dynamo
 
-
-def gpu_time_by_family(step) -> tuple[float, dict[str, float], int]:
-    """(summed kernel ms, ms per family, kernel launches) of one call of ``step`` under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    per = dict.fromkeys(FAMILIES, 0.0)
-    launches = 0
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and "Memset" not in e.name:
-            per[kernel_family(e.name)] += (e.time_range.end - e.time_range.start) / 1000.0
-            launches += 1
-    return sum(per.values()), per, launches
+    if compile_from_scratch:
+        torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    reset_dispatch_report()
 
 
 def dynamo_counts() -> dict:
@@ -151,8 +127,6 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     many graphs each one compiled (0: no recompile). ``compiler``: torch.compile's backend. The summary
     fields relative to a side (speed-ups, curve differences) are there when that side ran; `--from-json`
     of several runs on the same settings joins their sides (merge.py)."""
-    import torch._dynamo
-
     unknown = [x for x in sides if x not in SIDES]
     if unknown or not sides:
         raise ValueError(f"sides {unknown or '(none)'}: choose one or more of {', '.join(SIDES)}")
@@ -164,13 +138,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
     chosen = [x for x in SIDES if x in sides]
     sides = ModelSides(model, s)
     compiled = torch.compile(model, backend=compiler)
-    initial = Snapshot(model, opt)
-    with sides.enter("unpatched"):
-        train_step(model, opt, batch)           # creates AdamW's state: every timed step is a steady-state step
-    snap = Snapshot(model, opt)
-    snap.weights = initial.weights
-    del initial
-
+    snap = steady_snapshot(model, opt, batch, sides)
     out: dict = {"tokens_per_step": s.batch_size * s.seq_len, "sides": {}}
     for side in chosen:
         patched, is_compiled = side.startswith("patched"), side.endswith("compiled")
@@ -178,10 +146,7 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
         if causal_masks and (masks := causal_only_masks(model)) is not None:
             # The bench's batches are whole unpadded rows: the mapping the eager mask code computes.
             run = functools.partial(run, attention_mask=masks)
-        if is_compiled:
-            torch._dynamo.reset()           # each compiled side compiles from scratch: its compile time
-        torch._dynamo.utils.counters.clear()
-        reset_dispatch_report()
+        fresh_counts(compile_from_scratch=is_compiled)      # a compiled side's first step: its compile time
         # (on CPU the unpatched side runs reference cores, which no wrapper picks)
         own_kernels = is_compiled and not patched and not sides.reference
         kernels = installed_kernels_under_compile() if own_kernels else contextlib.nullcontext(False)
@@ -198,19 +163,17 @@ def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side
                     ms.append(elapsed)
                 if progress is not None:
                     progress(f"{side}: step {i + 1}/{s.warmup + s.steps}")
-            med = statistics.median(ms)
-            row = {"step_ms": ms, "median_step_ms": med, "tokens_per_s": out["tokens_per_step"] / med * 1e3,
-                   "peak_mb": peak if s.device == "cuda" else None, "loss": losses,
-                   "compile_s": (first_ms - med) / 1e3 if is_compiled else None,
-                   "dispatch": dispatch_report()}
+            row = step_summary(ms, out["tokens_per_step"])
+            row.update(peak_mb=peak if s.device == "cuda" else None, loss=losses,
+                       compile_s=(first_ms - row["median_step_ms"]) / 1e3 if is_compiled else None,
+                       dispatch=dispatch_report())
             if is_compiled:
                 row.update(dynamo_counts())
             if held:
                 row["core_under_compile"] = HELD_KERNELS
             if s.device == "cuda":
                 snap.restore()
-                total, per, launches = gpu_time_by_family(lambda: train_step(run, opt, batch))
-                row.update(gpu_ms=total, gpu_ms_by_family=per, launches=launches)
+                row.update(gpu_time_by_group(lambda: train_step(run, opt, batch)))
             if curve_batches:
                 row["curve_loss"] = loss_curve(run, opt, curve_batches, snap)
                 if progress is not None:
@@ -257,80 +220,3 @@ def compile_problems(res: dict) -> list[str]:
     if any(not all(x == x and abs(x) != float("inf") for x in r["loss"]) for r in res["sides"].values()):
         problems.append("a loss was not finite")
     return problems
-
-
-def format_side(side: str, r: dict) -> str:
-    """One side's line, as it finishes."""
-    per = r.get("gpu_ms_by_family") or {}
-    fams = ", ".join(f"{f} {per[f]:.1f}" for f in FAMILIES) if per else ""
-    comp = f", compile {r['compile_s']:.1f} s, {r.get('graph_breaks')} graph breaks, {r.get('graphs')} graphs" \
-        if r["compile_s"] is not None else ""
-    peak = f", peak {r['peak_mb']:.0f} MB" if r["peak_mb"] is not None else ""
-    return (f"{side}: {r['median_step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s{peak}{comp}"
-            + (f"; GPU ms by family: {fams}" if fams else ""))
-
-
-def side_table(head: list[str], rows: list[list[str]], markdown: bool = False) -> list[str]:
-    """The lines of a model run's table, one row per side: Markdown, or plain columns with the side
-    names left-aligned and the figures right-aligned."""
-    if markdown:
-        return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    return ["  ".join(x.rjust(w) if j else x.ljust(w) for j, (x, w) in enumerate(zip(line, widths)))
-            for line in (head, *rows)]
-
-
-def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
-    """The four sides as a table (plain text, or Markdown for docs/performance.md), then the curve and
-    the recompiles at further lengths when they were run."""
-    head = ["side", "step ms", "tokens/s", "x unpatched eager", "peak MB", "compile s", "graph breaks",
-            "graphs", *(f"{f} ms" for f in FAMILIES)]
-    rows = []
-    # A run stopped part way (its JSON written side by side) has no summary fields: derive them.
-    base = res["sides"].get("unpatched eager")
-    for side, r in res["sides"].items():
-        per = r.get("gpu_ms_by_family") or {}
-        x = r.get("speedup_vs_unpatched_eager") or (base["median_step_ms"] / r["median_step_ms"] if base else None)
-        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
-                     "-" if x is None else f"{x:.3f}",
-                     "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
-                     "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}",
-                     str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")),
-                     *(f"{per[f]:.1f}" if f in per else "-" for f in FAMILIES)])
-    if markdown:
-        lines = side_table(head, rows, markdown=True)
-    else:
-        st = res.get("settings", {})
-        tokens = res.get("tokens_per_step") or st.get("batch_size", 0) * st.get("seq_len", 0) or "?"
-        lines = [f"{spec}: {tokens} tokens per step", *side_table(head, rows)]
-    lines.append("")
-    asked = res.get("settings", {}).get("sides", SIDES)
-    stopped = [side for side in SIDES if side in asked and side not in res["sides"]]
-    if stopped:
-        lines.append(f"not measured (the run stopped before): {', '.join(stopped)}")
-    left_out = [side for side in SIDES if side not in asked]
-    if left_out:
-        lines.append(f"not asked for (--sides): {', '.join(left_out)}")
-    if res.get("sources"):
-        lines.append("sides from separate runs on the same settings and weights: "
-                     + "; ".join(f"{src}: {', '.join(names)}" for src, names in res["sources"].items()))
-    for side, r in res["sides"].items():
-        if "core_under_compile" in r:
-            lines.append(f"{side}: its delta-rule calls ran {r['core_under_compile']}")
-    if "speedup_vs_unpatched_compiled" in res:
-        lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
-    curves = {side: r["curve_loss"] for side, r in res["sides"].items() if "curve_loss" in r}
-    if base is not None and "unpatched eager" in curves and len(curves) > 1:
-        ref = curves["unpatched eager"]
-        diffs = ", ".join(f"{side} {curve_max_rel_diff(c, ref):.2e}"
-                          for side, c in curves.items() if side != "unpatched eager")
-        batches = "the timing batch" if "timing batch" in res.get("curve", {}).get("batches", "") else "corpus batches"
-        lines.append(f"loss over {len(ref)} training steps on {batches} (AdamW lr {CURVE_LR:g}, from "
-                     f"{ref[0]:.3f} to {ref[-1]:.3f} unpatched eager): largest relative difference from unpatched "
-                     f"eager at any step: {diffs}")
-    at = {side: r["graphs_compiled_at_length"] for side, r in res["sides"].items()
-          if "graphs_compiled_at_length" in r}
-    for side, counts in at.items():
-        lines.append(f"{side}: graphs compiled by one step at each further length: "
-                     + ", ".join(f"T={t}: {n}" for t, n in counts.items()))
-    return "\n".join(lines)

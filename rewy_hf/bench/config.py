@@ -1,13 +1,14 @@
-"""What `rewy-hf bench` measures: ops, policies, boundaries, shapes, and the defaults
-that depend on the device."""
+"""What `rewy-hf bench` measures: ops, policies, boundaries, shapes, the defaults
+that depend on the device, and the record of the machine a run measured on."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import platform
 from dataclasses import dataclass
 from importlib import resources
 
+from .. import settings
 from ..op_inputs import LOWER_BOUND, STRONG_DECAY, Shape
 
 BOUNDARIES = ("B", "FB")
@@ -57,43 +58,6 @@ class CustomShape:
 SUITE = "suite"
 
 
-def parse_shape(text: str) -> CustomShape | str:
-    """argparse type for --shapes: 'suite' or B,T,H[,K,V][,packed=N] (positive integers; packed: one
-    row of T tokens from N sequences, B = 1)."""
-    if text.strip().lower() == SUITE:
-        return SUITE
-    parts = [p.strip() for p in text.split(",")]
-    example = ("e.g. --shapes 2,4096,16 or --shapes 2,4096,16,128,128 or --shapes 1,32768,32,packed=8 "
-               "(or --shapes suite)")
-    packed = 0
-    if parts and parts[-1].startswith("packed="):
-        try:
-            packed = int(parts.pop()[len("packed="):])
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"shape {text!r}: packed=N needs an integer N, {example}") from None
-    if len(parts) not in (3, 5):
-        raise argparse.ArgumentTypeError(
-            f"shape {text!r} has {len(parts)} value(s); give B,T,H or B,T,H,K,V, {example}")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"shape {text!r} is not a list of integers; give B,T,H or B,T,H,K,V, {example}") from None
-    names = ("B", "T", "H", "K", "V")
-    bad = [f"{n}={v}" for n, v in zip(names, values) if v <= 0] + ([f"packed={packed}"] if packed < 0 else [])
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"shape {text!r}: {', '.join(bad)} must be positive; give B,T,H or B,T,H,K,V as positive integers, "
-            f"{example}")
-    if packed and (values[0] != 1 or packed > values[1]):
-        raise argparse.ArgumentTypeError(
-            f"shape {text!r}: packed sequences come in one row of at least one token each: give B = 1 and "
-            f"packed <= T, {example}")
-    if len(values) == 3:
-        values += [None, None]
-    return CustomShape(*values, N=packed)
-
-
 def suite_file() -> dict:
     """The six-shape GPU suite shipped with the package."""
     return json.loads(resources.files(__package__).joinpath("bench_shapes.json").read_text(encoding="utf-8"))
@@ -136,3 +100,25 @@ def check_T(shape: Shape, max_tokens: int) -> int:
     if shape.B * shape.T * shape.H <= max_tokens:
         return shape.T
     return min(shape.T, max(64, shape.N, (max_tokens // (shape.B * shape.H)) // 64 * 64))
+
+
+def environment(device: str) -> dict:
+    """The run's device and the versions that shape what it times."""
+    import torch
+
+    from ..environment import package_version, rewy_hf_version
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
+    return {"device": device, "device_name": name,
+            "versions": {"torch": torch.__version__, "triton": package_version("triton"),
+                         "flash-linear-attention": package_version("flash-linear-attention"),
+                         "fla-core": package_version("fla-core"), "rewy-hf": rewy_hf_version(),
+                         "transformers": package_version("transformers"),
+                         # FLA dispatches GDN to FlashQLA when it is installed: the baseline then is FlashQLA.
+                         "flash-qla": package_version("flash-qla"),
+                         "tilelang": package_version("tilelang"), "python": platform.python_version()},
+            # a fault or the finite check changes what is timed
+            "rewy_env": settings.current()}

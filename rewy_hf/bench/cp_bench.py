@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..op_inputs import DISPATCH_NAME, GRAD_NAMES, Shape, make_inputs
 from ..rel_error import rel_err
 from . import timing
+from .op_bench import Settings, fla_impl, guard_lifted, rewy_impl
 from .timing import describe, free_memory, leaves, runner
 
 CP_OPS = ("gdn", "kda", "gdn2")          # FLA 0.6.0 has context parallelism for these (not DeltaNet)
@@ -36,14 +37,35 @@ INNER_RUNS = {"cuda": 10, "cpu": 1}       # runs per timed round, the same on ev
 
 
 @dataclass
-class CPSettings:
-    device: str
-    backend: str
-    reps: int
-    warmup: int
-    check_max_tokens: int
-    seed: int
-    gdn_guard: dict = field(default_factory=dict)
+class CPRow:
+    """One configuration of the context-parallel bench: per boundary and side (FLA, rewy) the median
+    round in ms, per side the peak memory of one process and the check's worst relative error, and
+    why a side did not run or is not held to a bound (``errors``)."""
+    op: str
+    policy: str
+    shape: str                      # the packed row's label, B,T,H[,K,V],packed=N
+    processes: int
+    tokens_per_process: int
+    boundaries: list[str]
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    peak_mb: dict[str, float | None] = field(default_factory=dict)
+    err: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    dispatch_name: str = ""
+    grad_names: list[str] = field(default_factory=list)
+    check_T: int = 0
+    bound: float = 0.0
+    passed: bool = False            # "pass" on disk
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["pass"] = out.pop("passed")
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CPRow":
+        return cls(**{f.name: d["pass" if f.name == "passed" else f.name] for f in fields(cls)
+                      if ("pass" if f.name == "passed" else f.name) in d})
 
 
 def launched_world() -> tuple[int, int] | None:
@@ -96,7 +118,7 @@ def _row(shape: Shape, device: str, dtype: torch.dtype, op: str, seed: int):
     return inputs, do, cu, ctx, [_slice(x) for x in inputs], _slice(do)
 
 
-def check_side(op: str, fn_of_ctx, shape: Shape, s: CPSettings, dtype: torch.dtype) -> float:
+def check_side(op: str, fn_of_ctx, shape: Shape, s: Settings, dtype: torch.dtype) -> float:
     """The worst relative error over the processes of a side's slice (output and input gradients)
     against rewy's float32 torch backend on the whole row in one process."""
     from ..op_inputs import REWY_OPS
@@ -111,7 +133,7 @@ def check_side(op: str, fn_of_ctx, shape: Shape, s: CPSettings, dtype: torch.dty
     return _worst(max(rel_err(a.float(), b) for a, b in zip(got, ref)))
 
 
-def time_sides(runs: dict, s: CPSettings) -> dict[str, float]:
+def time_sides(runs: dict, s: Settings) -> dict[str, float]:
     """Median over rounds of the slowest process's time per run, per side (ms); the sides alternate."""
     kind = torch.device(s.device).type
     inner = INNER_RUNS[kind]
@@ -136,70 +158,43 @@ def peak_mb(fn, inputs, do, device: str) -> float | None:
     return _worst(timing.peak_mb(fn, inputs, do)) if device.startswith("cuda") else None
 
 
-def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: CPSettings) -> dict:
+def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: Settings) -> CPRow:
     """One configuration: the check, then the timing of each side that passed it."""
     from .config import check_T
-    from .op_bench import fla_impl, guard_lifted, rewy_impl
 
     cuda = s.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     world = dist.get_world_size()
-    row = {"op": op, "policy": policy, "shape": shape.label, "processes": world, "tokens_per_process":
-           shape.T // world, "boundaries": boundaries, "ms": {}, "peak_mb": {}, "err": {}, "errors": {},
-           "dispatch_name": DISPATCH_NAME[op], "grad_names": list(GRAD_NAMES[op])}
+    row = CPRow(op, policy, shape.label, world, shape.T // world, boundaries, dispatch_name=DISPATCH_NAME[op],
+                grad_names=list(GRAD_NAMES[op]))
     sides = {"rewy": lambda ctx: _with_context(rewy_impl(op, s.backend, policy).fn, ctx)}
     if cuda:
         sides["FLA"] = lambda ctx: _with_context(fla_impl(op, policy, s.gdn_guard).fn, ctx)
     else:
-        row["errors"]["FLA"] = "not run: FLA's context-parallel kernels are Triton kernels and need CUDA"
+        row.errors["FLA"] = "not run: FLA's context-parallel kernels are Triton kernels and need CUDA"
     trusted_fla = not guard_lifted(op, s.gdn_guard)
     cT = check_T(shape, s.check_max_tokens)
-    cT -= cT % world
-    row["check_T"] = cT
+    row.check_T = cT = cT - cT % world
     for name, side in list(sides.items()):
         try:
-            row["err"][name] = check_side(op, side, shape.with_T(cT), s, dtype)
+            row.err[name] = check_side(op, side, shape.with_T(cT), s, dtype)
         except Exception as exc:        # every process fails alike: its collectives would not pair up otherwise
-            row["errors"][name] = describe(exc)
+            row.errors[name] = describe(exc)
             del sides[name]
-    if "FLA" in row["err"] and not trusted_fla:
-        row["errors"]["FLA note"] = "timing only: FLA's GDN backward guard was lifted, its error is not a bound"
-    bound = (1.1 * row["err"]["FLA"] + 1e-5) if "FLA" in row["err"] and trusted_fla else 1e-2
-    row["bound"] = bound
-    row["pass"] = "rewy" in row["err"] and row["err"]["rewy"] <= bound
+    if "FLA" in row.err and not trusted_fla:
+        row.errors["FLA note"] = "timing only: FLA's GDN backward guard was lifted, its error is not a bound"
+    row.bound = (1.1 * row.err["FLA"] + 1e-5) if "FLA" in row.err and trusted_fla else 1e-2
+    row.passed = "rewy" in row.err and row.err["rewy"] <= row.bound
     inputs, do, _, ctx, mine, do_mine = _row(shape, s.device, dtype, op, s.seed)
     del inputs, do
     for boundary in boundaries:
         runs = {name: runner(boundary, side(ctx), mine, do_mine) for name, side in sides.items()}
-        row["ms"][boundary] = time_sides(runs, s)
+        row.ms[boundary] = time_sides(runs, s)
         del runs
         free_memory("cuda" if cuda else "cpu")
     for name, side in sides.items():
-        row["peak_mb"][name] = peak_mb(side(ctx), mine, do_mine, s.device)
+        row.peak_mb[name] = peak_mb(side(ctx), mine, do_mine, s.device)
     return row
-
-
-def format_rows(rows: list[dict]) -> str:
-    """The table: per configuration and boundary, each side's ms, the row's tokens per second and
-    the speed-up (FLA / rewy), peak MB per process and the check."""
-    lines = ["| op | policy | row | processes | boundary | FLA ms | rewy ms | speed-up | rewy tokens/s | "
-             "peak MB FLA / rewy | err FLA / rewy | pass |", "|" + "---|" * 12]
-    for r in rows:
-        T = r["tokens_per_process"] * r["processes"]
-        for boundary, ms in r["ms"].items():
-            fla, rewy = ms.get("FLA"), ms.get("rewy")
-            speed = f"{fla / rewy:.2f}x" if fla and rewy else "-"
-            tps = f"{T / (rewy / 1e3):,.0f}" if rewy else "-"
-            peak = " / ".join("-" if r["peak_mb"].get(n) is None else f"{r['peak_mb'][n]:.0f}"
-                              for n in ("FLA", "rewy"))
-            err = " / ".join(f"{r['err'][n]:.1e}" if n in r["err"] else "-" for n in ("FLA", "rewy"))
-            lines.append(f"| {r['op']} | {r['policy']} | {r['shape']} | {r['processes']} | {boundary} | "
-                         f"{'-' if fla is None else f'{fla:.3f}'} | {'-' if rewy is None else f'{rewy:.3f}'} | "
-                         f"{speed} | {tps} | {peak} | {err} | {'yes' if r['pass'] else 'NO'} |")
-    notes = sorted({f"{name}: {why}" for r in rows for name, why in r["errors"].items()})
-    checks = sorted({f"check T {r['check_T']} for {r['shape']}" for r in rows
-                     if r["check_T"] != r["tokens_per_process"] * r["processes"]})
-    return "\n".join(lines + [f"- {n}" for n in notes + checks])
 
 
 LAUNCH = "torchrun --nproc-per-node 2 -m rewy_hf bench --context-parallel ..."
@@ -230,58 +225,3 @@ def refusal(args, device: str) -> str | None:
     if not args.shapes:
         return "--context-parallel needs --shapes 1,T,H[,K,V][,packed=N] (one packed row per shape)"
     return None
-
-
-def run_cp(args, device: str, guard: dict, report) -> int:
-    """The --context-parallel bench on this process (every process of the launch runs it); the
-    first process prints the table and writes the --json report."""
-    from ..validation import POLICIES
-    from .config import BOUNDARIES, OP_REPS, OP_WARMUP, expand, on_cpu, resolve_shapes
-    from .output import environment
-
-    rank, world = launched_world()
-    dev = start(device)
-    lead = rank == 0
-    shapes, _ = resolve_shapes(args.shapes, device)
-    s = CPSettings(device=dev, backend=args.backend, reps=args.reps or OP_REPS[on_cpu(device)],
-                   warmup=OP_WARMUP[on_cpu(device)] if args.warmup is None else args.warmup,
-                   check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard)
-    ops = expand(args.op, CP_OPS, "all", CP_OPS)
-    policies = expand(args.policy, POLICIES, "both", POLICIES)
-    boundaries = expand(args.boundary, BOUNDARIES, "both", BOUNDARIES)
-    data = {"kind": "context_parallel", **environment(device), "processes": world,
-            "settings": {"backend": args.backend, "reps": s.reps, "warmup": s.warmup, "seed": s.seed,
-                         "runs_per_round": INNER_RUNS["cpu" if device == "cpu" else "cuda"],
-                         "timing": "per round, the slowest process's time per run; the median round",
-                         "gdn_guard": guard}, "rows": []}
-    if lead:
-        print(f"rewy-hf bench --context-parallel on {world} processes ({data['device_name']}): rewy's ops against "
-              "FLA 0.6.0's, each process on its slice of one packed row")
-        if device == "cpu":
-            print("NOTE: CPU run (gloo): FLA's side needs CUDA, so only rewy's side runs; these times say nothing "
-                  "about a GPU.")
-    failed = False
-    for shape in shapes:
-        for op in ops:
-            for policy in policies:
-                row = run_row(op, policy, shape, boundaries, s)
-                data["rows"].append(row)
-                failed |= not row["pass"]
-                if lead:
-                    ms = ", ".join(f"{b}: " + " / ".join(f"{n} {v:.3f} ms" for n, v in t.items())
-                                   for b, t in row["ms"].items())
-                    print(f"{op} {policy} {shape.label}: {ms}; err rewy {row['err'].get('rewy', float('nan')):.1e}"
-                          f"{'' if row['pass'] else '  CHECK FAILED'}", flush=True)
-                    report.save(data)
-    data["complete"], data["exit_code"] = True, 1 if failed else 0
-    if lead:
-        table = format_rows(data["rows"])
-        print(table)
-        report.finish(data)
-        if args.markdown:
-            with open(args.markdown, "w", encoding="utf-8") as f:
-                f.write(table + "\n")
-            print(f"Markdown: {args.markdown}")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if failed else 0

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import json
 
+from ..kernels.vocabulary import POLICIES
 from ..op_inputs import BOUND_OPS, STRONG_OPS
 from .config import BOUND_CHECK, STRONG_CHECK
+from .cp_bench import CPRow
+from .rows import OpRow
 
 # Settings that must agree for rows of different files to be compared.
 # "check" is compared by _merged_check. The policies a run asked for are not among them:
@@ -60,6 +63,8 @@ def load_run(path: str) -> dict:
                          "failed, 2 could not run); pass the file an earlier run wrote with --json, or fix that field")
     if data["kind"] in _ROW_FIELDS and not data.get("error"):
         _check_rows(path, data)
+        row_type = OpRow if data["kind"] == "ops" else CPRow
+        data["rows"] = [row_type.from_json(r) for r in data["rows"]]
     return data
 
 
@@ -118,7 +123,7 @@ def merge_runs(paths: list[str]) -> dict:
         return runs[0]
     first = runs[0]
     if all(run["kind"] == "model" and "sides" in run for run in runs):
-        return _merge_sided(paths, runs)
+        return _merge_four_sided(paths, runs)
     if all(run["kind"] == "packed" for run in runs):
         return _merge_packed(paths, runs)
     for path, run in zip(paths[1:], runs[1:]):
@@ -134,15 +139,17 @@ def merge_runs(paths: list[str]) -> dict:
               "sources": list(paths)}
     ops: list[str] = []
     for path, run in zip(paths, runs):
-        merged["rows"] += [{**r, "source": path} for r in run["rows"]]
-        ops += [op for op in run["settings"]["ops"] if op not in ops and any(r["op"] == op for r in run["rows"])]
+        for r in run["rows"]:
+            r.source = path
+        merged["rows"] += run["rows"]
+        ops += [op for op in run["settings"]["ops"] if op not in ops and any(r.op == op for r in run["rows"])]
     merged["settings"]["ops"] = ops
-    merged["settings"]["policies"] = [p for p in ("recompute", "full")
+    merged["settings"]["policies"] = [p for p in POLICIES
                                       if any(p in run["settings"]["policies"] for run in runs)]
     # each file's rewy-hf settings (rewy_hf.settings), since runs of one table may have been timed under different ones
     merged["rewy_env"] = {path: run.get("rewy_env", {}) for path, run in zip(paths, runs)}
     _refuse_repeats(merged["rows"])
-    merged["ok"] = all(r.get("ok") for r in merged["rows"])
+    merged["ok"] = all(r.ok for r in merged["rows"])
     if all(r.get("complete", False) for r in runs):
         merged["complete"] = True
         merged["exit_code"] = max(int(r.get("exit_code", 1)) for r in runs)
@@ -163,57 +170,18 @@ def _refuse_other_setup(first_path: str, first: dict, path: str, run: dict, what
                              f"{run.get(key)!r} vs {first.get(key)!r}; combine runs of one setup only")
 
 
-# Settings a four-sided run may differ in from the runs it joins: what sides it ran, and the
-# further lengths its compiled sides stepped through after the timing (each side's row keeps its own).
-_PER_SIDE = ("sides", "lengths")
-
-
-def _merge_sided(paths: list[str], runs: list[dict]) -> dict:
-    """Several `--model X --compile --sides ...` runs as one four-sided result."""
-    from .compile_bench import SIDES, summarize
-
+def _merge_sides(paths: list[str], runs: list[dict], order: tuple[str, ...], may_differ: tuple[str, ...],
+                 which: str) -> dict:
+    """Several model-level runs of some sides each as one: their sides in ``order``, each at most once,
+    if the runs agree on the device, the versions and every setting but ``may_differ``."""
     first = runs[0]
     for path, run in zip(paths[1:], runs[1:]):
         _refuse_other_setup(paths[0], first, path, run, "sides")
         for key in sorted(set(run["settings"]) | set(first["settings"])):
-            if key not in _PER_SIDE and run["settings"].get(key) != first["settings"].get(key):
+            if key not in may_differ and run["settings"].get(key) != first["settings"].get(key):
                 raise MergeError(f"--from-json: {path} ran with a different {key} than {paths[0]}: "
-                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}; only runs that "
-                                 "differ in --sides and --lengths combine")
-    seen: dict[str, str] = {}
-    for path, run in zip(paths, runs):
-        for side in run["sides"]:
-            if side in seen:
-                raise MergeError(f"--from-json: the {side} side is in both {seen[side]} and {path}; pass only one "
-                                 "run of each side")
-            seen[side] = path
-    asked = [side for side in SIDES if any(side in run["settings"].get("sides", SIDES) for run in runs)]
-    lengths = list(dict.fromkeys(t for run in runs for t in run["settings"].get("lengths", [])))
-    merged = {**first, "settings": {**first["settings"], "sides": asked, "lengths": lengths},
-              "sides": {side: next(run["sides"][side] for run in runs if side in run["sides"])
-                        for side in SIDES if side in seen},
-              "sources": {path: list(run["sides"]) for path, run in zip(paths, runs)},
-              "complete": all(run.get("complete", False) for run in runs),
-              "problems": [p for run in runs for p in run.get("problems", [])]}
-    merged["ok"] = all(run.get("ok", False) for run in runs)
-    merged["exit_code"] = max(int(run.get("exit_code", 1)) for run in runs)
-    summarize(merged)
-    return merged
-
-
-def _merge_packed(paths: list[str], runs: list[dict]) -> dict:
-    """Several `--model X --packed --sides ...` runs as one: their sides, each at most once, and the
-    documents check of the run that made one."""
-    from .packed_bench import ALL_SIDES, packed_summary
-
-    first = runs[0]
-    for path, run in zip(paths[1:], runs[1:]):
-        _refuse_other_setup(paths[0], first, path, run, "sides")
-        for key in sorted(set(run["settings"]) | set(first["settings"])):
-            if key != "sides" and run["settings"].get(key) != first["settings"].get(key):
-                raise MergeError(f"--from-json: {path} ran with a different {key} than {paths[0]}: "
-                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}; only packed runs "
-                                 "that differ in --sides combine")
+                                 f"{run['settings'].get(key)!r} vs {first['settings'].get(key)!r}; only {which} "
+                                 "combine")
     seen: dict[str, str] = {}
     for path, run in zip(paths, runs):
         for side in run.get("sides", {}):
@@ -221,21 +189,42 @@ def _merge_packed(paths: list[str], runs: list[dict]) -> dict:
                 raise MergeError(f"--from-json: the {side} side is in both {seen[side]} and {path}; pass only one "
                                  "run of each side")
             seen[side] = path
+    return {**first, "sides": {side: next(run["sides"][side] for run in runs if side in run.get("sides", {}))
+                               for side in order if side in seen},
+            "sources": {path: list(run.get("sides", {})) for path, run in zip(paths, runs)},
+            "complete": all(run.get("complete", False) for run in runs),
+            "problems": [p for run in runs for p in run.get("problems", [])],
+            "ok": all(run.get("ok", False) for run in runs),
+            "exit_code": max(int(run.get("exit_code", 1)) for run in runs)}
+
+
+def _merge_four_sided(paths: list[str], runs: list[dict]) -> dict:
+    """Several `--model X --compile --sides ...` runs as one four-sided result. Each compiled side
+    reports the further lengths it ran, so runs may differ in those too."""
+    from .compile_bench import SIDES, summarize
+
+    merged = _merge_sides(paths, runs, SIDES, ("sides", "lengths"), "runs that differ in --sides and --lengths")
+    asked = [side for side in SIDES if any(side in run["settings"].get("sides", SIDES) for run in runs)]
+    lengths = list(dict.fromkeys(t for run in runs for t in run["settings"].get("lengths", [])))
+    merged["settings"] = {**runs[0]["settings"], "sides": asked, "lengths": lengths}
+    summarize(merged)
+    return merged
+
+
+def _merge_packed(paths: list[str], runs: list[dict]) -> dict:
+    """Several `--model X --packed --sides ...` runs as one: their sides, and the documents check of
+    the run that made one."""
+    from .packed_bench import ALL_SIDES, packed_summary
+
+    merged = _merge_sides(paths, runs, ALL_SIDES, ("sides",), "packed runs that differ in --sides")
     checks = [run["documents_check"] for run in runs if "documents_check" in run]
     if len(checks) > 1:
         raise MergeError("--from-json: more than one of these packed runs made the documents check; pass one "
                          "(the others can run with --no-documents-check)")
-    merged = {**first, "settings": {**first["settings"], "sides": [x for x in ALL_SIDES if x in seen]},
-              "sides": {x: next(run["sides"][x] for run in runs if x in run.get("sides", {}))
-                        for x in ALL_SIDES if x in seen},
-              "sources": {path: list(run.get("sides", {})) for path, run in zip(paths, runs)},
-              "complete": all(run.get("complete", False) for run in runs),
-              "problems": [p for run in runs for p in run.get("problems", [])]}
+    merged["settings"] = {**runs[0]["settings"], "sides": list(merged["sides"])}
     merged.pop("documents_check", None)
     if checks:
         merged["documents_check"] = checks[0]
-    merged["ok"] = all(run.get("ok", False) for run in runs)
-    merged["exit_code"] = max(int(run.get("exit_code", 1)) for run in runs)
     merged["summary"] = packed_summary(merged)
     return merged
 
@@ -252,7 +241,7 @@ def _merged_check(paths: list[str], runs: list[dict]) -> str:
             raise MergeError(f"--from-json: {path} was checked differently than {paths[0]}: {main!r} vs {mains[0]!r}")
     merged = mains[0]
     for n, (clause, ops, rows, what) in enumerate(_CLAUSES):
-        has = [(path, p[n]) for path, p, run in zip(paths, present, runs) if any(r["op"] in ops for r in run["rows"])]
+        has = [(path, p[n]) for path, p, run in zip(paths, present, runs) if any(r.op in ops for r in run["rows"])]
         if any(h != has[0][1] for _, h in has):
             without = next(path for path, h in has if not h)
             with_ = next(path for path, h in has if h)
@@ -263,21 +252,22 @@ def _merged_check(paths: list[str], runs: list[dict]) -> str:
     return merged
 
 
-def _key(row: dict) -> tuple:
-    return row["op"], row["policy"], row["B"], row["T"], row["H"], row["K"], row["V"], row.get("N", 0)
+def _key(row: OpRow) -> tuple:
+    s = row.shape
+    return row.op, row.policy, s.B, s.T, s.H, s.K, s.V, s.N
 
 
-def _refuse_repeats(rows: list[dict]) -> None:
+def _refuse_repeats(rows: list[OpRow]) -> None:
     seen: dict[tuple, str] = {}
     for row in rows:
         if _key(row) in seen:
             op, policy, *shape = _key(row)
             raise MergeError(f"--from-json: {op} (policy {policy}) at B,T,H,K,V = {','.join(map(str, shape))} is in "
-                             f"both {seen[_key(row)]} and {row['source']}; pass only one run of each configuration")
-        seen[_key(row)] = row["source"]
+                             f"both {seen[_key(row)]} and {row.source}; pass only one run of each configuration")
+        seen[_key(row)] = row.source
 
 
-def _covers_requests(runs: list[dict], rows: list[dict]) -> bool:
+def _covers_requests(runs: list[dict], rows: list[OpRow]) -> bool:
     have = {_key(r) for r in rows}
     return all((op, policy, s["B"], s["T"], s["H"], s["K"], s["V"], s.get("N", 0)) in have
                for run in runs for op in run["settings"]["ops"] for policy in run["settings"]["policies"]

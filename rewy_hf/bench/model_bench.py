@@ -73,14 +73,33 @@ def optimizer_for(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor | dict) -> float:
+    """One step on ``batch``: token ids (their own labels), or a packed row's inputs by name."""
     # No cache: a training step needs none, and building one (transformers' models do when the
     # config says use_cache) adds state writes and, under torch.compile, recompiles.
-    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    inputs = batch if isinstance(batch, dict) else {"input_ids": batch, "labels": batch}
+    loss = model(**inputs, use_cache=False).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def steady_snapshot(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor,
+                    sides: "ModelSides") -> Snapshot:
+    """The weights before any step, with the optimizer state after one untimed unpatched step: every
+    timed step is then a steady-state step (no first-step allocation of AdamW's moments)."""
+    initial = Snapshot(model, opt)
+    with sides.enter("unpatched"):
+        train_step(model, opt, batch)
+    snap = Snapshot(model, opt)
+    snap.weights = initial.weights
+    return snap
+
+
+def step_summary(ms: list[float], tokens: int) -> dict:
+    med = statistics.median(ms)
+    return {"step_ms": ms, "median_step_ms": med, "tokens_per_s": tokens / med * 1e3}
 
 
 def timed_step(run, opt: torch.optim.Optimizer, batch: torch.Tensor, snap: Snapshot, device: str):
@@ -127,16 +146,7 @@ def run_model_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict:
     batch = batch.to(s.device)
     opt = optimizer_for(model, s.lr)
     sides = ModelSides(model, s)
-
-    # One untimed step creates the optimizer state, so every later step is a
-    # steady-state step (no first-step allocation of AdamW's moments).
-    initial_weights = Snapshot(model, opt)
-    with sides.enter("unpatched"):
-        train_step(model, opt, batch)
-    snap = Snapshot(model, opt)
-    snap.weights = initial_weights.weights
-    del initial_weights
-
+    snap = steady_snapshot(model, opt, batch, sides)
     ms = {side: [] for side in SIDES}
     peak = {side: [] for side in SIDES}
     losses = {side: [] for side in SIDES}
@@ -158,9 +168,8 @@ def run_model_bench(model: nn.Module, s: ModelSettings, progress=None) -> dict:
     tokens = s.batch_size * s.seq_len
     out: dict = {"tokens_per_step": tokens, "reference_cores_unpatched": sides.reference}
     for side in SIDES:
-        med = statistics.median(ms[side])
-        out[side] = {"step_ms": ms[side], "median_step_ms": med, "tokens_per_s": tokens / med * 1e3,
-                     "peak_mb": max(peak[side]) if peak[side] else None, "loss": losses[side]}
+        out[side] = {**step_summary(ms[side], tokens), "peak_mb": max(peak[side]) if peak[side] else None,
+                     "loss": losses[side]}
     out["speedup"] = out["unpatched"]["median_step_ms"] / out["patched"]["median_step_ms"]
     u, p = losses["unpatched"][0], losses["patched"][0]
     out["loss_rel_diff"] = abs(p - u) / max(abs(u), 1e-30)

@@ -26,7 +26,7 @@ import statistics
 import time
 import warnings
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,8 +37,9 @@ from ..patching.fault import apply_grad_fault
 from ..patching.reference_cores import fla_reference
 from ..rel_error import rel_err
 from .config import check_T
-from .kernel_profile import kernel_times
 from . import fla_backends
+from .kernel_profile import kernel_times
+from .rows import Check, OpRow, Peer, Timing
 from .timing import Scope, describe, free_memory, leaves, measure, peak_mb, runner
 
 # Pass rule. rewy may be at most 10 % less accurate than the baseline, plus a
@@ -53,6 +54,7 @@ UNTRUSTED_TOL = 1e-2
 
 @dataclass
 class Settings:
+    """How an op-level run times and checks (a context-parallel process: ``device`` is its cuda:N)."""
     device: str
     backend: str
     reps: int
@@ -254,57 +256,51 @@ def served_grads(impl: Impl, inputs, do) -> tuple[list[torch.Tensor], list[str]]
     return out, sorted(served)
 
 
-def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) -> dict:
-    """Errors of both sides against ``ref`` and the verdict, as row fields."""
-    names = GRAD_NAMES[op]
-    out: dict = {"err_baseline": None, "err_baseline_per_grad": None}
+def grad_errors(op: str, got, ref) -> dict[str, float]:
+    return {n: rel_err(g, r) for n, g, r in zip(GRAD_NAMES[op], got, ref)}
+
+
+def check(op: str, base: Impl | None, rewy: Impl, inputs, do, ref, device: str) -> Check:
+    """Errors of both sides against ``ref`` and the verdict."""
+    out = Check()
     try:
-        per = {n: rel_err(g, r) for n, g, r in zip(names, grads(rewy.fn, inputs, do), ref)}
-        out["err_rewy"], out["err_rewy_per_grad"] = max(per.values()), per
-        out["rewy_backend"] = ops.last_backend()
+        per = grad_errors(op, grads(rewy.fn, inputs, do), ref)
+        out.err_rewy, out.err_rewy_per_grad, out.rewy_backend = max(per.values()), per, ops.last_backend()
     except Exception as exc:   # a crash is a failed check, with its reason
-        out.update(err_rewy=None, err_rewy_per_grad=None, ok=False, rewy_error=describe(exc),
-                   check_rule="rewy must run")
+        out.rewy_error, out.check_rule = describe(exc), "rewy must run"
         return out
     if base is not None and base.trusted:
         try:
             got, served = served_grads(base, inputs, do)
-            per = {n: rel_err(g, r) for n, g, r in zip(names, got, ref)}
-            out["err_baseline"], out["err_baseline_per_grad"] = max(per.values()), per
-            out["baseline_served_by"] = served
+            per = grad_errors(op, got, ref)
+            out.err_baseline, out.err_baseline_per_grad, out.baseline_served_by = max(per.values()), per, served
         except Exception as exc:
-            out["baseline_check_error"] = describe(exc)
-    err_r, err_b = out["err_rewy"], out["err_baseline"]
+            out.baseline_check_error = describe(exc)
+    err_r, err_b = out.err_rewy, out.err_baseline
     if err_b is not None and math.isfinite(err_b):
         floor = FLOOR[device]
-        out["check_rule"] = f"err_rewy <= {REL_MARGIN} * err_baseline + {floor:g}"
-        out["ok"] = bool(err_r <= REL_MARGIN * err_b + floor)
+        out.check_rule = f"err_rewy <= {REL_MARGIN} * err_baseline + {floor:g}"
+        out.ok = bool(err_r <= REL_MARGIN * err_b + floor)
     else:
-        out["check_rule"] = f"err_rewy < {UNTRUSTED_TOL:g} (baseline gradients not compared)"
-        out["ok"] = bool(err_r < UNTRUSTED_TOL)
+        out.check_rule = f"err_rewy < {UNTRUSTED_TOL:g} (baseline gradients not compared)"
+        out.ok = bool(err_r < UNTRUSTED_TOL)
     return out
 
 
-def bound_check(ctx: "ShapeContext", policy: str, with_baseline: bool) -> dict:
-    """The lower-bound gate check of one KDA / GDN2 configuration, as ``bound_*`` row fields
-    (the caller makes the row's ``ok`` the conjunction of both checks)."""
-    s = ctx.s
-    rewy = rewy_impl(ctx.op, s.backend, policy, safe_gate=True)
-    base = None
-    if with_baseline:
-        base = fla_impl(ctx.op, policy, s.gdn_guard, safe_gate=True) if s.device == "cuda" else \
-            cpu_baseline_impl(ctx.op)
-    inputs, do, ref = ctx.bound
-    out = check(ctx.op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), inputs, do, ref, s.device)
-    return {"bound_" + k: v for k, v in out.items()}
-
-
-def strong_check(ctx: "ShapeContext", base: "Impl | None", rewy: "Impl") -> dict:
-    """The strong-decay check of one GDN configuration, as ``strong_*`` row fields."""
-    inputs, do, ref = ctx.strong
-    out = check(ctx.op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), inputs, do, ref,
-                ctx.s.device)
-    return {"strong_" + k: v for k, v in out.items()}
+def second_checks(ctx: "ShapeContext", row: OpRow, base: Impl | None, rewy: Impl) -> None:
+    """The lower-bound gate check of a KDA / GDN2 row (both sides with ``safe_gate=True``) and the
+    strong-decay check of a GDN row; the row passes when every check does."""
+    s, pack = ctx.s, ctx.check_packing
+    if ctx.bound is not None:
+        bound_base = None
+        if base is not None:
+            bound_base = fla_impl(ctx.op, row.policy, s.gdn_guard, safe_gate=True) if s.device == "cuda" else \
+                cpu_baseline_impl(ctx.op)
+        bound_rewy = rewy_impl(ctx.op, s.backend, row.policy, safe_gate=True)
+        row.bound = check(ctx.op, packed(bound_base, pack), packed(bound_rewy, pack), *ctx.bound, s.device)
+    if ctx.strong is not None:
+        row.strong = check(ctx.op, packed(base, pack), packed(rewy, pack), *ctx.strong, s.device)
+    row.ok = bool(row.ok and all(c.ok for _, c in row.second_checks()))
 
 
 # --- one configuration --------------------------------------------------------------------------
@@ -335,124 +331,105 @@ class ShapeContext:
         return make_inputs(self.op, self.shape, self.s.device, self.s.qkv_dtype, self.s.seed + 1)
 
 
-def check_peers(ctx: ShapeContext, policy: str, row: dict) -> dict[str, Impl]:
-    """Each asked-for peer's gradient check, in ``row["peers"]``; the peers that will be timed."""
+def check_peers(ctx: ShapeContext, row: OpRow) -> dict[str, Impl]:
+    """Each asked-for peer's gradient check, in ``row.peers``; the peers that will be timed."""
     timed: dict[str, Impl] = {}
+    row.peers = {}
     for name in ctx.s.peers:
-        made = peer_impl(ctx.op, name, policy, ctx.s.gdn_guard) if ctx.s.device == "cuda" else \
+        made = peer_impl(ctx.op, name, row.policy, ctx.s.gdn_guard) if ctx.s.device == "cuda" else \
             "peers are FLA's and FlashQLA's GPU kernels; a CPU run has none"
-        entry = row.setdefault("peers", {})[name] = {}
         if isinstance(made, str):
-            entry["skipped"] = made
+            row.peers[name] = Peer(skipped=made)
             continue
-        entry.update(policy=made.policy, timing_only=not made.trusted, note=made.note)
+        peer = row.peers[name] = Peer(policy=made.policy, timing_only=not made.trusted, note=made.note)
         try:
-            got, served = served_grads(packed(made, ctx.check_packing), ctx.check_inputs, ctx.check_do)
-            entry["served_by"] = served
+            got, peer.served_by = served_grads(packed(made, ctx.check_packing), ctx.check_inputs, ctx.check_do)
             if made.trusted:
-                per = {n: rel_err(g, r) for n, g, r in zip(GRAD_NAMES[ctx.op], got, ctx.ref)}
-                entry.update(err=max(per.values()), err_per_grad=per)
+                per = grad_errors(ctx.op, got, ctx.ref)
+                peer.err, peer.err_per_grad = max(per.values()), per
         except Exception as exc:
-            entry["error"] = describe(exc)
+            peer.timing.fail(describe(exc))
             continue
         timed[name] = made
     return timed
 
 
-def profile_sides(runners: dict[str, Callable[[], None]], samples: dict[str, list[float]],
-                  device: str) -> tuple[dict[str, dict], dict[str, str]]:
-    """Each timed side's kernels over one more of its runs, warm after the timing rounds; and why a
-    side has none (its timing stands either way)."""
-    profiles, errors = {}, {}
-    for name, run in runners.items():
-        if samples.get(name):
+def time_sides(sides: dict[str, tuple[Impl, Timing]], boundary: str, inputs, do, s: Settings) -> dict[str, str]:
+    """Each side's rounds at ``boundary`` into its Timing (None and no rounds where it failed), and
+    with --kernel-profile its kernels over one more run; returns why a side has no profile."""
+    runners = {}
+    for name, (impl, timing) in sides.items():
+        try:
+            runners[name] = runner(boundary, impl.fn, inputs, do, impl.scope)
+        except Exception as exc:
+            timing.fail(describe(exc))
+    samples, errors = measure(runners, s.device, s.warmup, s.reps, s.rep_ms)
+    unprofiled = {}
+    for name, (_, timing) in sides.items():
+        ms = samples.get(name)
+        timing.ms[boundary], timing.rounds[boundary] = (statistics.median(ms) if ms else None), ms or []
+        if name in errors:
+            timing.fail(errors[name])
+        if s.kernel_profile and ms:
+            # one more run, warm after the timing rounds; the side's timing stands if it fails
             try:
-                profiles[name] = kernel_times(run, device)
+                timing.kernels[boundary] = kernel_times(runners[name], s.device)
             except Exception as exc:
-                errors[name] = describe(exc)
-    return profiles, errors
+                unprofiled[name] = describe(exc)
+    return unprofiled
 
 
-def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> dict:
+def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> OpRow:
     op, shape, s = ctx.op, ctx.shape, ctx.s
     t_start = time.perf_counter()
-    row: dict = {"op": op, "policy": policy, **asdict(shape), "check_T": ctx.check_T,
-                 "check_reduced": ctx.check_T != shape.T}
+    row = OpRow(op, policy, shape, check_T=ctx.check_T, check_reduced=ctx.check_T != shape.T)
     rewy = rewy_impl(op, s.backend, policy)
     base: Impl | None
     try:
         base = fla_impl(op, policy, s.gdn_guard) if s.device == "cuda" else cpu_baseline_impl(op)
+        row.baseline_policy, row.baseline_timing_only, row.baseline_note = base.policy, not base.trusted, base.note
     except Exception as exc:   # e.g. FLA missing an op: rewy is still checked against the reference
-        base, row["baseline_error"] = None, describe(exc)
-    row["baseline_policy"] = base.policy if base else None
-    row["baseline_timing_only"] = bool(base is not None and not base.trusted)
-    row["baseline_note"] = base.note if base else ""
-    row.update(check(op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), ctx.check_inputs,
-                     ctx.check_do, ctx.ref, s.device))
-    if ctx.bound is not None and not row.get("rewy_error"):
-        row.update(bound_check(ctx, policy, base is not None))
-        row["ok"] = bool(row["ok"] and row["bound_ok"])
-    if ctx.strong is not None and not row.get("rewy_error"):
-        row.update(strong_check(ctx, base, rewy))
-        row["ok"] = bool(row["ok"] and row["strong_ok"])
-    if row.get("rewy_error"):
-        row["seconds"] = round(time.perf_counter() - t_start, 2)
+        base = None
+        row.baseline.fail(describe(exc))
+    row.check = check(op, packed(base, ctx.check_packing), packed(rewy, ctx.check_packing), ctx.check_inputs,
+                      ctx.check_do, ctx.ref, s.device)
+    row.ok = row.check.ok
+    if row.check.rewy_error:
+        row.rewy.fail(row.check.rewy_error)
+    else:
+        second_checks(ctx, row, base, rewy)
+    if row.rewy.error:
+        row.seconds = round(time.perf_counter() - t_start, 2)
         return row
-    peers = check_peers(ctx, policy, row)
+    peers = check_peers(ctx, row) if s.peers else {}
     inputs, do = ctx.timed_inputs()
-    sides = {"baseline": base, "rewy": rewy} if base is not None else {"rewy": rewy}
-    sides.update({f"peer:{name}": impl for name, impl in peers.items()})
     timed_packing = shape.packing(s.device)
-    sides = {name: packed(impl, timed_packing) for name, impl in sides.items()}
+    sides = {name: (packed(impl, timed_packing), timing) for name, impl, timing in
+             [("baseline", base, row.baseline), ("rewy", rewy, row.rewy),
+              *((f"peer:{n}", impl, row.peers[n].timing) for n, impl in peers.items())] if impl is not None}
     for boundary in boundaries:
-        runners, errors = {}, {}
-        for name, impl in sides.items():
-            try:
-                runners[name] = runner(boundary, impl.fn, inputs, do, impl.scope)
-            except Exception as exc:
-                errors[name] = describe(exc)
-        samples, timing_errors = measure(runners, s.device, s.warmup, s.reps, s.rep_ms)
-        errors.update(timing_errors)
-        profiles, unprofiled = profile_sides(runners, samples, s.device) if s.kernel_profile else ({}, {})
-        if unprofiled:
-            row.setdefault("kernel_profile_errors", {})[boundary] = unprofiled
-        for name in ("baseline", "rewy"):
-            ms = samples.get(name)
-            row[f"{name}_{boundary}_ms"] = statistics.median(ms) if ms else None
-            row[f"{name}_{boundary}_rounds"] = ms or []
-            if name in errors:
-                row.setdefault(f"{name}_error", errors[name])
-            if name in profiles:
-                row[f"{name}_kernels_{boundary}"] = profiles[name]
-        b, r = row["baseline_" + boundary + "_ms"], row["rewy_" + boundary + "_ms"]
-        row[f"speedup_{boundary}"] = b / r if b and r else None
-        for name in peers:
-            entry, ms = row["peers"][name], samples.get(f"peer:{name}")
-            entry[f"{boundary}_ms"] = statistics.median(ms) if ms else None
-            entry[f"{boundary}_rounds"] = ms or []
-            entry[f"speedup_{boundary}"] = entry[f"{boundary}_ms"] / r if ms and r else None
-            if f"peer:{name}" in errors:
-                entry.setdefault("error", errors[f"peer:{name}"])
-            if f"peer:{name}" in profiles:
-                entry[f"kernels_{boundary}"] = profiles[f"peer:{name}"]
-        del runners
+        if unprofiled := time_sides(sides, boundary, inputs, do, s):
+            row.kernel_profile_errors = {**(row.kernel_profile_errors or {}), boundary: unprofiled}
+        b, r = row.baseline.ms.setdefault(boundary, None), row.rewy.ms[boundary]
+        row.baseline.rounds.setdefault(boundary, [])
+        row.speedup[boundary] = b / r if b and r else None
+        for peer in (row.peers[n] for n in peers):
+            ms = peer.timing.ms[boundary]
+            peer.speedup[boundary] = ms / r if ms and r else None
         free_memory(s.device)
     if s.device == "cuda":
         # After the timing: first calls at a new shape autotune, and Triton's
         # autotuner allocates an L2-flush buffer that would count as peak memory.
-        for name, impl in sides.items():
-            # a peer's fields live in its own entry, without the side's name in front
-            into, prefix = (row["peers"][name[5:]], "") if name.startswith("peer:") else (row, f"{name}_")
+        for impl, timing in sides.values():
             try:
-                into[f"{prefix}peak_mb"] = peak_mb(impl.fn, inputs, do, impl.scope)
+                timing.peak_mb = peak_mb(impl.fn, inputs, do, impl.scope)
             except Exception as exc:
-                into[f"{prefix}peak_mb"] = None
-                into.setdefault(f"{prefix}error", describe(exc))
+                timing.fail(describe(exc))
             free_memory(s.device)
-    if row.get("rewy_error"):
-        row["ok"] = False
-    if op == "gdn" and "#640" in (row.get("baseline_error") or row.get("baseline_check_error") or ""):
-        row["baseline_hint"] = ("FLA refuses its GDN backward here (Hopper, triton < 3.7.1); rerun with "
-                                "--lift-gdn-guard to time it (timing only)")
-    row["seconds"] = round(time.perf_counter() - t_start, 2)
+    if row.rewy.error:
+        row.ok = False
+    if op == "gdn" and "#640" in (row.baseline.error or row.check.baseline_check_error or ""):
+        row.baseline_hint = ("FLA refuses its GDN backward here (Hopper, triton < 3.7.1); rerun with "
+                             "--lift-gdn-guard to time it (timing only)")
+    row.seconds = round(time.perf_counter() - t_start, 2)
     return row

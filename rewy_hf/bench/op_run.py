@@ -14,9 +14,10 @@ from typing import Callable
 from ..op_inputs import Shape
 from . import fla_backends
 from .autotune_picks import forget_picks, picks
-from .config import BOUND_CHECK, STRONG_CHECK
+from .config import BOUND_CHECK, STRONG_CHECK, environment
 from .op_bench import Settings, ShapeContext, baseline_description, load_kernel_modules, run_config
-from .output import environment, geomeans
+from .rows import OpRow, Timing
+from .tables import geomeans
 from .timing import free_memory
 
 
@@ -60,7 +61,7 @@ def describe_run(run: OpRun) -> dict:
         "rows": [], "complete": False}
 
 
-def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Callable[[dict], None],
+def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Callable[[OpRow], None],
              step: Callable[[str], None]) -> None:
     """Append one row per configuration to ``data["rows"]``, calling ``save(data)`` after each, so a
     run killed half way still leaves its rows; ``on_row(row)`` and ``step(label)`` report progress."""
@@ -76,9 +77,8 @@ def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Ca
                 ctx = ShapeContext(op, shape, run.settings)
             except Exception as exc:   # the reference itself failed (e.g. out of memory): say where
                 for policy in run.policies:
-                    rows.append({"op": op, "policy": policy, **shape.__dict__, "check_T": None,
-                                 "check_reduced": False, "ok": False,
-                                 "rewy_error": f"reference failed: {type(exc).__name__}: {exc}"})
+                    rows.append(OpRow(op, policy, shape, rewy=Timing(
+                        error=f"reference failed: {type(exc).__name__}: {exc}")))
                     step(f"{op} {shape.label} {policy}: reference failed")
                 save(data)
                 continue
@@ -88,7 +88,7 @@ def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Ca
                     # the configs FLA's and rewy's kernels ran at this shape (picks are kept across the
                     # policies of one shape, so a later policy's row holds the earlier ones' too; a run
                     # that keeps them across shapes records none, as they would mix shapes)
-                    row["autotune_picks"] = picks()
+                    row.autotune_picks = picks()
                 rows.append(row)
                 on_row(row)
                 step(f"{op} {shape.label} {policy}")
@@ -97,10 +97,10 @@ def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Ca
             free_memory(run.settings.device)
 
 
-def conclude(data: dict) -> list[dict]:
+def conclude(data: dict) -> list[OpRow]:
     """Add the geometric means and the verdict to a finished run's ``data``; returns the failed rows."""
     rows = data["rows"]
     data["geomean"] = geomeans(rows, data["settings"]["boundaries"])
-    failed = [r for r in rows if not r.get("ok")]
+    failed = [r for r in rows if not r.ok]
     data.update(ok=not failed, exit_code=1 if failed else 0, complete=True)
     return failed

@@ -28,15 +28,15 @@ Run through ``rewy-hf bench --model qwen3.5-gva-1b-248k --packed`` (cli/bench.py
 from __future__ import annotations
 
 import math
-import statistics
 import time
 
 import torch
 import torch.nn as nn
 
-from .compile_bench import FAMILIES, dynamo_counts, gpu_time_by_family, side_table
+from .compile_bench import SIDES, dynamo_counts, fresh_counts
+from .kernel_profile import gpu_time_by_group
+from .model_bench import Snapshot, optimizer_for, step_summary, train_step
 
-SIDES = ("unpatched eager", "patched eager", "patched compiled", "unpatched compiled")
 LIGER_SIDES = ("unpatched eager + liger", "patched eager + liger", "patched compiled + liger")
 ALL_SIDES = SIDES + LIGER_SIDES
 CHECK_LENGTHS = (700, 64, 1000)     # then the rest of the row: bounds inside chunks and on a chunk edge
@@ -69,14 +69,6 @@ def packings(steps: int, T: int, vocab: int, seed: int, device) -> tuple[list[di
     rng = torch.Generator().manual_seed(seed)
     lens = [packed_lengths(T, rng) for _ in range(steps)]
     return [packed_row(x, vocab, rng, device) for x in lens], lens
-
-
-def _step(run, opt, batch: dict) -> float:
-    loss = run(**batch, use_cache=False).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.item()
 
 
 def side_name(side: str) -> str:
@@ -133,11 +125,6 @@ def documents_check(model: nn.Module, device, backend: str = "auto", seed: int =
     return out
 
 
-def gpu_by_family(run, opt, batch) -> dict:
-    total, per, launches = gpu_time_by_family(lambda: _step(run, opt, batch))
-    return {"gpu_ms": total, "gpu_ms_by_family": per, "launches": launches}
-
-
 def liger_patch(model: nn.Module):
     """Liger-Kernel's patch for ``model``'s family, or None where it has none or is not installed."""
     try:
@@ -149,27 +136,23 @@ def liger_patch(model: nn.Module):
 
 
 def side_summary(ms: list[float], tokens: int) -> dict:
-    med = statistics.median(ms)
-    after3 = ms[3:]
-    return {"step_ms": ms, "median_step_ms": med, "p90_step_ms": sorted(ms)[int(0.9 * (len(ms) - 1))],
-            "max_step_ms": max(ms), "slowest_after_step_3_x_median": max(after3) / med if after3 else None,
-            "tokens_per_s": tokens / med * 1e3}
+    """The step-time figures of a side, with its slowest steps: a tuning stall shows there."""
+    out = step_summary(ms, tokens)
+    med, after3 = out["median_step_ms"], ms[3:]
+    return out | {"p90_step_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "max_step_ms": max(ms),
+                  "slowest_after_step_3_x_median": max(after3) / med if after3 else None}
 
 
 def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, policy: str,
               sides: tuple[str, ...], on_side, step=lambda label: None) -> None:
     """Time each side in turn; ``on_side(side, row)`` as each finishes."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    from ..patching.dispatch import dispatch_report, reset_dispatch_report
+    from ..patching.dispatch import dispatch_report
     from ..patching.patch import patch_model, unpatch_model
-    from .model_bench import Snapshot, optimizer_for
 
     cuda = batches[0]["input_ids"].is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     opt = optimizer_for(model, 1e-5)
-    _step(model, opt, batches[0])               # AdamW's state exists before any timed step
+    train_step(model, opt, batches[0])          # AdamW's state exists before any timed step
     snap = Snapshot(model, opt, on="cpu")      # 6 bytes a parameter that the steps may need
     compiled = torch.compile(model)
     tokens = batches[0]["input_ids"].numel()
@@ -187,9 +170,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
         if patched:
             patch_model(model, backend=backend, policy=policy)
         run = compiled if is_compiled else model
-        torch._dynamo.reset()
-        counters.clear()
-        reset_dispatch_report()
+        fresh_counts(compile_from_scratch=True)
         ms, warm_ms, losses = [], [], []
         sync()
         if cuda:
@@ -197,7 +178,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
             torch.cuda.reset_peak_memory_stats()
         for i, batch in enumerate([batches[0]] * warmup + batches):
             t0 = time.perf_counter()
-            losses.append(_step(run, opt, batch))
+            losses.append(train_step(run, opt, batch))
             sync()
             (ms if i >= warmup else warm_ms).append((time.perf_counter() - t0) * 1e3)
             step(side)
@@ -207,7 +188,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
         if is_compiled:
             row.update(dynamo_counts())
         if cuda:
-            row.update(gpu_by_family(run, opt, batches[-1]))
+            row.update(gpu_time_by_group(lambda: train_step(run, opt, batches[-1])))
         on_side(side, row)
     unpatch_model(model)
 
@@ -244,41 +225,6 @@ def packed_summary(data: dict) -> dict:
                                      for k, v in sides.items()}}
 
 
-def format_packed_result(data: dict, markdown: bool = False) -> str:
-    """One line per side: median / p90 / max step, the stall figure, tokens/s, x the fastest
-    unpatched side, peak memory, graphs and breaks, GPU ms by family."""
-    summary = packed_summary(data)
-    vs = summary.get("vs_fastest_unpatched", {})
-    head = ["side", "median ms", "p90 ms", "max ms", "slowest after 3 / median", "tokens/s",
-            f"x {summary.get('fastest_unpatched', 'fastest unpatched')}", "peak MB", "graphs", "breaks",
-            *(f"{f} ms" for f in FAMILIES)]
-    rows = []
-    for side, r in data.get("sides", {}).items():
-        if "skipped" in r:
-            rows.append([side, *["-"] * (len(head) - 1)])
-            continue
-        per = r.get("gpu_ms_by_family") or {}
-        stall = r.get("slowest_after_step_3_x_median")
-        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
-                     "-" if stall is None else f"{stall:.2f}", f"{r['tokens_per_s']:.0f}",
-                     f"{vs[side]['speedup']:.2f}" if side in vs else "-",
-                     "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
-                     str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")),
-                     *(f"{per[f]:.1f}" if f in per else "-" for f in FAMILIES)])
-    lines = side_table(head, rows, markdown)
-    check = data.get("documents_check")
-    if check:
-        lines.append("")
-        lines.append(f"documents check ({check['dtype']}, against {check['reference']}; lengths {check['lengths']}):")
-        for side in ("patched", "unpatched"):
-            c = check[side]
-            lines.append(f"  {side}: packed row logits {c['packed']['logits_rel_err']:.3g}, gradients "
-                         f"{c['packed']['grads_rel_err']:.3g}; documents alone logits {c['alone']['logits_rel_err']:.3g}, "
-                         f"gradients {c['alone']['grads_rel_err']:.3g}")
-    skipped = [f"{side}: {r['skipped']}" for side, r in data.get("sides", {}).items() if "skipped" in r]
-    return "\n".join(lines + skipped)
-
-
 def packed_problems(data: dict) -> list[str]:
     """Why a packed run does not show rewy at work and correct, if it does not (empty: it does)."""
     from ..patching.dispatch import total_calls
@@ -301,32 +247,3 @@ def packed_problems(data: dict) -> list[str]:
                                 f"documents alone (float32), against {c['alone'][what]:.3g} for the documents alone "
                                 "in the model's dtype")
     return problems
-
-
-def plot_packed(data: dict, path: str, title: str) -> None:
-    """Left: each side's step time over the run (a stall shows as a spike). Right: tokens/s per side,
-    labelled with peak memory."""
-    from .output import pyplot
-
-    plt = pyplot()
-    sides = {k: v for k, v in data["sides"].items() if "skipped" not in v}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
-    for side, r in sides.items():
-        left.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1, label=side)
-    left.set_xlabel("step (a new packing each step)")
-    left.set_ylabel("step ms (log scale)")
-    left.set_yscale("log")
-    left.legend(fontsize=7)
-    left.set_title(title, fontsize=9)
-    names = list(sides)
-    bars = right.barh([n.replace(" + ", "\n+ ") for n in names], [sides[n]["tokens_per_s"] for n in names])
-    for bar, n in zip(bars, names):
-        if sides[n]["peak_mb"] is not None:
-            right.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {sides[n]['peak_mb'] / 1024:.1f} GiB",
-                       va="center", fontsize=7)
-    right.set_xlabel("tokens/s (median step); label: peak memory")
-    right.invert_yaxis()
-    right.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

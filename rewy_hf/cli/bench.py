@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from ..validation import POLICIES
 from .options import NO_CUDA, JsonReport, add_backend, add_dtype, add_json, at_least, chosen_device
@@ -29,9 +28,12 @@ HELP = "time FLA vs rewy per op (with a gradient check of every configuration), 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..op_inputs import OPS
-    from ..bench.config import BOUNDARIES, MODEL_DTYPES, parse_shape
+    add_common_arguments(parser)
+    add_op_arguments(parser.add_argument_group("op level"))
+    add_model_arguments(parser.add_argument_group("model level (--model)"))
 
+
+def add_common_arguments(parser) -> None:
     parser.add_argument("--model", default=None, metavar="SPEC",
                         help="model-level bench of this hub id, local directory or preset (qwen3.5-1b, gdn2-1b, "
                              "tiny-qwen3.5, tiny-fla-gdn2, ...); without it the op-level bench runs")
@@ -59,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. on a machine with matplotlib after a GPU run without it; exits with its status. "
                              "Several op-level files of one setup are combined into one report")
 
-    ops = parser.add_argument_group("op level")
+
+def add_op_arguments(ops) -> None:
+    from ..bench.config import BOUNDARIES
+    from ..op_inputs import OPS
+
     ops.add_argument("--op", nargs="+", action="extend", choices=(*OPS, "all"), default=None,
                      help="ops to run (default: all)")
     ops.add_argument("--boundary", nargs="+", action="extend", choices=(*BOUNDARIES, "both"), default=None,
@@ -95,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "
                           "output) to save time and memory")
 
-    model = parser.add_argument_group("model level (--model)")
+
+def add_model_arguments(model) -> None:
+    from ..bench.config import MODEL_DTYPES
+
     model.add_argument("--seq-len", type=at_least(1), default=None,
                        help="tokens per sequence (default 4096 on CUDA, 128 on CPU)")
     model.add_argument("--batch-size", type=at_least(1), default=1, help="sequences per step")
@@ -134,6 +143,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="let transformers run the model repository's own code")
 
 
+def parse_shape(text: str):
+    """argparse type for --shapes: 'suite' or B,T,H[,K,V][,packed=N] (positive integers; packed: one
+    row of T tokens from N sequences, B = 1): a ``CustomShape``, or SUITE."""
+    from ..bench.config import SUITE, CustomShape
+
+    if text.strip().lower() == SUITE:
+        return SUITE
+    parts = [p.strip() for p in text.split(",")]
+    example = ("e.g. --shapes 2,4096,16 or --shapes 2,4096,16,128,128 or --shapes 1,32768,32,packed=8 "
+               "(or --shapes suite)")
+    packed = 0
+    if parts and parts[-1].startswith("packed="):
+        try:
+            packed = int(parts.pop()[len("packed="):])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"shape {text!r}: packed=N needs an integer N, {example}") from None
+    if len(parts) not in (3, 5):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} has {len(parts)} value(s); give B,T,H or B,T,H,K,V, {example}")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} is not a list of integers; give B,T,H or B,T,H,K,V, {example}") from None
+    names = ("B", "T", "H", "K", "V")
+    bad = [f"{n}={v}" for n, v in zip(names, values) if v <= 0] + ([f"packed={packed}"] if packed < 0 else [])
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: {', '.join(bad)} must be positive; give B,T,H or B,T,H,K,V as positive integers, "
+            f"{example}")
+    if packed and (values[0] != 1 or packed > values[1]):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: packed sequences come in one row of at least one token each: give B = 1 and "
+            f"packed <= T, {example}")
+    if len(values) == 3:
+        values += [None, None]
+    return CustomShape(*values, N=packed)
+
+
 def parse_lengths(text: str) -> tuple[int, ...]:
     try:
         lengths = tuple(int(x) for x in text.split(","))
@@ -159,356 +207,16 @@ def parse_sides(text: str) -> tuple[str, ...]:
     return tuple(side for name, side in names.items() if name in picked)
 
 
-def could_not_run(message: str) -> int:
-    print(f"rewy-hf bench: {message}", file=sys.stderr)
-    return 2
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..bench.output import plot_unavailable
-    from ..cpu_triton import enable_cpu_interpreter
+    from ..bench.runner import CouldNotRun, render, run_bench
 
-    if args.from_json:
-        return render(args)
-    device = chosen_device(args.device)
-    if device is None:
-        return could_not_run(f"{NO_CUDA} (a comparison against the reference path) or a CUDA build of torch")
-    if args.plot and (reason := plot_unavailable()):
-        return could_not_run(reason)
-    if args.context_parallel:
-        from ..bench.cp_bench import refusal
-
-        if (reason := refusal(args, device)) is not None:
-            return could_not_run(reason)
-    if device == "cpu":
-        enable_cpu_interpreter()
-    guard = {"requested": bool(args.lift_gdn_guard), "was_active": None}
-    if args.lift_gdn_guard and device == "cuda":
-        from ..bench.op_bench import lift_gdn_guard
-
-        guard = lift_gdn_guard()
-    report = JsonReport(args.json)
-    with warnings.catch_warnings(), report.human_output():
-        # Each row names the backend that served it; the once-per-op warning adds nothing here.
-        warnings.filterwarnings("ignore", message=r"rewy-hf: .* runs on the torch backend on GPU")
-        if args.model:
-            return run_model(args, device, guard, report)
-        if args.context_parallel:
-            from ..bench.cp_bench import run_cp
-
-            return run_cp(args, device, guard, report)
-        return run_ops(args, device, guard, report)
-
-
-def run_ops(args, device: str, guard: dict, report: JsonReport) -> int:
-    from ..bench.config import BOUNDARIES, OP_REPS, OP_WARMUP, expand, on_cpu, resolve_shapes
-    from ..bench.op_bench import PEERS, Settings, baseline_label
-    from ..bench.op_run import OpRun, conclude, describe_run, run_rows
-    from ..bench.output import format_op_tables, format_row_line, plot_op_run, progress, shape_label
-    from ..op_inputs import OPS
-
-    cuda = device == "cuda"
-    shapes, origin = resolve_shapes(args.shapes, device)
-    s = Settings(device=device, backend=args.backend, reps=args.reps or OP_REPS[on_cpu(device)],
-                 warmup=OP_WARMUP[on_cpu(device)] if args.warmup is None else args.warmup, rep_ms=args.rep_ms,
-                 check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard,
-                 peers=tuple(expand(args.peers, PEERS, "all", ())), kernel_profile=args.kernel_profile)
-    plan = OpRun(ops=expand(args.op, OPS, "all", OPS), policies=expand(args.policy, POLICIES, "both", POLICIES),
-                 boundaries=expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), shapes=shapes,
-                 shapes_origin=origin, settings=s, keep_autotune_picks=args.keep_autotune_picks)
-    data = describe_run(plan)
-    st = data["settings"]
-    base = baseline_label(device, data["versions"])
-    print(f"rewy-hf bench (op level) on {data['device_name']}: {base} = {data['baseline']}")
-    if not cuda:
-        print("NOTE: CPU run: rewy's torch backend against the reference path in float32, not against FLA; "
-              "these speedups say nothing about a GPU.")
-    print(f"shapes: {origin}\ntiming: {st['timing']}" + (f"\nautotune: {st['autotune']}" if cuda else "")
-          + f"\ncheck: {st['check']}\n", flush=True)
-
-    with progress(len(plan.ops) * len(shapes) * len(plan.policies), "rewy-hf bench") as bar:
-        run_rows(plan, data, save=report.save, step=bar.step,
-                 on_row=lambda row: bar.write(format_row_line(row, plan.boundaries, base)))
-    rows = data["rows"]
-    print()
-    for table in format_op_tables(rows, plan.boundaries, base, device):
-        print(table + "\n")
-    failed = conclude(data)
-    report.save(data)
-    write_markdown(args, data)
-    plots = plot_op_run(rows, plan.boundaries, args.plot, base, data["device_name"], device) if args.plot else []
-    print(f"rewy-hf bench: {len(rows) - len(failed)} of {len(rows)} configurations passed the gradient check"
-          + ("" if not failed else "; failed: " + ", ".join(f"{r['op']} {r['policy']} {shape_label(r)}"
-                                                              for r in failed))
-          + (f"; JSON: {args.json}" if args.json and not report.to_stdout else "")
-          + (f"; plot: {', '.join(plots)}" if plots else ""))
-    report.finish(data)
-    return 1 if failed else 0
-
-
-def run_model(args, device: str, guard: dict, report: JsonReport) -> int:
-    import torch
-
-    from ..bench.config import (MODEL_DTYPE, MODEL_SEQ_LEN, MODEL_STEPS, MODEL_WARMUP, PACKED_SEQ_LEN, PACKED_STEPS,
-                                expand, on_cpu)
-    from ..bench.model_bench import ModelSettings, describe_model_run, model_problems, run_model_bench
-    from ..bench.output import environment, format_model_result, plot_model_steps, progress
-    from ..errors import UnsupportedConfigError
-    from ..models.loading import ModelLoadError, load_causal_lm
-
-    op_only = [flag for flag, value in (("--op", args.op), ("--shapes", args.shapes), ("--boundary", args.boundary),
-                                        ("--reps", args.reps), ("--peers", args.peers),
-                                        ("--kernel-profile", args.kernel_profile)) if value]
-    if op_only:
-        return could_not_run(f"{', '.join(op_only)} apply to the op-level bench; drop them, or drop --model "
-                             "(the model level times --steps training steps)")
-    policies = expand(args.policy, POLICIES, "both", ("recompute",))
-    if len(policies) != 1:
-        return could_not_run("--model takes one --policy (recompute or full); run it once per policy")
-    cpu = on_cpu(device)
-    if args.packed and (reason := packed_refusal(args, device)):
-        return could_not_run(reason)
-    dtype_name = args.dtype or MODEL_DTYPE[cpu]
-    steps, seq_len = (PACKED_STEPS[cpu], PACKED_SEQ_LEN[cpu]) if args.packed else (MODEL_STEPS[cpu], MODEL_SEQ_LEN[cpu])
-    s = ModelSettings(device=device, steps=args.steps or steps,
-                      warmup=MODEL_WARMUP[cpu] if args.warmup is None else args.warmup, batch_size=args.batch_size,
-                      seq_len=args.seq_len or seq_len, backend=args.backend, policy=policies[0],
-                      seed=args.seed)
-    settings = describe_model_run(args.model, s, dtype_name, guard)
-    data = {"kind": "model", **environment(device), "settings": settings, "complete": False}
-
-    def failed_to_run(message: str) -> int:
-        data.update(ok=False, exit_code=2, error=message, complete=True)
-        report.finish(data)
-        return could_not_run(f"could not run: {message}")
-
-    print(f"rewy-hf bench (model level) on {data['device_name']}: loading {args.model} ({dtype_name})", flush=True)
     try:
-        loaded = load_causal_lm(args.model, revision=args.revision, dtype=getattr(torch, dtype_name), device=device,
-                                trust_remote_code=args.trust_remote_code, seed=args.seed)
-    except (ModelLoadError, ValueError) as exc:
-        return failed_to_run(str(exc))
-    model = loaded.model
-    settings["parameters"] = sum(p.numel() for p in model.parameters())
-    if args.packed:
-        return run_packed_model(args, model, s, settings, data, failed_to_run, report)
-    if args.compile:
-        return run_compiled_model(args, model, s, settings, data, failed_to_run, report)
-    if not args.compile and (args.curve_steps or args.lengths or args.sides):
-        return failed_to_run("--curve-steps, --lengths and --sides apply to --compile runs; add --compile or drop "
-                             "them")
-    try:
-        with progress(s.warmup + s.steps, f"bench {args.model}") as bar:
-            res = run_model_bench(model, s, progress=bar.step)
-    except UnsupportedConfigError as exc:
-        return failed_to_run(str(exc))
-    except Exception as exc:   # e.g. the unpatched core refusing to run on this GPU
-        hint = ""
-        if "#640" in str(exc):
-            hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
-                    "unpatched side anyway")
-        return failed_to_run(f"{type(exc).__name__}: {exc}{hint}")
-
-    print(format_model_result(res, args.model, settings))
-    problems = model_problems(res)
-    data.update(res)
-    data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
-    report.finish(data)
-    write_markdown(args, data)
-    if args.plot:
-        plot_model_steps(res, args.plot, f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {dtype_name}, "
-                                         f"{data['device_name']}")
-    for p in problems:
-        print(f"FAIL: {p}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-def packed_refusal(args, device: str) -> str | None:
-    """Why --packed cannot run with these options, or None."""
-    mixed = [flag for flag, value in (("--compile", args.compile), ("--curve-steps", args.curve_steps),
-                                      ("--lengths", args.lengths), ("--causal-masks", args.causal_masks)) if value]
-    if mixed:
-        return (f"{', '.join(mixed)} belong to the --compile bench; --packed runs its own compiled sides "
-                "(choose them with --sides)")
-    if args.batch_size != 1:
-        return "--packed packs one row per step (B = 1, as the padding-free collators do); drop --batch-size"
-    return None
-
-
-def run_packed_model(args, model, s, settings: dict, data: dict, failed_to_run, report: JsonReport) -> int:
-    """--model X --packed: bench/packed_bench.py."""
-    from ..bench.output import progress
-    from ..bench.packed_bench import (ALL_SIDES, LIGER_SIDES, SIDES, format_packed_result, packed_problems,
-                                      packed_summary, plot_packed, run_packed_bench)
-
-    data["kind"] = "packed"
-    sides = tuple(ALL_SIDES if args.sides is None else args.sides)
-    if any("compiled" in x for x in sides) and s.warmup < 1:
-        return failed_to_run("compiled sides need --warmup 1 or more: their first step compiles")
-    settings.update(sides=list(sides), documents="log-normal lengths (median 600 tokens or a row's eighth, sigma 1, at least 16), "
-                    "the last cut at the row's end; a new packing every step",
-                    peak_memory="torch.cuda.max_memory_allocated over the side's steps minus what was allocated "
-                                "before them (weights, optimizer state, the restore snapshot)",
-                    timing="time.perf_counter around each full step (device synchronised); the sides run one "
-                           "after the other on the same weights, optimizer state and packings")
-    if not args.no_documents_check:
-        print("documents check: one packed row against its documents run one by one", flush=True)
-    total = len(sides) * (s.warmup + s.steps)
-    try:
-        with progress(total, f"bench {args.model} --packed") as bar:
-            def on_side(side: str, row: dict) -> None:
-                data.setdefault("sides", {})[side] = row
-                if "skipped" in row:
-                    bar.step(side, s.warmup + s.steps)
-                    bar.write(f"{side}: skipped ({row['skipped']})")
-                else:
-                    peak = "" if row["peak_mb"] is None else f", peak {row['peak_mb']:.0f} MB"
-                    bar.write(f"{side}: median {row['median_step_ms']:.1f} ms, max {row['max_step_ms']:.1f}, "
-                              f"{row['tokens_per_s']:.0f} tokens/s{peak}"
-                              + (f", {row['graphs']} graphs, {row['graph_breaks']} breaks" if "graphs" in row
-                                 else ""))
-                report.save(data)       # a run stopped half way keeps the sides it finished
-
-            def on_check(check: dict) -> None:
-                data["documents_check"] = check
-                report.save(data)
-
-            res = run_packed_bench(model, device=s.device, steps=s.steps, warmup=s.warmup, seq_len=s.seq_len, seed=s.seed,
-                                   backend=s.backend, policy=s.policy, sides=sides,
-                                   check=not args.no_documents_check, on_side=on_side, on_check=on_check,
-                                   step=bar.step)
-    except Exception as exc:
-        hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
-                "unpatched sides anyway") if "#640" in str(exc) else ""
-        return failed_to_run(f"{type(exc).__name__}: {exc}{hint}")
-    data.update(res)
-    data["summary"] = packed_summary(data)
-    print(format_packed_result(data))
-    problems = packed_problems(data)
-    data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
-    report.finish(data)
-    write_markdown(args, data)
-    if args.plot and data.get("sides"):
-        plot_packed(data, args.plot, f"{args.model}, 1x{s.seq_len} packed tokens, {data['device_name']}")
-    for p in problems:
-        print(f"FAIL: {p}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-def run_compiled_model(args, model, s, settings: dict, data: dict, failed_to_run, report: JsonReport) -> int:
-    """--model X --compile: the four sides of bench/compile_bench.py."""
-    from ..bench.compile_bench import SIDES, compile_problems, format_compile_result, format_side, run_compile_bench
-    from ..bench.output import progress
-
-    if s.warmup < 1:
-        return failed_to_run("--compile needs --warmup 1 or more: a compiled side's first step compiles, and "
-                             "timing it would report the compile time as a step")
-    settings["compile"] = "torch.compile(model) defaults (inductor, automatic dynamic shapes); sides in blocks"
-    curve = args.curve_steps or 0
-    sides = args.sides or SIDES
-    if liger := [x for x in sides if x not in SIDES]:
-        return failed_to_run(f"{', '.join(liger)}: the Liger-Kernel sides belong to --packed runs")
-    settings.update(curve_steps=curve, lengths=list(args.lengths), sides=list(sides),
-                    causal_masks=args.causal_masks)
-    total = len(sides) * (s.warmup + s.steps + curve) + sum(x.endswith("compiled") for x in sides) * len(args.lengths)
-    try:
-        with progress(total, f"bench {args.model} --compile") as bar:
-            def on_side(side: str, row: dict) -> None:
-                bar.write(format_side(side, row))
-                data.setdefault("sides", {})[side] = row
-                data["tokens_per_step"] = s.batch_size * s.seq_len
-                report.save(data)       # a run stopped half way keeps the sides it finished
-
-            res = run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,
-                                    lengths=args.lengths, sides=sides, causal_masks=args.causal_masks)
-    except Exception as exc:
-        hint = ("; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time the "
-                "unpatched sides anyway") if "#640" in str(exc) else ""
-        return failed_to_run(f"{type(exc).__name__}: {exc}{hint}")
-    data.update(res)
-    print(format_compile_result(data, args.model))
-    problems = compile_problems(res)
-    data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
-    report.finish(data)
-    write_markdown(args, data)
-    if args.plot:
-        from ..bench.output import plot_compile_result
-
-        plot_compile_result(res, args.plot, f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {data['device_name']}")
-    for p in problems:
-        print(f"FAIL: {p}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-def render(args) -> int:
-    """--from-json: the tables (and plot, Markdown) of earlier runs, with their exit status."""
-    from ..bench.merge import MergeError, merge_runs
-    from ..bench.op_bench import baseline_label
-    from ..bench.output import format_model_result, format_op_tables, plot_model_steps, plot_op_run, plot_unavailable
-
-    if args.plot and (reason := plot_unavailable()):
-        return could_not_run(reason)
-    try:
-        data = merge_runs(args.from_json)
-    except MergeError as exc:
-        return could_not_run(str(exc))
-    if data.get("error"):
-        print(f"that run could not run: {data['error']}")
-    elif data["kind"] == "model" and "sides" in data:
-        from ..bench.compile_bench import format_compile_result
-
-        print(format_compile_result(data, data["settings"]["model"]))
-        if args.plot:
-            from ..bench.output import plot_compile_result
-
-            plot_compile_result(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
-    elif data["kind"] == "packed":
-        from ..bench.packed_bench import format_packed_result, plot_packed
-
-        print(format_packed_result(data))
-        if args.plot and data.get("sides"):
-            plot_packed(data, args.plot, f"{data['settings']['model']}, 1x{data['settings']['seq_len']} packed tokens, "
-                                         f"{data['device_name']}")
-    elif data["kind"] == "context_parallel":
-        from ..bench.cp_bench import format_rows
-
-        print(format_rows(data["rows"]))
-        if args.plot:
-            print("note: --context-parallel runs have a table and no plot")
-    elif data["kind"] == "model":
-        print(format_model_result(data, data["settings"]["model"], data["settings"]))
-        if args.plot:
-            plot_model_steps(data, args.plot, f"{data['settings']['model']}, {data['device_name']}")
-    else:
-        rows, boundaries = data["rows"], data["settings"]["boundaries"]
-        base = baseline_label(data["device"], data.get("versions"))
-        for table in format_op_tables(rows, boundaries, base, data["device"]):
-            print(table + "\n")
-        if args.plot:
-            plot_op_run(rows, boundaries, args.plot, base, data["device_name"], data.get("device", "cuda"))
-    if not data.get("complete", False):
-        which = "one of these runs" if data.get("sources") else "that run"
-        print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
-    write_markdown(args, data)
-    return int(data.get("exit_code", 1))
-
-
-def write_markdown(args, data: dict) -> None:
-    if not args.markdown:
-        return
-    from ..bench.op_bench import baseline_label
-    from ..bench.output import markdown_report
-
-    if data.get("kind") == "context_parallel":
-        from ..bench.cp_bench import format_rows
-
-        text = format_rows(data["rows"]) + "\n"
-    elif data.get("kind") == "packed":
-        from ..bench.packed_bench import format_packed_result
-
-        text = format_packed_result(data, markdown=True) + "\n"
-    else:
-        text = markdown_report(data, baseline_label(data.get("device", "cuda"), data.get("versions")))
-    with open(args.markdown, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"Markdown: {args.markdown}")
+        if args.from_json:
+            return render(args)
+        device = chosen_device(args.device)
+        if device is None:
+            raise CouldNotRun(f"{NO_CUDA} (a comparison against the reference path) or a CUDA build of torch")
+        return run_bench(args, device, JsonReport(args.json))
+    except CouldNotRun as exc:
+        print(f"rewy-hf bench: {exc}", file=sys.stderr)
+        return 2

@@ -1,4 +1,4 @@
-"""`rewy-hf demo`: a one-minute parity demo of the four ops on CPU (the README's first command).
+"""`rewy-hf demo`: a parity demo of the four ops on CPU, a few seconds on two cores.
 
 For each op: random float64 inputs with an initial state and ragged length,
 forward + backward through rewy's torch backend and through the token-by-token
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "one-minute CPU parity demo: the four ops' torch backend vs the float64 recurrence"
+HELP = "a CPU parity demo of a few seconds: the four ops' torch backend vs the float64 recurrence"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,24 +13,12 @@ import argparse
 import contextlib
 import json
 import sys
+from ..command_line import CORES, HelpFormatter  # noqa: F401  (the commands take them from here)
 from ..validation import BACKENDS
 
 STDOUT = "-"
-# --core: rewy's delta-rule core, or the model's own (nothing patched)
-CORES = ("rewy", "original")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 BACKEND_HELP = "rewy's backend: auto (triton on CUDA where rewy has Triton kernels, else torch), torch, or triton"
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default. Options whose default is None or False get no
-    "(default: None)": their help says what leaving them out does, often per device."""
-
-    # The one hook argparse offers for this (ArgumentDefaultsHelpFormatter overrides it too).
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def at_least(minimum: int):

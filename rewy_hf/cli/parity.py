@@ -72,11 +72,11 @@ def list_presets() -> str:
 
     lines = ["presets (random weights from a fixed seed, no download):"]
     lines += [f"  {name}" for name in preset_names()]
-    rows = [(a.family, a.op, cls) for a in all_adapters() for cls in a.layer_classes]
+    rows = [(a.source, a.op, cls) for a in all_adapters() for cls in a.layer_classes]
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines += ["", "supported architectures (delta-rule layer classes rewy-hf patches; --model takes any model "
               "that has one):"]
-    lines += [f"  {family:<{widths[0]}}  {op:<{widths[1]}}  {cls}" for family, op, cls in rows]
+    lines += [f"  {source:<{widths[0]}}  {op:<{widths[1]}}  {cls}" for source, op, cls in rows]
     return "\n".join(lines)
 
 

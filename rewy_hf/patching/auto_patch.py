@@ -19,7 +19,7 @@ import threading
 from typing import Callable
 
 from ..errors import UnsupportedConfigError
-from ..validation import BACKENDS, POLICIES
+from ..kernels.vocabulary import BACKENDS, POLICIES
 from .model_creation import ModelRecorder, ModelReport, install_post_init_hook
 from .patch import FALLBACKS
 

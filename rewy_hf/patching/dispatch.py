@@ -24,7 +24,7 @@ import torch
 from .. import ops
 from ..adapters.transformers_common import is_hub_function, plain_torch, runs_torch_fallback
 from ..kernels.short_conv import causal_short_conv, packed_causal_short_conv, triton_short_conv
-from ..kernels.core import LISTENERS
+from ..kernels.core import add_listener
 from ..errors import UnsupportedConfigError
 from .fault import apply_grad_fault
 
@@ -189,22 +189,26 @@ def make_dispatcher(original: Callable, site: str, role: str) -> CoreDispatcher:
     return cls(original, site, role)
 
 
-def _count_core_event(event: str, op: str, backend: str, policy: str, why: str) -> None:
-    if event == "forward":
+class _ReportCounter:
+    """The dispatch report's listener on the core (kernels.core.CoreListener): the core announces
+    each forward and backward of a routed call, eager or compiled, so the count is taken where the
+    core runs, never in traced code."""
+
+    def forward(self, op: str, backend: str, policy: str, why: str) -> None:
         count_forward(op, backend, policy, why)
-    else:
+
+    def backward(self, op: str, backend: str, policy: str, why: str) -> None:
         count_backward(op)
 
 
-# The core announces each forward and backward of a routed call (kernels/core.py): eager or
-# compiled, the count is taken where the core runs, never in traced code.
-LISTENERS.append(_count_core_event)
+add_listener(_ReportCounter())
 
 
 def route_decode(original: Callable, cpu_decode: Callable, args: tuple, kwargs: dict):
     """A patched layer's decode step: its own implementation, except on CPU, where transformers'
-    choice (FLA's recurrent kernel whenever FLA is importable) cannot run; ``cpu_decode``, the
-    plain-torch function behind transformers' wrapper, computes the same recurrence there."""
+    choice may be FLA's recurrent kernel, which needs CUDA (transformers 5.24 picks it whenever FLA
+    is importable); ``cpu_decode``, the plain-torch function behind transformers' wrapper, computes
+    the same recurrence there."""
     query = args[0] if args else kwargs.get("query")
     if isinstance(query, torch.Tensor) and query.device.type == "cpu":
         return cpu_decode(*args, **kwargs)

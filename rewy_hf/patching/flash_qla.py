@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 
-GDN_OP = "gated_delta_rule"
+from ..kernels.vocabulary import REPORT_OPS
+
+GDN_OP = REPORT_OPS["gdn"]          # the patched layers' op, as the patch report names it
 
 ROUTED_NOTE = (
     "rewy-hf: flash-qla is installed and runs on this GPU: under backend='auto' the {n} patched GDN layer(s) run "

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..adapters import find_adapter, looks_like_delta_rule
 from ..adapters.base import Adapter, split_site
 from ..errors import UnsupportedConfigError
-from ..validation import BACKENDS, POLICIES
+from ..kernels.vocabulary import BACKENDS, POLICIES
 from .dispatch import CoreDispatcher, active_layers, make_dispatcher, prepare_fallback_count, route
 from . import flash_qla
 from .packing import bind_packed_rows, unbind_packed_rows

@@ -1,14 +1,15 @@
 """Reference cores: what an *unpatched* model runs where its original core can't.
 
-FLA-hub layers' cores are Triton-only, so on CPU they cannot run unpatched;
-transformers' layers run their plain-torch core there (transformers 5.25),
-which is also what this module points them at, to hold every unpatched core of
-a comparison to one definition. To compare a
-patched model with its unpatched self there, ``use_reference_cores(model)``
-temporarily points every core site the model uses at a reference:
-transformers' own plain-torch function (the one its hub wrapper falls back
-to), or, for FLA layers, rewy's float64 token-by-token recurrence behind FLA's
-signature. On CUDA the originals run, so this is not needed there.
+FLA-hub layers' cores are Triton-only, so on CPU they cannot run unpatched.
+transformers' layers can: with transformers 5.25 their hub wrapper falls back
+to its plain-torch core on CPU tensors, FLA installed or not, and unpatched
+models train and ``generate`` there. To compare a patched model with its
+unpatched self on CPU, ``use_reference_cores(model)`` temporarily points every
+core site the model uses at a reference: for transformers' layers that same
+plain-torch function (so every unpatched core of a comparison has one
+definition, whatever the wrapper would pick), for FLA layers rewy's float64
+token-by-token recurrence behind FLA's signature. On CUDA the originals run,
+so this is not needed there.
 """
 
 from __future__ import annotations
@@ -24,23 +25,26 @@ from ..adapters import find_adapter
 from ..adapters.base import Adapter
 from ..adapters.transformers_common import plain_torch
 from ..kernels import reference
+from ..kernels.vocabulary import family_of_report
 from .dispatch import CoreDispatcher
 
 # FLA keyword arguments that change nothing about the math.
 _PLUMBING = ("cu_seqlens_cpu", "chunk_size", "chunk_indices", "disable_recompute", "cp_context",
              "return_intermediate_states", "use_graph", "max_num_seqs")
 
+# Per delta-rule family.
 _FLA_REFERENCES = {
     "delta_rule": reference.naive_delta_rule,
-    "gated_delta_rule": reference.naive_gated_delta_rule,
+    "gdn": reference.naive_gated_delta_rule,
     "kda": reference.naive_kda,
     "gdn2": reference.naive_gdn2,
 }
 
 
 def fla_reference(op: str) -> Callable:
-    """A float64 recurrence with the FLA op's signature and FLA's output dtypes."""
-    naive = _FLA_REFERENCES[op]
+    """A float64 recurrence with the FLA op's signature and FLA's output dtypes; ``op`` is the op's
+    report name (an adapter's ``op``: ``gated_delta_rule``, ...)."""
+    naive = _FLA_REFERENCES[family_of_report(op)]
 
     def core(*args, **kwargs):
         for key in _PLUMBING:
@@ -54,7 +58,7 @@ def fla_reference(op: str) -> Callable:
 
 
 def reference_for(adapter: Adapter, original: Callable) -> Callable:
-    if adapter.family == "fla":
+    if adapter.source == "fla":
         return fla_reference(adapter.op)
     return plain_torch(original)
 

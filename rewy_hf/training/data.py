@@ -9,12 +9,15 @@ windows an uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 from pathlib import Path
 
 import torch
+
+from .progress import datasets_bars_off
 
 
 class DataError(ValueError):
@@ -76,9 +79,10 @@ def _utf8_text(path: Path, spec: str) -> str:
     return text
 
 
-def read_documents(spec: str, split: str = "train") -> list[str]:
+def read_documents(spec: str, split: str = "train", progress: bool = True) -> list[str]:
     """Documents from a text file (one document), a JSONL file (one ``{"text": ...}`` per line),
-    or, if the ``datasets`` package is installed, a ``datasets`` dataset name with a "text" column."""
+    or, if the ``datasets`` package is installed, a ``datasets`` dataset name with a "text" column
+    (loaded without progress bars where ``progress`` is False)."""
     path = Path(spec)
     if path.is_file():
         text = _utf8_text(path, spec)
@@ -111,7 +115,8 @@ def read_documents(spec: str, split: str = "train") -> list[str]:
                         "not installed; pass a .txt/.jsonl file, or `pip install datasets`")
     import datasets
 
-    ds = datasets.load_dataset(spec, split=split)
+    with contextlib.nullcontext() if progress else datasets_bars_off():
+        ds = datasets.load_dataset(spec, split=split)
     if "text" not in ds.column_names:
         raise DataError(f"dataset {spec!r} has no 'text' column (columns: {ds.column_names})")
     return [t for t in ds["text"] if t]

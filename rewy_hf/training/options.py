@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.options import CORES, HelpFormatter
+from ..command_line import CORES, HelpFormatter
 from ..patching.patch import FALLBACKS
 from ..validation import BACKENDS, POLICIES
 

@@ -17,7 +17,8 @@ import torch
 
 from .. import ops
 from ..kernels import reference
-from ..op_inputs import REWY_OPS, Shape, float64_inputs, make_inputs
+from ..kernels.vocabulary import family_of_public
+from ..op_inputs import OPS, REWY_OPS, Shape, float64_inputs, make_inputs
 from ..rel_error import rel_err
 
 FLOAT64_TOL = 1e-10
@@ -25,9 +26,9 @@ FLOAT64_SHAPE = Shape(B=2, T=200, H=2, K=32, V=32)
 BF16_TOL = 2e-2
 TRITON_SHAPE = Shape(B=2, T=300, H=4, K=128, V=128)
 
-REFERENCES = {"chunk_delta_rule": reference.naive_delta_rule,
-              "chunk_gated_delta_rule": reference.naive_gated_delta_rule,
-              "chunk_kda": reference.naive_kda, "chunk_gdn2": reference.naive_gdn2}
+# Per delta-rule family.
+REFERENCES = {"delta_rule": reference.naive_delta_rule, "gdn": reference.naive_gated_delta_rule,
+              "kda": reference.naive_kda, "gdn2": reference.naive_gdn2}
 
 
 def reference_error(op: str, gen: torch.Generator, device: str = "cpu") -> tuple[float, float]:
@@ -44,7 +45,7 @@ def reference_error(op: str, gen: torch.Generator, device: str = "cpu") -> tuple
     grads = [g.cpu() for g in grads]
     o, ht = o.cpu(), ht.cpu()
     elapsed = time.perf_counter() - t0
-    o_r, ht_r = REFERENCES[op](*args, initial_state=h0, output_final_state=True)
+    o_r, ht_r = REFERENCES[family_of_public(op)](*args, initial_state=h0, output_final_state=True)
     grads_r = torch.autograd.grad((o_r * do).sum() + (ht_r * dht).sum(), leaves)
     worst = max([rel_err(o, o_r), rel_err(ht, ht_r)] + [rel_err(a, b) for a, b in zip(grads, grads_r)])
     return worst, elapsed
@@ -52,7 +53,7 @@ def reference_error(op: str, gen: torch.Generator, device: str = "cpu") -> tuple
 
 def triton_checks():
     """(name, ok, detail) per op: the Triton backend against the fp32 torch backend on CUDA."""
-    for op in ("gdn", "delta_rule", "kda", "gdn2"):
+    for op in OPS:
         args, do = make_inputs(op, TRITON_SHAPE, "cuda", torch.bfloat16, seed=0)
         fn = REWY_OPS[op]
         results = []

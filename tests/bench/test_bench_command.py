@@ -18,7 +18,8 @@ import torch
 from bench_cli import run_bench
 
 from rewy_hf import cli
-from rewy_hf.bench.config import CustomShape, check_T, parse_shape, resolve_shapes, suite_file
+from rewy_hf.bench.config import CustomShape, check_T, resolve_shapes, suite_file
+from rewy_hf.cli.bench import parse_shape
 from rewy_hf.bench.merge import merge_runs
 from rewy_hf.op_inputs import Shape
 
@@ -400,7 +401,7 @@ def test_plot_without_matplotlib_fails_before_timing(tmp_path, capsys, monkeypat
 
 
 def test_progress_without_tqdm_prints_flushed_lines(capsys, monkeypatch):
-    from rewy_hf.bench.output import progress
+    from rewy_hf.bench.runner import progress
 
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with progress(2, "bench") as bar:

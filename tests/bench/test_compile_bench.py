@@ -17,10 +17,10 @@ import math
 import pytest
 import torch
 
-from rewy_hf.bench.compile_bench import (FAMILIES, HELD_KERNELS, SIDES, compile_problems, format_compile_result,
-                                         kernel_family, run_compile_bench)
+from rewy_hf.bench.compile_bench import HELD_KERNELS, SIDES, compile_problems, run_compile_bench
+from rewy_hf.bench.kernel_profile import KERNEL_GROUPS, kernel_group
 from rewy_hf.bench.model_bench import ModelSettings
-from rewy_hf.bench.output import markdown_report
+from rewy_hf.bench.tables import format_compile_result, markdown_text
 
 import hf_tiny_models as hf
 
@@ -89,9 +89,9 @@ def test_tables_and_json_round_trip(result, tmp_path):
             "settings": {"model": "tiny"}, "complete": True, **result}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(data))
-    md = markdown_report(json.loads(path.read_text()), "FLA")
+    md = markdown_text(json.loads(path.read_text()))
     header = next(line for line in md.splitlines() if line.startswith("| side"))
-    assert header.count("|") == 9 + len(FAMILIES)
+    assert header.count("|") == 9 + len(KERNEL_GROUPS)
     assert sum(line.startswith(f"| {side} |") for side in SIDES for line in md.splitlines()) == 4
 
 
@@ -105,7 +105,7 @@ def test_tables_and_json_round_trip(result, tmp_path):
     ("triton_poi_fused_add_mul_0", "elementwise"),
 ])
 def test_kernel_family(name, family):
-    assert kernel_family(name) == family
+    assert kernel_group(name) == family
 
 
 def test_a_subset_of_sides_runs_only_those_and_summarizes_what_it_can():

@@ -1,11 +1,17 @@
-"""rewy_hf.bench.cpu_backend: the torch backend against transformers' own torch path on the same inputs,
+"""dev/cpu_backend.py: the torch backend against transformers' own torch path on the same inputs,
 at a small shape; its gradient check is the part a test can hold it to (its timings are not asserted)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-from rewy_hf.bench import cpu_backend
+# The developer scripts live in dev/ at the repository root, not in the installed package.
+DEV = Path(__file__).resolve().parents[2] / "dev"
+sys.path.insert(0, str(DEV))
+
+import cpu_backend  # noqa: E402
 
 
 def test_matches_transformers_torch_path_and_writes_json(tmp_path):

@@ -1,4 +1,4 @@
-"""rewy_hf.bench.kernel_configs on the CPU interpreter: the launch-config sweep
+"""dev/kernel_configs.py on the CPU interpreter: the launch-config sweep
 runs every stage it names, and configs that split the work differently (key
 blocks or value tiles of another width) give the same
 outputs, so the sweep's own agreement check cannot pass by accident on the GPU.
@@ -7,13 +7,20 @@ Under the interpreter warps and stages change nothing; block widths do."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+# The developer scripts live in dev/ at the repository root, not in the installed package.
+DEV = Path(__file__).resolve().parents[2] / "dev"
+
 
 def _load():
-    from rewy_hf.bench import kernel_configs
+    if str(DEV) not in sys.path:
+        sys.path.insert(0, str(DEV))
+    import kernel_configs
 
     return kernel_configs
 

@@ -12,7 +12,8 @@ from bench_cli import run_bench
 
 from rewy_hf import cli
 from rewy_hf.bench.kernel_profile import largest, summed
-from rewy_hf.bench.output import TOP_KERNELS, format_kernel_table
+from rewy_hf.bench.rows import OpRow
+from rewy_hf.bench.tables import TOP_KERNELS, format_kernel_table
 
 # T = 128: two chunks for rewy's chunked backward, 128 token steps for the reference recurrence.
 PROFILED = ["--device", "cpu", "--shapes", "1,128,1,16,16", "--reps", "1", "--warmup", "1", "--op", "gdn",
@@ -106,7 +107,7 @@ def test_the_table_keeps_the_largest_kernels_and_sums_the_rest():
     assert (n_rest, ms_rest, launches_rest) == (3, 1.0 + 2.0 + 3.0, 6)
     row = {"op": "gdn", "policy": "recompute", "B": 1, "T": 64, "H": 2, "K": 128, "V": 128,
            "rewy_kernels_B": kernels, "peers": {"flash-qla": {"kernels_B": {"fused": {"ms": 2.0, "launches": 1}}}}}
-    text = format_kernel_table(row, "B", "FLA", "cuda", markdown=True)
+    text = format_kernel_table(OpRow.from_json(row), "B", "FLA", "cuda", markdown=True)
     total = sum(v["ms"] for v in kernels.values())
     assert "kernels of one backward (device time)" in text
     assert f"| rewy | (3 other kernels) | 6 | 6.000 | {100 * 6 / total:.0f} % |" in text
@@ -130,13 +131,13 @@ def test_the_table_names_the_config_each_autotuned_kernel_ran_with():
                    pick({"BV": 64}, 4, 1)],
                "fla.ops.common.chunk_delta_h.chunk_bwd_kernel_dhu": [
                    pick({"BV": 32}, 4, 2), pick({"BV": 64}, 8, 3), pick({"BV": 32}, 4, 2)]}}
-    text = format_kernel_table(row, "B", "FLA", "cuda", markdown=True)
+    text = format_kernel_table(OpRow.from_json(row), "B", "FLA", "cuda", markdown=True)
     assert "| side | kernel | launches | ms | share | config |" in text
     assert "| rewy | rewy_kda_bwd_wy_kernel | 1 | 0.600 | 74 % | BV=64 w4 s1 |" in text
     assert "| FLA | chunk_bwd_kernel_dhu | 1 | 0.200 | 100 % | BV=32 w4 s2; BV=64 w8 s3 |" in text
     assert "| rewy | vectorized_elementwise_kernel | 2 | 0.010 | 1 % |   |" in text   # an empty cell
     del row["autotune_picks"]              # a run from before rows recorded picks: the table as it was
-    assert "config" not in format_kernel_table(row, "B", "FLA", "cuda", markdown=True)
+    assert "config" not in format_kernel_table(OpRow.from_json(row), "B", "FLA", "cuda", markdown=True)
 
 
 def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""rewy_hf.bench.kernel_registers: rewy's kernels compile for sm_90 on a machine without a GPU, and
+"""dev/kernel_registers.py: rewy's kernels compile for sm_90 on a machine without a GPU, and
 the resource figures it reads back from the cubin behave as compiled code must. It runs in a
 subprocess without TRITON_INTERPRET, which the other tests set and under which kernels cannot be
 compiled.
@@ -13,15 +13,20 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+# The developer scripts live in dev/ at the repository root, not in the installed package.
+DEV = Path(__file__).resolve().parents[2] / "dev"
 
 # main() once per (arguments, extra environment), each call's environment restored after it; a
 # record separator line with the exit status ends each call's stdout and stderr.
 _MAIN_PER_RUN = """
 import json, os, sys, traceback
-from rewy_hf.bench import kernel_registers
+sys.path.insert(0, sys.argv[2])
+import kernel_registers
 for argv, env in json.loads(sys.argv[1]):
     saved = dict(os.environ)
     os.environ.update(env)
@@ -109,7 +114,7 @@ _SECOND_PROCESS = {"stages", "prestage", "uncapped", "capped", "bv128"}
 
 
 def _start(planned: dict, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-P", "-c", _MAIN_PER_RUN, json.dumps(list(planned.values()))],
+    return subprocess.Popen([sys.executable, "-P", "-c", _MAIN_PER_RUN, json.dumps(list(planned.values())), str(DEV)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

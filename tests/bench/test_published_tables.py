@@ -1,8 +1,14 @@
-"""docs/performance.md's per-shape tables, its summary and its FlashQLA forward + backward tables
-are what `rewy-hf bench --from-json` makes of the kept bench files (docs/bench/), and the tables
-computed from several files (FlashQLA's backward, KDA against TileLang, the README's op table, the
-model-level step) follow those files, so an edited number, a table left behind after a rerun, or a summary that no longer
-follows its tables fails here.
+"""The published figures follow the kept bench files (docs/bench/).
+
+docs/per-shape.md's tables, the FlashQLA forward + backward tables of docs/studies.md, and the
+generated tables of docs/performance.md (what serves a patched GDN call with flash-qla installed, the
+end-to-end compile steps, packed fine-tuning) and of docs/studies.md (further lengths, two further
+presets) are what `rewy-hf bench --from-json` makes of their files. The tables and figures computed
+from several files or from a file's raw rows (performance.md's summary and its GDN note, FlashQLA's
+backward, KDA against TileLang, the model-level step, the notes under the per-shape tables, GDN2's
+packed row in studies.md) are recomputed here. So an edited number, a table left behind after a rerun,
+or a summary that no longer follows its tables fails here. README.md and the guides copy none of these
+figures: they link to them.
 
 A section may add prose, "Source:" lines and notes between the generated tables, and it picks its
 own heading levels; every generated table line and note (and, where the section carries it, the
@@ -19,8 +25,14 @@ import pytest
 
 from rewy_hf.cli import main
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 SUMMARY_OPS = {"DeltaNet": "delta_rule", "GDN*": "gdn", "KDA": "kda", "GDN2": "gdn2"}
+
+
+def _geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
 def _blocks(lines: list[str]) -> dict[str, list[str]]:
@@ -41,32 +53,53 @@ def _is_subsequence(needles: list[str], haystack: list[str]) -> bool:
     return all(any(line == n for line in it) for n in needles)
 
 
-def _section(doc: str, title: str) -> list[str]:
-    """The lines of the section with this title, up to the next heading of its level or above."""
+def _section(page: str, title: str) -> list[str]:
+    """The lines of the section of docs/<page> with this title, up to the next heading of its level
+    or above."""
+    doc = "\n" + (DOCS / page).read_text()
     head = re.search(rf"\n(#+) {re.escape(title)}\n", doc)
-    assert head, f"performance.md has no section {title!r}"
+    assert head, f"{page} has no section {title!r}"
     end = re.compile(rf"\n#{{1,{len(head.group(1))}}} ").search(doc, head.end())
-    return doc[head.start():end.start() if end else None].splitlines()
+    return doc[head.start() + 1:end.start() if end else None].splitlines()
 
 
-# (kept files, the performance.md section that publishes their tables, the command's exit status,
-# whether the section carries the command's header lines, how many tables it publishes). FlashQLA's
-# files: the (4, 4096, 32) process stopped at its time limit before its `full` row, so the command
-# says that one run did not finish (exit 1); the section publishes the tables against FLA as
-# installed, not those of FlashQLA's own entry ("peers beside").
+def _prose(page: str, title: str) -> str:
+    """A section's text with every run of whitespace made one space, so that figures can be looked
+    for across line breaks."""
+    return " ".join(" ".join(_section(page, title)).split())
+
+
+def _markdown(tmp_path_factory, files: list[str], status: int) -> str:
+    """`rewy-hf bench --from-json FILES --markdown OUT`, given the files as the repository root's
+    relative paths (as the pages write the command), and the Markdown it writes."""
+    out = tmp_path_factory.mktemp("published") / "out.md"
+    paths = [str(DOCS / "bench" / f) for f in files]
+    assert all(Path(p).is_file() for p in paths), files
+    assert main(["bench", "--from-json", *paths, "--markdown", str(out)]) == status
+    return out.read_text().replace(f"{ROOT}/", "")
+
+
+# Generated tables under headings: (kept files, the page and section that publish them, the command's
+# exit status, whether the section carries the command's header lines, how many tables it publishes,
+# the titles of the command's tables the section leaves out). FlashQLA's forward + backward files: the
+# (4, 4096, 32) process reached the 10-minute limit of one benchmark command before its `full` row, so
+# the command says that one run did not finish (exit 1); the sections publish the tables against FLA as
+# installed, not those of FlashQLA's own entry ("peers beside") or the kernel tables.
 GROUPS = {
-    "ops": ("ops/*.json", "Per-shape tables", 0, True, 8),
-    "flashqla-fb": ("flashqla/gdn-peer-fb-*.json", "GDN against FlashQLA", 1, False, 2),
+    "ops": ("ops/*.json", "per-shape.md", "Per-shape tables", 0, True, 8, ()),
+    "flashqla-fb": ("flashqla/gdn-peer-fb-*.json", "studies.md", "GDN against FlashQLA: forward + backward", 1,
+                    False, 2, ("peers beside",)),
+    "flashqla-auto": ("flashqla/gdn-auto-split.json", "performance.md",
+                      "What serves a patched GDN call where flash-qla is installed", 0, False, 1,
+                      ("peers beside", "kernels of one")),
 }
 
 
 def _generate(tmp_path_factory, name: str) -> dict[str, list[str]]:
-    pattern, _, status, _, _ = GROUPS[name]
-    out = tmp_path_factory.mktemp("published") / f"{name}.md"
-    files = sorted(str(p) for p in (DOCS / "bench").glob(pattern))
+    pattern, _, _, status, _, _, _ = GROUPS[name]
+    files = sorted(str(p.relative_to(DOCS / "bench")) for p in (DOCS / "bench").glob(pattern))
     assert files
-    assert main(["bench", "--from-json", *files, "--markdown", str(out)]) == status
-    return _blocks(out.read_text().splitlines())
+    return _blocks(_markdown(tmp_path_factory, files, status).splitlines())
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +109,15 @@ def generated(tmp_path_factory) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("name", GROUPS)
 def test_every_generated_table_is_published_unchanged(tmp_path_factory, name):
-    _, section, _, with_header, n_tables = GROUPS[name]
+    _, page, section, _, with_header, n_tables, left_out = GROUPS[name]
     generated = _generate(tmp_path_factory, name)
-    published = _blocks(_section((DOCS / "performance.md").read_text(), section))
+    published = _blocks(_section(page, section))
     kept = lambda lines: [x for x in lines if x.strip()]  # noqa: E731
     header = kept(generated[""])
     assert header and header[0].startswith("Device: ")
     if with_header:
         assert _is_subsequence(header, published[section]), "the header lines differ from the command's"
-    tables = [k for k in generated if k and "peers beside" not in k]
+    tables = [k for k in generated if k and not any(s in k for s in left_out)]
     assert len(tables) == n_tables
     for title in tables:
         assert title in published, f"no table titled {title!r} in {section!r}"
@@ -93,21 +126,52 @@ def test_every_generated_table_is_published_unchanged(tmp_path_factory, name):
         assert _is_subsequence(kept(generated[title]), published[title]), f"{title}: lines out of order"
 
 
+# Generated model-level output, published verbatim as one block: (kept files, page, section, the
+# command's exit status). Runs that reached the 10-minute limit of one benchmark command exit 1.
+STEP_TABLES = {
+    "compile-qwen": (["model/compile-qwen3.5-gva-1b-corpus.json"], "performance.md",
+                     "End-to-end: torch.compile", 0),
+    "compile-kimi": (["model/compile-kimi-linear-1b-corpus.json", "model/compile-kimi-linear-1b-corpus-compiled.json"],
+                     "performance.md", "End-to-end: torch.compile", 1),
+    "packed": (["packed/qwen35-248k-unpatched-eager-h100.json", "packed/qwen35-248k-patched-eager-h100.json"], "performance.md",
+               "Packed fine-tuning at a real vocabulary", 0),
+    "lengths-qwen": (["model/compile-qwen3.5-gva-1b-corpus-mix-order-non-strict.json"], "studies.md",
+                     "Further lengths", 0),
+    "lengths-kimi": (["model/compile-kimi-linear-1b-corpus-mix-order-non-strict.json"], "studies.md",
+                     "Further lengths", 0),
+    "preset-qwen3.5-1b": (["model/qwen3.5-1b.json"], "studies.md", "Model level: two further presets", 0),
+    "preset-gdn2-1b": (["model/gdn2-1b.json"], "studies.md", "Model level: two further presets", 0),
+}
+
+
+@pytest.mark.parametrize("name", STEP_TABLES)
+def test_every_generated_step_table_is_published_verbatim(tmp_path_factory, name):
+    files, page, section, status = STEP_TABLES[name]
+    block = _markdown(tmp_path_factory, files, status).strip()
+    assert "\n|---|" in block, "the command wrote no table"
+    assert block in "\n".join(_section(page, section)), f"{name}: {page} {section!r} differs from the command's output"
+
+
 def _table(lines: list[str]) -> list[list[str]]:
     rows = [[c.strip() for c in x.strip().strip("|").split("|")] for x in lines if x.startswith("|")]
     return [r for r in rows if not set("".join(r)) <= set("-")]
 
 
-def _first_table(section: str) -> list[list[str]]:
-    """The cells of the first table in a section of performance.md, header row first."""
-    lines = _section((DOCS / "performance.md").read_text(), section)
-    first = next(i for i, x in enumerate(lines) if x.startswith("|"))
-    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
-    return _table(lines[first:end])
+def _tables(page: str, section: str) -> list[list[list[str]]]:
+    """Every table of a section, each as its cells, header row first."""
+    lines, tables, i = _section(page, section), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            end = next((j for j in range(i, len(lines)) if not lines[j].startswith("|")), len(lines))
+            tables.append(_table(lines[i:end]))
+            i = end
+        else:
+            i += 1
+    return tables
 
 
 def _summary_rows() -> dict[tuple[str, str], dict[str, str]]:
-    head, *rows = _first_table("Summary")
+    head, *rows = _tables("performance.md", "Summary")[0]
     return {(SUMMARY_OPS[r[0]], r[1]): dict(zip(head, (c.strip("*") for c in r))) for r in rows}
 
 
@@ -137,6 +201,58 @@ def test_the_summary_follows_the_tables(generated):
             assert float(err_fla) == max(float(r[col["err FLA"]]) for r in shapes), (op, policy)
 
 
+def _all_rows(pattern: str) -> list[dict]:
+    return [r for p in sorted((DOCS / "bench").glob(pattern)) for r in json.loads(p.read_text())["rows"]]
+
+
+def test_every_suite_row_passes_as_the_terms_say():
+    rows = _all_rows("ops/*.json")
+    assert all(r["ok"] and r.get("bound_ok", True) for r in rows)
+    assert f"All {len(rows)} rows pass." in _prose("performance.md", "Performance")
+
+
+def test_the_gdn_note_follows_the_walk_rerun():
+    """The note under the summary: GDN's backward alone with rewy's reverse walk, six shapes, from its
+    kept file: geometric means of the median, fastest-round and summed-kernel-time ratios, and the
+    worst peak-memory ratio, per policy."""
+    rows = json.loads((DOCS / "bench" / "walk" / "gdn-six-shapes.json").read_text())["rows"]
+    figures = {}
+    for policy in ("recompute", "full"):
+        rs = [r for r in rows if r["policy"] == policy and r["op"] == "gdn"]
+        assert len(rs) == 6 and all(r["ok"] for r in rs)
+        kernels = lambda k: sum(v["ms"] for v in k.values())  # noqa: E731
+        figures[policy] = (
+            f"{_geomean(r['baseline_B_ms'] / r['rewy_B_ms'] for r in rs):.2f}x",
+            f"{_geomean(min(r['baseline_B_rounds']) / min(r['rewy_B_rounds']) for r in rs):.2f}x",
+            f"{_geomean(kernels(r['baseline_kernels_B']) / kernels(r['rewy_kernels_B']) for r in rs):.2f}x",
+            f"{max(r['rewy_peak_mb'] / r['baseline_peak_mb'] for r in rs):.2f}")
+    (m_r, f_r, k_r, p_r), (m_f, f_f, k_f, p_f) = figures["recompute"], figures["full"]
+    expected = (f"recompute / full: {m_r} / {m_f} by medians, {f_r} / {f_f} by fastest rounds, {k_r} / {k_f} by "
+                f"the summed kernel time of one backward per side, and a peak memory of {p_r} / {p_f} of FLA's.")
+    assert expected in _prose("performance.md", "Summary")
+
+
+def test_the_notes_under_the_per_shape_tables_follow_their_files():
+    """DeltaNet recompute at (2, 8192, 16): each side's range of rounds; KDA full at (1, 16384, 16):
+    the row timed alone, and the six-shape mean with it in place of the suite's row."""
+    page = _prose("per-shape.md", "Per-shape tables")
+    row = next(r for r in _all_rows("ops/0[12]-delta_rule-*.json")
+               if (r["B"], r["T"], r["H"]) == (2, 8192, 16) and r["policy"] == "recompute")
+    rewy, fla = row["rewy_B_rounds"], row["baseline_B_rounds"]
+    assert (f"(rewy's {len(rewy)} rounds {min(rewy):.2f}-{max(rewy):.2f} ms, FLA's {min(fla):.2f}-{max(fla):.2f} ms)"
+            .replace("5 rounds", "five rounds") in page)
+    assert row["rewy_B_ms"] > row["baseline_B_ms"]   # the row the note explains is below 1
+    alone = json.loads((DOCS / "bench" / "kda-full-1_16384_16.json").read_text())["rows"]
+    assert len(alone) == 1 and alone[0]["policy"] == "full" and alone[0]["ok"]
+    a = alone[0]
+    assert f"FLA {a['baseline_B_ms']:.3f} ms, rewy {a['rewy_B_ms']:.3f} ms, {a['baseline_B_ms'] / a['rewy_B_ms']:.2f}x" in page
+    suite = [r for r in _all_rows("ops/0[789]-kda-*.json")
+             if r["policy"] == "full" and (r["B"], r["T"], r["H"]) != (1, 16384, 16)]
+    assert len(suite) == 5
+    mean = _geomean([r["baseline_B_ms"] / r["rewy_B_ms"] for r in suite] + [a["baseline_B_ms"] / a["rewy_B_ms"]])
+    assert f"the six-shape mean stays {mean:.2f}x" in page
+
+
 def _rows(*names: str) -> dict[tuple[str, tuple[int, int, int]], dict]:
     out = {}
     for name in names:
@@ -148,13 +264,13 @@ def _rows(*names: str) -> dict[tuple[str, tuple[int, int, int]], dict]:
 def test_the_flashqla_backward_table_follows_its_two_runs():
     """The first table of "GDN against FlashQLA" sets FlashQLA's backward (the baseline of the runs with
     flash-qla installed) against rewy's from the per-shape suite files, per policy; each ratio and
-    the geometric means are computed from the files' times."""
+    the geometric means are computed from the files' times, and so are the shapes the bullets count."""
     qla = _rows("flashqla/gdn-flashqla.json", "flashqla/gdn-flashqla-1_32768_32.json")
     rewy = _rows("ops/04-gdn-recompute-h16.json", "ops/05-gdn-recompute-h32.json", "ops/06-gdn-full.json")
-    head, *rows = _first_table("GDN against FlashQLA")
+    head, *rows = _tables("performance.md", "GDN against FlashQLA")[0]
     assert head[:6] == ["B,T,H", "FlashQLA B ms", "rewy recompute B ms", "speed-up recompute", "rewy full B ms",
                         "speed-up full"]
-    ratios = {"recompute": [], "full": []}
+    ratios = {"recompute": {}, "full": {}}
     for r in rows[:-1]:
         shape = tuple(int(x) for x in r[0].split(","))
         q, rc, rf = qla[("recompute", shape)], rewy[("recompute", shape)], rewy[("full", shape)]
@@ -163,24 +279,29 @@ def test_the_flashqla_backward_table_follows_its_two_runs():
         for policy, col, mine in (("recompute", 3, rc), ("full", 5, rf)):
             ratio = qla[(policy, shape)]["baseline_B_ms"] / mine["rewy_B_ms"]
             assert r[col] == f"{ratio:.2f}x", (r, policy, ratio)
-            ratios[policy].append(ratio)
+            ratios[policy][shape] = ratio
         assert r[6] == f"{q['baseline_peak_mb']:.0f} / {rc['rewy_peak_mb']:.0f}", r
+        assert q["baseline_peak_mb"] < rc["rewy_peak_mb"], r     # "FlashQLA peaks below rewy's memory"
     assert len(rows) - 1 == 6 and rows[-1][0] == "geometric mean"
     for policy, col in (("recompute", 3), ("full", 5)):
-        mean = math.exp(sum(map(math.log, ratios[policy])) / len(ratios[policy]))
-        assert rows[-1][col].strip("*") == f"{mean:.2f}x", (policy, mean)
+        assert rows[-1][col].strip("*") == f"{_geomean(ratios[policy].values()):.2f}x", policy
+    text = _prose("performance.md", "GDN against FlashQLA")
+    slower = sum(x < 1 for x in ratios["recompute"].values())
+    assert f"rewy `recompute` is slower at {['no', 'one', 'two', 'three', 'four', 'five', 'six'][slower]} of six" in text
+    assert [s for s, x in ratios["recompute"].items() if x > 1] == [(2, 8192, 16)]
+    assert sorted(s for s, x in ratios["full"].items() if x > 1) == [(2, 8192, 16), (4, 4096, 16)]
 
 
 def test_the_kda_tilelang_table_follows_its_runs():
     """The table of "KDA against FLA with TileLang": FLA as installed is each run's baseline, FLA's
     Triton path its `fla-triton` peer, in the same process; every figure and ratio comes from the
     kept files (packed rows by their sequence count): the six bench shapes and 32k tokens packed from
-    8 sequences, both policies."""
+    8 sequences, both policies; so do the six-shape means under it."""
     runs = {}
     for path in sorted((DOCS / "bench" / "flashqla").glob("kda-tilelang-*.json")):
         for r in json.loads(path.read_text())["rows"]:
             runs[(r["B"], r["T"], r["H"], r["N"], r["policy"])] = r
-    head, *rows = _first_table("KDA against FLA with TileLang")
+    head, *rows = _tables("performance.md", "KDA against FLA with TileLang")[0]
     assert head[1:5] == ["policy", "FLA as installed (TileLang) B ms", "FLA Triton path B ms", "rewy B ms"]
     assert len(rows) == len(runs) == 14
     for r in rows:
@@ -194,36 +315,32 @@ def test_the_kda_tilelang_table_follows_its_runs():
         assert r[7] == f"{run['baseline_peak_mb']:.0f} / {run['rewy_peak_mb']:.0f}", r
         assert r[8] == f"{run['err_baseline']:.1e} / {run['err_rewy']:.1e}", r
         assert run["ok"] and run["bound_ok"] and triton_path["err"] <= 1.1 * run["err_baseline"] + 1e-5, r
+        assert triton_path["B_ms"] > run["baseline_B_ms"] > run["rewy_B_ms"], r   # TileLang faster; rewy ahead
+    means = {}
+    for policy in ("recompute", "full"):
+        six = [r for (_, _, _, n, p), r in runs.items() if p == policy and n == 0]
+        assert len(six) == 6
+        means[policy] = (f"{_geomean(r['baseline_B_ms'] / r['rewy_B_ms'] for r in six):.2f}x",
+                         f"{_geomean(r['peers']['fla-triton']['B_ms'] / r['rewy_B_ms'] for r in six):.2f}x")
+    expected = (f"Six-shape geometric mean against FLA as installed: **{means['recompute'][0]}** (recompute) and "
+                f"**{means['full'][0]}** (full); against its Triton path {means['recompute'][1]} and {means['full'][1]}.")
+    assert expected in _prose("performance.md", "KDA against FLA with TileLang")
 
 
-def test_the_readme_quotes_the_published_figures():
-    """README's op table: DeltaNet, KDA and GDN2 as performance.md's summary gives them; GDN (marked *)
-    from the rerun of GDN alone with its reverse state pass on rewy's walk (its kept file), by the
-    same rules: geometric mean of the backward ratios, worst peak-memory ratio."""
-    lines = (DOCS.parent / "README.md").read_text().splitlines()
-    first = next(i for i, x in enumerate(lines) if x.startswith("| op | `recompute` (default) |"))
-    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
-    _, *rows = _table(lines[first:end])
-    summary = _summary_rows()
-    walk = json.loads((DOCS / "bench" / "walk" / "gdn-six-shapes.json").read_text())["rows"]
-    names = {"DeltaNet": "delta_rule", "Gated DeltaNet (GDN)": "gdn", "Kimi Delta Attention (KDA)": "kda",
-             "Gated DeltaNet-2 (GDN2)": "gdn2"}
-    assert [r[0] for r in rows] == list(names)
-    for name, recompute, full, peak in rows:
-        op = names[name]
-        quoted = {"recompute": recompute.rstrip("*"), "full": full.rstrip("*")}
-        peaks = dict(zip(("recompute", "full"), (x.strip() for x in peak.split("/"))))
-        for policy in ("recompute", "full"):
-            if op == "gdn":
-                rs = [r for r in walk if r["policy"] == policy]
-                assert len(rs) == 6
-                mean = math.exp(sum(math.log(r["baseline_B_ms"] / r["rewy_B_ms"]) for r in rs) / len(rs))
-                worst = max(r["rewy_peak_mb"] / r["baseline_peak_mb"] for r in rs)
-                assert quoted[policy] == f"{mean:.2f}x" and peaks[policy] == f"{worst:.2f}", (op, policy)
-            else:
-                s = summary[(op, policy)]
-                assert quoted[policy] == s["B speed-up"], (op, policy)
-                assert peaks[policy] == s["peak memory rewy / FLA"], (op, policy)
+def test_the_readme_and_the_guides_link_to_the_figures_instead_of_copying_them():
+    """Each figure lives on one page: README.md and the guides carry no speed-up and no table of bench
+    figures, and README.md links to performance.md's summary and to the sections it describes."""
+    pages = [ROOT / "README.md", *(DOCS / p for p in ("usage.md", "bench.md", "architecture.md", "compatibility.md",
+                                                        "run.md"))]
+    for page in pages:
+        text = page.read_text()
+        copied = re.findall(r"\b\d+\.\d+x\b", text)
+        assert not copied, f"{page.name} quotes speed-ups {copied[:3]}: link to the section that owns them"
+        heads = [x.lower() for x in text.splitlines() if x.startswith("|") and ("speed" in x.lower() or " ms" in x)]
+        assert not heads, f"{page.name} has a table of bench figures: {heads[0]}"
+    readme = (ROOT / "README.md").read_text()
+    for anchor in ("summary", "model-level-one-training-step", "end-to-end-torchcompile", "gdn-against-flashqla"):
+        assert f"(docs/performance.md#{anchor})" in readme, anchor
 
 
 def _model_sides(preset: str) -> tuple[dict, dict]:
@@ -231,33 +348,37 @@ def _model_sides(preset: str) -> tuple[dict, dict]:
     return sides["unpatched eager"], sides["patched eager"]
 
 
-def _tables(section: str) -> list[list[list[str]]]:
-    """Every table of a section of performance.md, each as its cells, header row first."""
-    lines, tables, i = _section((DOCS / "performance.md").read_text(), section), [], 0
-    while i < len(lines):
-        if lines[i].startswith("|"):
-            end = next((j for j in range(i, len(lines)) if not lines[j].startswith("|")), len(lines))
-            tables.append(_table(lines[i:end]))
-            i = end
-        else:
-            i += 1
-    return tables
-
-
 def test_the_model_level_tables_follow_their_runs():
     """"Model level": the eager step table and the GPU time by kernel family come from the two ~1 B
     presets' kept eager runs: step medians, their ratio, peak memory, and each family's share of the
-    unpatched step's profiled GPU time; README's patched eager rows quote the same runs."""
+    unpatched step's profiled GPU time; and so do the figures of the prose around them (each side's
+    range of steps, the routed calls, the peak difference, the bound an infinitely fast core would
+    give, the core's GPU time on each side)."""
     presets = ("qwen3.5-gva-1b", "kimi-linear-1b")
-    steps, families = _tables("Model level: one training step")[:2]
+    steps, families = _tables("performance.md", "Model level: one training step")[:2]
     assert [r[0].split()[0].strip("`") for r in steps[1:]] == list(presets)
+    text = _prose("performance.md", "Model level: one training step")
     for r, preset in zip(steps[1:], presets):
         u, p = _model_sides(preset)
         assert r[1:6] == [f"{u['median_step_ms']:.1f} ms", f"{p['median_step_ms']:.1f} ms",
                           f"{u['median_step_ms'] / p['median_step_ms']:.3f}x",
                           f"{u['peak_mb']:,.0f} / {p['peak_mb']:,.0f}",
                           f"{100 * u['gpu_ms_by_family']['core'] / u['gpu_ms']:.1f} %"], (preset, r)
-        assert p["dispatch"]["ops"] and all(op["fallback_calls"] == 0 for op in p["dispatch"]["ops"].values())
+        ops = p["dispatch"]["ops"]
+        assert ops and all(op["fallback_calls"] == 0 and op["forward_calls"] == op["optimized_backward_calls"]
+                           for op in ops.values())
+        calls = sum(op["optimized_backward_calls"] for op in ops.values())
+        assert f"({calls} of {calls} per model, no fallback)" in text
+        spans = [f"{min(s['step_ms']):.1f}-{max(s['step_ms']):.1f}" for s in (u, p)]
+        assert f"{spans[0]} against {spans[1]} ms" in text, (preset, spans)
+        assert max(p["step_ms"]) < min(u["step_ms"]), preset   # the sides' steps do not overlap: a measured gain
+        share = u["gpu_ms_by_family"]["core"] / u["gpu_ms"]
+        assert f"{1 / (1 - share):.2f}x" in text, preset
+        assert (f"{p['gpu_ms_by_family']['core']:.1f} against {u['gpu_ms_by_family']['core']:.1f} ms" in text), preset
+    u, p = _model_sides("qwen3.5-gva-1b")
+    assert round(p["peak_mb"]) == round(u["peak_mb"])        # "peaks at the unpatched step's memory"
+    u, p = _model_sides("kimi-linear-1b")
+    assert f"or {u['peak_mb'] - p['peak_mb']:.0f} MB below it" in text
     names = {"elementwise": "elementwise", "GEMMs": "gemm", "short": "conv", "delta-rule": "core", "AdamW": "optimizer",
              "attention": "attention"}
     assert [c.strip("`") for c in families[0][1:]] == list(presets)
@@ -272,18 +393,12 @@ def test_the_model_level_tables_follow_their_runs():
         u, _ = _model_sides(preset)
         assert len(families) - 2 == len(u["gpu_ms_by_family"])
         assert math.isclose(sum(u["gpu_ms_by_family"].values()), u["gpu_ms"], rel_tol=1e-6)
-    readme = (DOCS.parent / "README.md").read_text().splitlines()
-    for name, preset in (("Qwen3.5-like", "qwen3.5-gva-1b"), ("Kimi-Linear-like", "kimi-linear-1b")):
-        row = next(_table([x])[0] for x in readme if x.startswith(f"| {name}") and ", eager" in x)
-        u, p = _model_sides(preset)
-        assert row[1:] == [f"{u['median_step_ms'] / p['median_step_ms']:.2f}x",
-                           f"{p['peak_mb'] / u['peak_mb']:.2f}"], (preset, row)
 
 
 def test_the_gdn2_packed_table_follows_its_run():
-    """"Packed input": GDN2's packed rows are its kept run's medians, peaks and gradient errors."""
+    """studies.md, "Packed input": GDN2's packed rows are its kept run's medians, peaks and gradient errors."""
     rows = _rows("packed/gdn2-split-launch-h100.json")
-    table = next(t for t in _tables("Packed input: full chunks and short chunks in two launches")
+    table = next(t for t in _tables("studies.md", "Packed input: full chunks and short chunks in two launches")
                  if t[0][0] == "policy")
     assert [r[0] for r in table[1:]] == ["recompute", "full"]
     for policy, fla, rewy, speedup, peak, err, bound in table[1:]:

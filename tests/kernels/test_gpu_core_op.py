@@ -82,8 +82,9 @@ def test_fake_implementation_matches_the_kernels(op, policy, variant):
     g = None if op == "delta_rule" else gates[0]
     beta = gates[-1] if op != "gdn2" else gates[1]
     w = gates[2] if op == "gdn2" else None
-    a = CoreArgs(q, k, v, g, beta, w, kwargs.get("initial_state"), kwargs.get("cu_seqlens"), 128 ** -0.5, op,
-                 policy, kwargs.get("state_v_first", False), kwargs.get("use_qk_l2norm_in_kernel", False), False)
-    op_args = (a.q, a.k, a.v, a.g, a.beta, a.w, a.h0, a.cu_seqlens, a.scale, a.family, a.policy,
-               a.state_v_first, a.qk_l2norm, a.safe_gate, a.report_as, a.why, "triton")
+    a = CoreArgs(q=q, k=k, v=v, g=g, beta=beta, w=w, h0=kwargs.get("initial_state"),
+                 cu_seqlens=kwargs.get("cu_seqlens"), scale=128 ** -0.5, family=op, policy=policy,
+                 state_v_first=kwargs.get("state_v_first", False),
+                 qk_l2norm=kwargs.get("use_qk_l2norm_in_kernel", False), safe_gate=False)
+    op_args = (*a.tensors(), *a.settings(), "triton")
     torch.library.opcheck(torch.ops.rewy.delta_rule.default, op_args, test_utils=_checks(op))

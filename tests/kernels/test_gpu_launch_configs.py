@@ -20,7 +20,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _kernel_configs(monkeypatch):
-    from rewy_hf.bench import kernel_configs
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "dev"))   # the developer scripts
+    import kernel_configs
 
     monkeypatch.setattr(kernel_configs, "DEVICE", "cuda")
     return kernel_configs

@@ -345,7 +345,7 @@ WY_LISTED = ((128, 4, 1), (64, 4, 1), (64, 8, 3))
 
 
 def _wy_config(bv, warps, stages):
-    """The WY kernel with one launch config (as the sweep of rewy_hf.bench.kernel_configs runs it)."""
+    """The WY kernel with one launch config (as the sweep of dev/kernel_configs.py runs it)."""
     return only_config(wy_backward.rewy_kda_bwd_wy_kernel,
                        triton.Config({"BV": bv}, num_warps=warps, num_stages=stages))
 
@@ -362,7 +362,7 @@ def _wy_128(kind):
 @pytest.mark.parametrize("kind", ["kda", "gdn2"])
 @pytest.mark.parametrize("bv, warps, stages", [(64, 4, 1), (64, 8, 3), (128, 4, 1)])
 def test_wy_32_channel_key_blocks_under_each_value_tile(kind, bv, warps, stages):
-    """The 32-channel sweep of rewy_hf.bench.kernel_configs at K = V = 128 (four key blocks, two value
+    """The 32-channel sweep of dev/kernel_configs.py at K = V = 128 (four key blocks, two value
     tiles of 64). With 4 warps and BV = 64, triton 3.6 miscompiled the key side on the H200 (wrong dk
     / dG / db, or an illegal memory access that also failed the next config): the wrapper must refuse
     that config by name instead of launching it. The others must match 64-channel key blocks."""

@@ -106,10 +106,7 @@ def test_training_step_gives_finite_loss_and_all_grads():
 def test_gradient_checkpointing_can_be_enabled():
     model = _tiny()
     assert model.supports_gradient_checkpointing
-    if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.x's name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert all(block.gradient_checkpointing for block in model.model.layers)
 
 

@@ -1,4 +1,4 @@
-"""The README's first command, `rewy-hf demo`: it must pass, and a broken op must fail it."""
+"""`rewy-hf demo`: it must pass, and a broken op must fail it."""
 
 from rewy_hf import cli
 

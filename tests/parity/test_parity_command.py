@@ -343,7 +343,7 @@ def test_list_presets_names_presets_and_architectures(capsys):
     for adapter in all_adapters():
         for cls in adapter.layer_classes:
             (line,) = [ln for ln in architectures.splitlines() if ln.endswith(" " + cls)]
-            assert line.split()[:2] == [adapter.family, adapter.op]
+            assert line.split()[:2] == [adapter.source, adapter.op]
 
 
 def test_without_a_model_exits_2_and_says_how(capsys):

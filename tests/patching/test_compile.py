@@ -472,7 +472,7 @@ def test_compiled_lora_with_checkpointing_and_autocast_matches_eager(skip_side_e
 
     def build():
         model = hf.one_layer_qwen3_5()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(
             hf.FAMILIES["qwen3_5"].lora_targets), init_lora_weights=False))
         patch_model(model, backend="torch")

@@ -20,7 +20,7 @@ from test_compile import BUILDERS, grads_rel
 def test_checkpointed_patched_model_matches_the_unchecked_one(family):
     model = BUILDERS[family]()
     twin = hf.twin(model)
-    model.gradient_checkpointing_enable()              # transformers' default kwargs
+    model.activation_checkpointing_enable()              # transformers' default kwargs
     patch_model(model, backend="torch")
     patch_model(twin, backend="torch")
     ids = hf.input_ids(2, 70)

@@ -162,7 +162,7 @@ def check_model(kind: str, bounds: list[int], checkpointing: bool = False, tol: 
     model = tiny.build(kind, use_short_conv=False) if kind != "gdn2" else _gdn2_model()
     rewy_hf.patch_model(model, backend="torch")
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     ids = torch.randint(0, tiny.VOCAB, (1, bounds[-1]), generator=torch.Generator().manual_seed(3))
     cu = torch.tensor(bounds)
     targets, loss_of = _targets_and_loss(ids, cu)
@@ -305,7 +305,7 @@ def check_hf_model(family: str, bounds: list[int], checkpointing: bool = False, 
         twin = _float32_twin(model)
     rewy_hf.patch_model(model, backend="torch" if device == "cpu" else "triton")
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     ids = torch.randint(0, hf.VOCAB, (1, bounds[-1]), generator=torch.Generator().manual_seed(3)).to(device)
     cu = torch.tensor(bounds, device=device)
     targets, loss_of = _targets_and_loss(ids, cu)

@@ -1,4 +1,4 @@
-"""python -m rewy_hf.training.compare_runs: the table behind the GPU training evidence in docs/training.md."""
+"""dev/compare_runs.py: the table behind the GPU training evidence in docs/training.md."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rewy_hf.training.compare_runs import main
+# The developer scripts live in dev/ at the repository root, not in the installed package.
+DEV = Path(__file__).resolve().parents[2] / "dev"
+sys.path.insert(0, str(DEV))
+
+from compare_runs import main  # noqa: E402
 
 
 def _write(d: Path, name: str, losses, step_s: float, ranks: list[int]):
@@ -59,10 +63,10 @@ def test_a_missing_run_names_the_file(tmp_path, capsys):
     assert "nope.metrics.jsonl not found; copy the run's metrics.jsonl there as nope.metrics.jsonl" in err
 
 
-def test_runs_as_a_module(tmp_path):
+def test_runs_as_a_script(tmp_path):
     _write(tmp_path, "a", [2.0, 1.0], 0.2, [4])
     _write(tmp_path, "b", [2.0, 1.5], 0.4, [4])
-    proc = subprocess.run([sys.executable, "-m", "rewy_hf.training.compare_runs", str(tmp_path), "a", "b"],
+    proc = subprocess.run([sys.executable, str(DEV / "compare_runs.py"), str(tmp_path), "a", "b"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _rows(proc.stdout)["b"][1] == "1.5000"

@@ -111,6 +111,14 @@ def test_resume_reproduces_uninterrupted_losses(full_run, tmp_path, capsys):
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert (out / "checkpoint-5" / "trainer_state.json").is_file()
+    # the summary's losses are the whole run's, its steps and tokens this process's
+    summary = json.loads((out / "run_config.json").read_text())["summary"]
+    losses = [r["loss"] for r in got]
+    assert (summary["final_step"], summary["final_loss"]) == (5, losses[-1])
+    assert summary["best_loss"] == min(losses) and losses[summary["best_step"] - 1] == min(losses)
+    assert (summary["steps_run"], summary["first_step_run"], summary["last_step_run"]) == (2, 4, 5)
+    assert summary["tokens"] == 2 * 2 * 80
+    assert summary["step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in got[3:]), rel=1e-9)
 
 
 def test_resume_refuses_changed_settings(full_run, tmp_path, capsys):
@@ -161,7 +169,9 @@ def test_stop_after_leaves_a_resumable_run(tmp_path, capsys):
     """--stop-after 0: nothing trained, no final model, and the summary says how to continue."""
     rc = _recipe_main()([*COMMON, "--max-steps", "4", "--stop-after", "0", "--output-dir", str(tmp_path)])
     assert rc == 0
-    assert "continue with --resume" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "continue with --resume" in out
+    assert "final loss:       none (no step logged)" in out and "tokens/s:         none (no training step)" in out
     assert not (tmp_path / "final").exists() and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
@@ -345,16 +355,16 @@ def test_no_cache_argument_only_where_the_forward_takes_it():
     from peft import LoraConfig, get_peft_model
 
     from rewy_hf.models.presets import build_preset
-    from rewy_hf.training.recipe import _no_cache_kwargs
+    from rewy_hf.training.loop import no_cache_kwargs
 
     class NoCacheArgument(torch.nn.Module):
         def forward(self, input_ids):
             return input_ids
 
-    assert _no_cache_kwargs(NoCacheArgument()) == {}
+    assert no_cache_kwargs(NoCacheArgument()) == {}
     qwen = build_preset("tiny-qwen3.5")
-    assert _no_cache_kwargs(qwen) == {"use_cache": False}
-    assert _no_cache_kwargs(get_peft_model(qwen, LoraConfig(r=2, target_modules=["q_proj"]))) == {"use_cache": False}
+    assert no_cache_kwargs(qwen) == {"use_cache": False}
+    assert no_cache_kwargs(get_peft_model(qwen, LoraConfig(r=2, target_modules=["q_proj"]))) == {"use_cache": False}
 
 
 def test_a_model_without_a_tokenizer_trains_on_byte_ids_and_says_so(tmp_path, capsys):

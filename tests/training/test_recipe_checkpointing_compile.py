@@ -1,8 +1,11 @@
 """--gradient-checkpointing with --compile on: the recipe lets dynamo compile the checkpointed
 patched layers (rather than run them eagerly at a graph break, docs/usage.md) for the run only,
-and trains as the eager run does."""
+and trains as the eager run does. It switches checkpointing on through transformers' current API
+(no deprecation warning from transformers)."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch._dynamo.utils import counters
@@ -17,7 +20,12 @@ def test_checkpointed_layers_compile_and_train_as_eagerly(tmp_path):
     from rewy_hf.training import recipe
 
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    assert recipe.main([*COMMON, "--compile", "off", "--output-dir", str(eager)]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert recipe.main([*COMMON, "--compile", "off", "--output-dir", str(eager)]) == 0
+    deprecated = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "transformers" in w.filename
+                  and issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not deprecated, deprecated
     counters.clear()
     assert recipe.main([*COMMON, "--compile", "on", "--output-dir", str(compiled)]) == 0
     breaks = dict(counters["graph_break"])

@@ -46,7 +46,7 @@ from ..tiles import bounds_mask
 
 # Four configs: the first cold call of each (K, V, gate) tunes them all, and compile time is paid per
 # config. Chosen from a sweep of launch configs on the H200 at (2, 8192, 16), K = V = 128
-# (rewy_hf.bench.kernel_configs): every 8-warp config was slower, and the best config outside this list
+# (dev/kernel_configs.py): every 8-warp config was slower, and the best config outside this list
 # was within 1 % of the best inside it.
 _CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((32, 3), (32, 2), (64, 1), (128, 2))]
 

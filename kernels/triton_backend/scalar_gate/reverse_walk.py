@@ -13,7 +13,7 @@ e^G <= 1 and the rounding is relative, the same size as that of the bf16
 state gradient the walk stores.
 On the H200 the gated walk takes 0.87 ms where FLA's takes 1.07 ms at
 (1, 32768, 32), with its dh error against an fp64 recurrence 2.35e-3 against
-FLA's 2.24e-3 (docs/performance.md).
+FLA's 2.24e-3 (docs/studies.md).
 
 Per program (sequence, value head, block of BV value columns), chunks from
 last to first, the state gradient held as two 64-row halves over K in fp32

@@ -56,7 +56,7 @@ def wy_config_ok(BK: int, config: triton.Config) -> bool:
 
 
 @triton.autotune(
-    # From a sweep of launch configs on the H200 (rewy_hf.bench.kernel_configs), each config rerun on the
+    # From a sweep of launch configs on the H200 (dev/kernel_configs.py), each config rerun on the
     # same inputs and matched bit for bit: 4 warps without software pipelining is fastest.
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
              for bv, nw, ns in ((128, 4, 1), (64, 4, 1), (64, 8, 3))],

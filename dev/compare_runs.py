@@ -1,6 +1,6 @@
 """Compare recipe runs: loss curves against a reference run, speed, memory, dispatch.
 
-    python -m rewy_hf.training.compare_runs DIR REF OTHER [OTHER ...] [--png out.png]
+    python $REPO/dev/compare_runs.py DIR REF OTHER [OTHER ...] [--png out.png]
 
 DIR holds NAME.metrics.jsonl (a run's ``metrics.jsonl``) and, optionally,
 NAME.dispatch.json (its ``dispatch_report.json``) per run. Prints one Markdown
@@ -111,7 +111,7 @@ def plot(runs: list[tuple[str, list[dict]]], path: Path, within: float = 0.005) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rewy_hf.training.compare_runs", description=__doc__,
+    p = argparse.ArgumentParser(prog="compare_runs.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path, help="folder with NAME.metrics.jsonl (and NAME.dispatch.json) per run")
     p.add_argument("ref", help="the reference run's NAME")

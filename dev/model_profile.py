@@ -9,7 +9,7 @@ launch path rather than the GPU bounds the step), the delta-rule kernels
 and launches per kernel, and host (self CPU) time per op. FLA's GDN guard (Hopper, Triton < 3.7.1) is lifted for
 the unpatched side: its time is valid, its gradients are not used.
 
-Usage: python -m rewy_hf.bench.model_profile --model qwen3.5-1b --seq-len 4096
+Usage: python $REPO/dev/model_profile.py --model qwen3.5-1b --seq-len 4096
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import time
 
 import torch
 
-from .kernel_profile import summed
-
-DELTA_RULE = ("chunk_", "rewy_", "recompute_w_u", "prepare_wy", "l2norm", "solve_tril", "merge_16x16")
+from rewy_hf.bench.kernel_profile import DELTA_RULE, summed
 
 
 def kernel_totals(fn) -> tuple[float, dict[str, float], int, dict[str, int], dict[str, float]]:

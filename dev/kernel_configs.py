@@ -29,7 +29,7 @@ Kernels (``--kernel``, several allowed):
   kda-wy, gdn2-wy        stage 1 (Residual WY)
   gdn-local              the GDN local kernel
 
-Usage: python -m rewy_hf.bench.kernel_configs --kernel kda-intra gdn-local [--B 2 --T 8192 --H 16] [--baseline DIR]
+Usage: python $REPO/dev/kernel_configs.py --kernel kda-intra gdn-local [--B 2 --T 8192 --H 16] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -112,14 +112,14 @@ def sweeps(name: str):
         extra = [(64, 2, 4), (64, 1, 2), (64, 1, 3), (128, 2, 2), (128, 2, 3), (128, 4, 2), (128, 4, 3),
                  (32, 1, 3), (32, 2, 3), (32, 2, 2), (32, 4, 2), (32, 8, 1),
                  # register caps at the shipped shape: 255 registers allow 4 two-warp programs per SM,
-                 # 168 allow 6 and 128 allow 8, at the price of spills (rewy_hf.bench.kernel_registers)
+                 # 168 allow 6 and 128 allow 8, at the price of spills (dev/kernel_registers.py)
                  (64, 2, 3, 168), (64, 2, 3, 128), (64, 2, 2, 168), (32, 4, 3)]
         make = lambda bk, nw, ns, reg=None: ({"block_k": bk}, C({}, num_warps=nw, num_stages=ns,    # noqa: E731
                                                                 maxnreg=reg))
     elif name.endswith("wy"):
         listed = [({}, c) for c in WY.rewy_kda_bwd_wy_kernel.configs]
         # 4 warps with 2 or 3 stages gave different outputs from one run to the next on the H200
-        # (triton 3.6.0, docs/performance.md): kept here so the rerun check keeps watching them.
+        # (triton 3.6.0, docs/studies.md): kept here so the rerun check keeps watching them.
         # A maxnreg cap with 4 warps gave outputs 1e-2 off; it is not swept.
         extra = [(32, 4, 1), (64, 8, 2), (128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3), (32, 4, 2),
                  (32, 4, 3), (32, 8, 2), (32, 8, 3),

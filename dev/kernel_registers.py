@@ -13,16 +13,16 @@ kernel can spill 112 B under one and 312 B under another), so compile with the
 version the GPU machine runs: install it apart and put it first on the path,
 
     pip install --no-deps --target /tmp/triton-3.6 triton==3.6.0
-    PYTHONPATH=/tmp/triton-3.6 python -P -m rewy_hf.bench.kernel_registers
+    PYTHONPATH=/tmp/triton-3.6 python -P $REPO/dev/kernel_registers.py
 
 The first printed line and every JSON row name the triton that compiled.
 A profiler on the GPU has the final word.
 
-    python -m rewy_hf.bench.kernel_registers --kernel kda-intra gdn-local
-    python -m rewy_hf.bench.kernel_registers --kernel kda-intra --warps 2 --stages 2 --block-k 32
-    python -m rewy_hf.bench.kernel_registers --kernel gdn-local --warps 8 --stages 2 --bv 32
-    python -m rewy_hf.bench.kernel_registers --kernel kda-wy --packed    # as a packed-sequence call compiles it
-    python -m rewy_hf.bench.kernel_registers --picks run.json            # the configs a GPU bench run picked
+    python $REPO/dev/kernel_registers.py --kernel kda-intra gdn-local
+    python $REPO/dev/kernel_registers.py --kernel kda-intra --warps 2 --stages 2 --block-k 32
+    python $REPO/dev/kernel_registers.py --kernel gdn-local --warps 8 --stages 2 --bv 32
+    python $REPO/dev/kernel_registers.py --kernel kda-wy --packed    # as a packed-sequence call compiles it
+    python $REPO/dev/kernel_registers.py --picks run.json            # the configs a GPU bench run picked
 
 ``--picks`` reads the ``autotune_picks`` that `rewy-hf bench` records in each
 row on a GPU and compiles each of rewy's kernels at the config it ran with

@@ -14,7 +14,7 @@ Outputs and the gradients of q, k, v, g, beta are checked against the
 transformers path first (relative error ||x - ref|| / ||ref||; exit code 1 if
 any exceeds --tol), then the sides are timed, alternating in one process.
 
-    python -m rewy_hf.bench.cpu_backend [--T 2048] [--threads 2] [--json out.json]
+    python $REPO/dev/cpu_backend.py [--T 2048] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,0 +1,480 @@
+"""The tables of `rewy-hf bench`, as plain text and as Markdown (for docs/performance.md): the op
+level's per (op, policy) with its peers and kernel profiles, the model level's, the four-sided and
+packed runs' side tables, and the context-parallel table; ``report_blocks`` and ``markdown_text``
+give a whole run's (a live run's data or a --json file's)."""
+
+from __future__ import annotations
+
+import math
+
+from .kernel_profile import KERNEL_GROUPS, largest
+from .op_bench import PEER_TEXT, baseline_label
+from .rows import Check, OpRow
+
+TOP_KERNELS = 10
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _err(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _or_dash(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(header: list[str], rows: list[list[str]], markdown: bool = False, rule: bool = True) -> list[str]:
+    """Markdown, or plain columns (the first left-aligned, the rest right-aligned) with a rule under
+    the header unless ``rule`` is False."""
+    if markdown:
+        md = lambda r: "| " + " | ".join(c or " " for c in r) + " |"  # noqa: E731
+        return [md(header), "|" + "---|" * len(header)] + [md(r) for r in rows]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [line(header), *(["  ".join("-" * w for w in widths)] if rule else []), *map(line, rows)]
+
+
+def _titled(title: str, lines: list[str], notes: list[str], markdown: bool, level: str = "####") -> str:
+    """A table under its title, its notes below it (Markdown: a list after a blank line)."""
+    head = [f"{level} {title}\n" if markdown else title, *lines]
+    if markdown:
+        return "\n".join(head + ([""] if notes else []) + [f"- {n}" for n in notes])
+    return "\n".join(head + [f"  {n}" for n in notes])
+
+
+# --- op level -----------------------------------------------------------------------------------
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def fastest_round_speedup(row: OpRow, boundary: str) -> float | None:
+    """Baseline time / rewy time, each the fastest of its rounds: the ratio without host stalls,
+    which the median of a host-bound side (short kernels, many launches) carries from run to run."""
+    b, r = row.baseline.rounds.get(boundary), row.rewy.rounds.get(boundary)
+    return min(b) / min(r) if b and r and min(r) > 0 else None
+
+
+def _groups(rows: list[OpRow]) -> dict[tuple[str, str], list[OpRow]]:
+    """The rows per (op, policy), in the order the rows first name them."""
+    out: dict[tuple[str, str], list[OpRow]] = {}
+    for r in rows:
+        out.setdefault((r.op, r.policy), []).append(r)
+    return out
+
+
+def geomeans(rows: list[OpRow], boundaries: list[str]) -> list[dict]:
+    """Geometric-mean speedup per (op, policy, boundary) over the shapes that have one."""
+    out = []
+    for (op, policy), group in _groups(rows).items():
+        for b in boundaries:
+            speeds = [s for r in group if (s := r.speedup.get(b))]
+            out.append({"op": op, "policy": policy, "boundary": b, "speedup": geomean(speeds), "shapes": len(speeds)})
+    return out
+
+
+def shape_label(r: OpRow, kv: bool = False) -> str:
+    """B,T,H (with K,V when ``kv``), and the packed sequences of a packed row."""
+    s = r.shape
+    return f"{s.B},{s.T},{s.H}" + (f",{s.K},{s.V}" if kv else "") + (f",packed={s.N}" if s.N else "")
+
+
+def _errors(r: OpRow) -> list[tuple[str, str]]:
+    """What went wrong in a row, each as (what, the error)."""
+    c = r.check or Check()
+    found = [("rewy error", r.rewy.error), ("baseline error", r.baseline.error),
+             ("baseline check error", c.baseline_check_error), ("baseline hint", r.baseline_hint)]
+    for name in ("bound", "strong"):
+        second = getattr(r, name) or Check()
+        found += [(f"{name} rewy error", second.rewy_error), (f"{name} baseline check error",
+                                                               second.baseline_check_error)]
+    return [(what, why) for what, why in found if why]
+
+
+def _err_of(check: Check | None, side: str, timing_only: bool = False) -> str:
+    return "timing only" if timing_only else _err(getattr(check, f"err_{side}", None))
+
+
+def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device: str, markdown: bool = False,
+                    report_shapes: list | None = None) -> str:
+    """One table for one (op, policy): rows are shapes, then the geometric mean.
+    ``report_shapes``: every shape of the report; a table missing some says so,
+    since its geometric mean is then over fewer shapes than its neighbours'."""
+    r0 = rows[0]
+    missing = [s for s in (report_shapes or []) if s not in {r.shape for r in rows}]
+    timing_only = any(r.baseline_timing_only for r in rows)
+    b = base + ("*" if timing_only else "")
+    kv = not all(r.shape.K == r.shape.V == 128 for r in rows)
+    header = ["B,T,H" + (",K,V" if kv else "")]
+    for bd in boundaries:
+        header += [f"{bd}: {b} ms", f"{bd}: rewy ms", f"{bd} speedup"]
+    header += [f"peak MB {b}", "peak MB rewy"] if device == "cuda" else []
+    header += [f"err {b}", "err rewy"]
+    bound, strong = any(r.bound for r in rows), any(r.strong for r in rows)
+    header += [f"bound err {b}", "bound err rewy"] if bound else []
+    header += [f"strong-decay err {b}", "strong-decay err rewy"] if strong else []
+    header += ["check T", "pass"]
+    body = []
+    for r in rows:
+        cells = [shape_label(r, kv=kv)]
+        for bd in boundaries:
+            cells += [_ms(r.baseline.ms.get(bd)), _ms(r.rewy.ms.get(bd)), _x(r.speedup.get(bd))]
+        cells += [_mb(r.baseline.peak_mb), _mb(r.rewy.peak_mb)] if device == "cuda" else []
+        cells += [_err_of(r.check, "baseline", r.baseline_timing_only), _err_of(r.check, "rewy")]
+        cells += [_err_of(r.bound, "baseline"), _err_of(r.bound, "rewy")] if bound else []
+        cells += [_err_of(r.strong, "baseline", r.baseline_timing_only), _err_of(r.strong, "rewy")] if strong else []
+        body.append(cells + [str(r.check_T) + ("*" if r.check_reduced else ""), "PASS" if r.ok else "FAIL"])
+    several = any(len(r.rewy.rounds.get(bd) or []) > 1 for r in rows for bd in boundaries)
+    means = [("geometric mean" + (f" ({len(rows)} of {len(rows) + len(missing)} shapes)" if missing else ""),
+              lambda r, bd: r.speedup.get(bd))]
+    means += [("geometric mean, fastest rounds", fastest_round_speedup)] if several else []
+    for label, speedup in means:
+        gm = [label] + [c for bd in boundaries for c in ("", "", _x(geomean([speedup(r, bd) for r in rows])))]
+        body.append(gm + [""] * (len(header) - len(gm)))
+    backends = sorted({str(r.check.rewy_backend) for r in rows if r.check and r.check.rewy_backend})
+    title = (f"{r0.op}, rewy policy {r0.policy} | {base}: {r0.baseline_policy or '-'} | "
+             f"rewy backend: {', '.join(backends) or '-'}")
+    notes = []
+    if missing:
+        notes.append("not timed for this op and policy: "
+                     + "; ".join(f"{s.B},{s.T},{s.H}" + (f",packed={s.N}" if s.N else "") for s in missing))
+    if timing_only:
+        notes.append(f"* {base}: {next(r.baseline_note for r in rows if r.baseline_timing_only)}")
+    if bound:
+        notes.append("bound err: the same check on gates near FLA's safe lower bound (safe_gate=True on both "
+                     "sides); pass needs both")
+    if strong:
+        notes.append("strong-decay err: the same check with a log-gate of about -10 per token; pass needs both")
+    if any(r.check_reduced for r in rows):
+        notes.append("check T*: the gradient check ran at this reduced T (same B, H) to save time and memory")
+    if several:
+        notes.append("fastest rounds: each side's fastest of its alternating rounds, per shape; the median above "
+                     "keeps rounds in which the host stalled either side, this line leaves them out")
+    notes += [f"{shape_label(r)}: {what}: {why}" for r in rows for what, why in _errors(r)]
+    return _titled(title, table(header, body, markdown), notes, markdown)
+
+
+def format_op_tables(rows: list[OpRow], boundaries: list[str], base: str, device: str,
+                     markdown: bool = False) -> list[str]:
+    """One table per (op, policy), in the order the rows first name them, each followed by its peers'
+    table where the run timed peers (--peers) and its kernel tables where it profiled (--kernel-profile)."""
+    shapes = list(dict.fromkeys(r.shape for r in rows))
+    out = []
+    for group in _groups(rows).values():
+        out.append(format_op_table(group, boundaries, base, device, markdown=markdown, report_shapes=shapes))
+        if any(r.peers for r in group):
+            out.append(format_peer_table(group, boundaries, base, markdown=markdown))
+        out += [format_kernel_table(r, bd, base, device, markdown=markdown) for r in group for bd in boundaries
+                if profiled_sides(r, bd, base)]
+    return out
+
+
+def profiled_sides(r: OpRow, boundary: str, base: str) -> list[tuple[str, dict]]:
+    """(side label, its kernels) of one row and boundary, baseline first, then rewy, then the peers."""
+    sides = [(base, r.baseline.kernels.get(boundary)), ("rewy", r.rewy.kernels.get(boundary))]
+    sides += [(f"peer {n}", p.timing.kernels.get(boundary)) for n, p in (r.peers or {}).items()]
+    return [(label, k) for label, k in sides if k]
+
+
+def _picked_config(r: OpRow, kernel: str) -> str:
+    """The launch config(s) the row's autotune picks hold for a kernel (by its function name), e.g.
+    "BV=64 w4 s1"; "" where the row has no pick of it (a kernel that is not autotuned, or a run made
+    before rows recorded their picks)."""
+    configs = []
+    for qualified, entries in (r.autotune_picks or {}).items():
+        if qualified.rsplit(".", 1)[-1] == kernel:
+            for e in entries:
+                text = " ".join([*(f"{k}={v}" for k, v in e["kwargs"].items()), f"w{e['num_warps']}",
+                                 f"s{e['num_stages']}", *([f"maxnreg={e['maxnreg']}"] if e.get("maxnreg") else [])])
+                if text not in configs:
+                    configs.append(text)
+    return "; ".join(configs)
+
+
+def format_kernel_table(r: OpRow, boundary: str, base: str, device: str, markdown: bool = False) -> str:
+    """Where each side's time goes in one row's profiled ``boundary`` run (--kernel-profile): its
+    TOP_KERNELS largest kernels (on CPU: ATen operators, self time) with launches, summed ms and
+    share of the side's total; where the row recorded its autotune picks, the config each autotuned
+    kernel ran with (warps w, pipeline stages s, and its tile sizes)."""
+    unit = "kernel" if device == "cuda" else "operator"
+    body = []
+    for label, kernels in profiled_sides(r, boundary, base):
+        total = sum(v["ms"] for v in kernels.values())
+        head, (n_rest, ms_rest, launches_rest) = largest(kernels, TOP_KERNELS)
+        share = lambda ms: f"{100 * ms / total:.0f} %" if total > 0 else "-"  # noqa: E731
+        body += [[label, name, str(n), f"{ms:.3f}", share(ms)] for name, ms, n in head]
+        if n_rest:
+            body.append([label, f"({n_rest} other {unit}s)", str(launches_rest), f"{ms_rest:.3f}", share(ms_rest)])
+        body.append([label, f"all {unit}s", str(sum(v["launches"] for v in kernels.values())), f"{total:.3f}",
+                     "100 %" if total > 0 else "-"])
+    header = ["side", unit, "launches", "ms", "share"]
+    if r.autotune_picks:
+        header.append("config")
+        body = [[*cells, _picked_config(r, cells[1])] for cells in body]
+    what = {"B": "one backward", "FB": "one forward + backward"}.get(boundary, boundary)
+    how = "device time" if device == "cuda" else "self CPU time"
+    title = f"{r.op}, rewy policy {r.policy}, {shape_label(r)}: {unit}s of {what} ({how})"
+    notes = [f"{base if side == 'baseline' else side}: not profiled: {why}"
+             for side, why in (r.kernel_profile_errors or {}).get(boundary, {}).items()]
+    text = _titled(title, table(header, body, markdown), notes, markdown, level="#####")
+    return text + ("\n" if markdown and not notes else "")     # in Markdown a blank line follows, notes or not
+
+
+def format_peer_table(rows: list[OpRow], boundaries: list[str], base: str, markdown: bool = False) -> str:
+    """The peers of one (op, policy) beside FLA as installed and rewy: per shape and peer its time, rewy's
+    speedup over it, its peak memory, its gradient error and the FLA backends that served it."""
+    r0 = rows[0]
+    names = list(dict.fromkeys(n for r in rows for n in (r.peers or {})))
+    header = ["B,T,H", "peer"] + [c for bd in boundaries for c in (f"{bd}: peer ms", f"{bd}: rewy ms",
+                                                                     f"{bd}: rewy speedup")]
+    header += ["peak MB peer", "err peer", "served by"]
+    body, notes = [], []
+    for r in rows:
+        for n in names:
+            p = (r.peers or {}).get(n)
+            if p is None:
+                continue
+            cells = [shape_label(r), n]
+            if p.skipped is not None:
+                body.append(cells + ["-"] * (len(header) - 2))
+                if p.skipped not in notes:
+                    notes.append(f"{n}: not timed: {p.skipped}")
+                continue
+            for bd in boundaries:
+                cells += [_ms(p.timing.ms.get(bd)), _ms(r.rewy.ms.get(bd)), _x(p.speedup.get(bd))]
+            err = "timing only" if p.timing_only else _err(p.err)
+            body.append(cells + [_mb(p.timing.peak_mb), err, ", ".join(p.served_by or []) or "its own kernels"])
+            if p.timing.error:
+                notes.append(f"{shape_label(r)} {n}: {p.timing.error}")
+    for n in names:
+        timed = [r.peers[n] for r in rows if n in (r.peers or {}) and r.peers[n].skipped is None]
+        if timed:
+            gm = ["geometric mean", n]
+            for bd in boundaries:
+                gm += ["", "", _x(geomean([p.speedup.get(bd) for p in timed]))]
+            body.append(gm + [""] * (len(header) - len(gm)))
+    served = sorted({x for r in rows for x in ((r.check and r.check.baseline_served_by) or [])})
+    title = (f"{r0.op}, rewy policy {r0.policy}: peers beside {base} "
+             f"({base} as installed was served by: {', '.join(served) or 'its own Triton kernels'})")
+    notes += [f"{n}: {PEER_TEXT.get(n, n)}" for n in names]
+    return _titled(title, table(header, body, markdown), notes, markdown)   # notes: one per peer at least
+
+
+def format_row_line(r: OpRow, boundaries: list[str], base: str) -> str:
+    """The one line printed as each configuration finishes."""
+    parts = [f"[{r.op} {r.policy}] {shape_label(r, kv=True)}"]
+    for bd in boundaries:
+        parts.append(f"{bd} {base} {_ms(r.baseline.ms.get(bd))} / rewy {_ms(r.rewy.ms.get(bd))} ms "
+                     f"({_x(r.speedup.get(bd))})")
+    errs = f"err {base} {_err_of(r.check, 'baseline', r.baseline_timing_only)} rewy {_err_of(r.check, 'rewy')}"
+    if r.bound:
+        errs += f"; bound err {base} {_err(r.bound.err_baseline)} rewy {_err(r.bound.err_rewy)}"
+    parts.append(f"{errs} -> {'PASS' if r.ok else 'FAIL'}")
+    for name, p in (r.peers or {}).items():
+        if p.skipped is None:
+            times = ", ".join(f"{bd} {_ms(p.timing.ms.get(bd))} ms ({_x(p.speedup.get(bd))})" for bd in boundaries)
+            parts.append(f"{name} {times}, err {'timing only' if p.timing_only else _err(p.err)}")
+    return "; ".join(parts)
+
+
+# --- model level --------------------------------------------------------------------------------
+
+def format_model_result(res: dict, spec: str, settings: dict, markdown: bool = False) -> str:
+    u, p = res["unpatched"], res["patched"]
+    lines = [f"rewy-hf bench --model {spec}: one training step (forward + loss backward + AdamW step + zero_grad), "
+             f"batch {settings['batch_size']} x {settings['seq_len']} tokens, {settings['dtype']}, "
+             f"{settings['device']}, median of {settings['steps']} step(s) after {settings['warmup']} warm-up",
+             ""]
+    header = ["side", "median step ms", "tokens/s", "peak MB", "loss (1st step)"]
+    rows = [[name, _ms(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", _mb(d["peak_mb"]), f"{d['loss'][0]:.5f}"]
+            for name, d in (("unpatched", u), ("patched (rewy)", p))]
+    lines += table(header, rows, markdown)
+    lines.append(f"\nspeedup (unpatched / patched step time): {res['speedup']:.3f}x")
+    lines.append(f"patched layers: {res['patched_layers']}; optimized backward calls in the timed steps: "
+                 f"{res['optimized_backward_calls']}; fallbacks: {res['fallback_calls']}")
+    if (settings.get("gdn_guard") or {}).get("was_active"):
+        lines.append("note: the unpatched side ran FLA's GDN backward with its guard lifted (Hopper, triton < 3.7.1, "
+                     "FLA #640): its step time is valid, its gradients (and so its later losses) are not trusted")
+    if res.get("reference_cores_unpatched"):
+        lines.append("note: on CPU the unpatched side runs the reference cores (transformers' torch function, or "
+                     "rewy's float64 recurrence for FLA layers), not FLA; CPU step times say nothing about a GPU")
+    return "\n".join(lines)
+
+
+def _families(r: dict) -> list[str]:
+    per = r.get("gpu_ms_by_family") or {}
+    return [f"{per[f]:.1f}" if f in per else "-" for f in KERNEL_GROUPS]
+
+
+def format_side(side: str, r: dict) -> str:
+    """One side's line of a four-sided run, as it finishes."""
+    per = r.get("gpu_ms_by_family") or {}
+    fams = ", ".join(f"{f} {per[f]:.1f}" for f in KERNEL_GROUPS) if per else ""
+    comp = f", compile {r['compile_s']:.1f} s, {r.get('graph_breaks')} graph breaks, {r.get('graphs')} graphs" \
+        if r["compile_s"] is not None else ""
+    peak = f", peak {r['peak_mb']:.0f} MB" if r["peak_mb"] is not None else ""
+    return (f"{side}: {r['median_step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s{peak}{comp}"
+            + (f"; GPU ms by family: {fams}" if fams else ""))
+
+
+def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
+    """The four sides as a table (plain text, or Markdown for docs/performance.md), then the curve and
+    the recompiles at further lengths when they were run."""
+    from .compile_bench import CURVE_LR, SIDES, curve_max_rel_diff
+
+    head = ["side", "step ms", "tokens/s", "x unpatched eager", "peak MB", "compile s", "graph breaks",
+            "graphs", *(f"{f} ms" for f in KERNEL_GROUPS)]
+    rows = []
+    # A run stopped part way (its JSON written side by side) has no summary fields: derive them.
+    base = res["sides"].get("unpatched eager")
+    for side, r in res["sides"].items():
+        x = r.get("speedup_vs_unpatched_eager") or (base["median_step_ms"] / r["median_step_ms"] if base else None)
+        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", _or_dash(x, ".3f"),
+                     _or_dash(r.get("peak_mb"), ".0f"), _or_dash(r.get("compile_s"), ".1f"),
+                     str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")), *_families(r)])
+    st = res.get("settings", {})
+    if markdown:
+        lines = table(head, rows, markdown=True)
+    else:
+        tokens = res.get("tokens_per_step") or st.get("batch_size", 0) * st.get("seq_len", 0) or "?"
+        lines = [f"{spec}: {tokens} tokens per step", *table(head, rows, rule=False)]
+    lines.append("")
+    asked = st.get("sides", SIDES)
+    if stopped := [side for side in SIDES if side in asked and side not in res["sides"]]:
+        lines.append(f"not measured (the run stopped before): {', '.join(stopped)}")
+    if left_out := [side for side in SIDES if side not in asked]:
+        lines.append(f"not asked for (--sides): {', '.join(left_out)}")
+    if res.get("sources"):
+        lines.append("sides from separate runs on the same settings and weights: "
+                     + "; ".join(f"{src}: {', '.join(names)}" for src, names in res["sources"].items()))
+    lines += [f"{side}: its delta-rule calls ran {r['core_under_compile']}" for side, r in res["sides"].items()
+              if "core_under_compile" in r]
+    if "speedup_vs_unpatched_compiled" in res:
+        lines.append(f"patched compiled vs unpatched compiled: {res['speedup_vs_unpatched_compiled']:.3f}x")
+    curves = {side: r["curve_loss"] for side, r in res["sides"].items() if "curve_loss" in r}
+    if base is not None and "unpatched eager" in curves and len(curves) > 1:
+        ref = curves["unpatched eager"]
+        diffs = ", ".join(f"{side} {curve_max_rel_diff(c, ref):.2e}"
+                          for side, c in curves.items() if side != "unpatched eager")
+        batches = "the timing batch" if "timing batch" in res.get("curve", {}).get("batches", "") else "corpus batches"
+        lines.append(f"loss over {len(ref)} training steps on {batches} (AdamW lr {CURVE_LR:g}, from "
+                     f"{ref[0]:.3f} to {ref[-1]:.3f} unpatched eager): largest relative difference from unpatched "
+                     f"eager at any step: {diffs}")
+    lines += [f"{side}: graphs compiled by one step at each further length: "
+              + ", ".join(f"T={t}: {n}" for t, n in r["graphs_compiled_at_length"].items())
+              for side, r in res["sides"].items() if "graphs_compiled_at_length" in r]
+    return "\n".join(lines)
+
+
+def format_packed_result(data: dict, markdown: bool = False) -> str:
+    """One line per side: median / p90 / max step, the stall figure, tokens/s, x the fastest
+    unpatched side, peak memory, graphs and breaks, GPU ms by family; then the documents check."""
+    from .packed_bench import packed_summary
+
+    summary = packed_summary(data)
+    vs = summary.get("vs_fastest_unpatched", {})
+    head = ["side", "median ms", "p90 ms", "max ms", "slowest after 3 / median", "tokens/s",
+            f"x {summary.get('fastest_unpatched', 'fastest unpatched')}", "peak MB", "graphs", "breaks",
+            *(f"{f} ms" for f in KERNEL_GROUPS)]
+    rows = []
+    sides = data.get("sides", {})
+    for side, r in sides.items():
+        if "skipped" in r:
+            rows.append([side, *["-"] * (len(head) - 1)])
+            continue
+        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
+                     _or_dash(r.get("slowest_after_step_3_x_median"), ".2f"), f"{r['tokens_per_s']:.0f}",
+                     f"{vs[side]['speedup']:.2f}" if side in vs else "-", _or_dash(r["peak_mb"], ".0f"),
+                     str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")), *_families(r)])
+    lines = table(head, rows, markdown, rule=False)
+    if check := data.get("documents_check"):
+        lines += ["", f"documents check ({check['dtype']}, against {check['reference']}; lengths {check['lengths']}):"]
+        for side in ("patched", "unpatched"):
+            c = check[side]
+            lines.append(f"  {side}: packed row logits {c['packed']['logits_rel_err']:.3g}, gradients "
+                         f"{c['packed']['grads_rel_err']:.3g}; documents alone logits {c['alone']['logits_rel_err']:.3g}, "
+                         f"gradients {c['alone']['grads_rel_err']:.3g}")
+    return "\n".join(lines + [f"{side}: {r['skipped']}" for side, r in sides.items() if "skipped" in r])
+
+
+def format_cp_rows(rows: list) -> str:
+    """The context-parallel table (Markdown, printed as it is): per configuration and boundary, each
+    side's ms, the row's tokens per second and the speed-up (FLA / rewy), peak MB per process and the check."""
+    head = ["op", "policy", "row", "processes", "boundary", "FLA ms", "rewy ms", "speed-up", "rewy tokens/s",
+            "peak MB FLA / rewy", "err FLA / rewy", "pass"]
+    body = []
+    for r in rows:
+        T = r.tokens_per_process * r.processes
+        for boundary, ms in r.ms.items():
+            fla, rewy = ms.get("FLA"), ms.get("rewy")
+            body.append([r.op, r.policy, r.shape, str(r.processes), boundary, _or_dash(fla, ".3f"),
+                         _or_dash(rewy, ".3f"), f"{fla / rewy:.2f}x" if fla and rewy else "-",
+                         f"{T / (rewy / 1e3):,.0f}" if rewy else "-",
+                         " / ".join(_or_dash(r.peak_mb.get(n), ".0f") for n in ("FLA", "rewy")),
+                         " / ".join(_or_dash(r.err.get(n), ".1e") for n in ("FLA", "rewy")),
+                         "yes" if r.passed else "NO"])
+    notes = sorted({f"{name}: {why}" for r in rows for name, why in r.errors.items()})
+    checks = sorted({f"check T {r.check_T} for {r.shape}" for r in rows
+                     if r.check_T != r.tokens_per_process * r.processes})
+    return "\n".join(table(head, body, markdown=True) + [f"- {n}" for n in notes + checks])
+
+
+# --- whole runs ---------------------------------------------------------------------------------
+
+def op_base(data: dict) -> str:
+    return baseline_label(data.get("device", "cuda"), data.get("versions"))
+
+
+def report_blocks(data: dict) -> list[str]:
+    """What --from-json prints of a run, block by block."""
+    if data.get("error"):
+        return [f"that run could not run: {data['error']}"]
+    kind, st = data["kind"], data["settings"]
+    if kind == "model" and "sides" in data:
+        return [format_compile_result(data, st["model"])]
+    if kind == "packed":
+        return [format_packed_result(data)]
+    if kind == "context_parallel":
+        return [format_cp_rows(data["rows"])]
+    if kind == "model":
+        return [format_model_result(data, st["model"], st)]
+    return [t + "\n" for t in format_op_tables(data["rows"], st["boundaries"], op_base(data), data["device"])]
+
+
+def markdown_text(data: dict) -> str:
+    """A whole run as --markdown writes it (for docs/performance.md)."""
+    if data.get("kind") == "context_parallel":
+        return format_cp_rows(data["rows"]) + "\n"
+    if data.get("kind") == "packed":
+        return format_packed_result(data, markdown=True) + "\n"
+    v = data.get("versions", {})
+    st = data.get("settings", {})
+    head = [f"Device: {data.get('device_name')}; " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + ".", ""]
+    if data.get("error"):
+        return "\n".join(head + [f"This run could not run: {data['error']}"]) + "\n"
+    if data.get("kind") == "model" and "sides" in data:
+        body = format_compile_result(data, st.get("model", "?"), markdown=True)
+    elif data.get("kind") == "model":
+        body = format_model_result(data, st.get("model", "?"), st, markdown=True)
+    else:
+        head += [f"Timing: {st.get('timing')}.", ""]
+        if st.get("autotune"):
+            head += [f"Autotune: {st['autotune']}.", ""]
+        head += [f"Check: {st.get('check')}.", ""]
+        body = "\n\n".join(format_op_tables(data.get("rows", []), st.get("boundaries", []), op_base(data),
+                                            data.get("device", "cuda"), markdown=True))
+    tail = [] if data.get("complete", False) else ["", "(This run did not finish: these are the rows it wrote.)"]
+    return "\n".join(head + [body] + tail) + "\n"
+
