@@ -228,8 +228,25 @@ def test_the_gdn_note_follows_the_walk_rerun():
             f"{max(r['rewy_peak_mb'] / r['baseline_peak_mb'] for r in rs):.2f}")
     (m_r, f_r, k_r, p_r), (m_f, f_f, k_f, p_f) = figures["recompute"], figures["full"]
     expected = (f"recompute / full: {m_r} / {m_f} by medians, {f_r} / {f_f} by fastest rounds, {k_r} / {k_f} by "
-                f"the summed kernel time of one backward per side, and a peak memory of {p_r} / {p_f} of FLA's.")
+                f"the summed kernel time of one backward per side, and a peak memory of {p_r} / {p_f} of FLA's: its "
+                f"`full` peaks where its `recompute` does, one value-sized bf16 tensor below the suite's `full` rows "
+                f"({_full_gap(rows, (8, 2048, 16)):.0f} MB at (8, 2048, 16), {_full_gap(rows, (1, 32768, 32)):.0f} MB at "
+                f"(1, 32768, 32)).")
     assert expected in _prose("performance.md", "Summary")
+    for r in rows:                  # the rerun's full peaks no higher than its recompute at the same shape
+        twin = next(x for x in rows if x["policy"] == "recompute" and (x["B"], x["T"], x["H"]) == (r["B"], r["T"], r["H"]))
+        assert r["rewy_peak_mb"] <= twin["rewy_peak_mb"]
+
+
+def _full_gap(rerun: list[dict], shape: tuple[int, int, int]) -> float:
+    """The suite's `full` peak minus the rerun's at ``shape`` (MB), checked to be one bf16 [B, T, HV, V]
+    tensor, V = 128, within 15 %."""
+    suite = next(r for r in _all_rows("ops/06-gdn-full.json") if (r["B"], r["T"], r["H"]) == shape)
+    again = next(r for r in rerun if r["policy"] == "full" and (r["B"], r["T"], r["H"]) == shape)
+    gap = suite["rewy_peak_mb"] - again["rewy_peak_mb"]
+    B, T, H = shape
+    assert abs(gap - B * T * H * 128 * 2 / 2 ** 20) <= 0.15 * B * T * H * 128 * 2 / 2 ** 20
+    return gap
 
 
 def test_the_notes_under_the_per_shape_tables_follow_their_files():
