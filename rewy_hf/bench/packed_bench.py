@@ -144,8 +144,10 @@ def side_summary(ms: list[float], tokens: int) -> dict:
 
 
 def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, policy: str,
-              sides: tuple[str, ...], on_side, step=lambda label: None) -> None:
-    """Time each side in turn; ``on_side(side, row)`` as each finishes."""
+              sides: tuple[str, ...], on_side, step=lambda label: None, on_partial=None) -> None:
+    """Time each side in turn; ``on_side(side, row)`` as each finishes, and ``on_partial(side, row)``
+    after each of its timed steps, with the steps so far and ``stopped_after_steps``: a run stopped in
+    the middle of a side (a time limit, Ctrl-C) keeps what that side measured."""
     from ..patching.dispatch import dispatch_report
     from ..patching.patch import patch_model, unpatch_model
 
@@ -182,6 +184,10 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
             sync()
             (ms if i >= warmup else warm_ms).append((time.perf_counter() - t0) * 1e3)
             step(side)
+            if on_partial is not None and ms:
+                on_partial(side, {**side_summary(ms, tokens), "warmup_step_ms": warm_ms, "loss": list(losses),
+                                  "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
+                                  "dispatch": dispatch_report(), "stopped_after_steps": len(ms)})
         row = {**side_summary(ms, tokens), "warmup_step_ms": warm_ms,
                "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
                "loss": losses, "dispatch": dispatch_report()}
@@ -195,7 +201,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
 
 def run_packed_bench(model: nn.Module, *, device: str, steps: int, warmup: int, seq_len: int, seed: int,
                      backend: str, policy: str, sides: tuple[str, ...], check: bool, on_side,
-                     on_check=lambda c: None, step=lambda label: None) -> dict:
+                     on_check=lambda c: None, step=lambda label: None, on_partial=None) -> dict:
     """The documents check (unless ``check`` is False), then the timed sides; returns what they
     measured besides the sides (given to ``on_side`` one by one)."""
     out: dict = {}
@@ -207,7 +213,7 @@ def run_packed_bench(model: nn.Module, *, device: str, steps: int, warmup: int, 
     out["documents_per_step"] = [len(x) for x in lens]
     out["longest_document_per_step"] = [max(x) for x in lens]
     if sides:
-        run_sides(model, batches, warmup, backend, policy, sides, on_side, step)
+        run_sides(model, batches, warmup, backend, policy, sides, on_side, step, on_partial)
     return out
 
 
@@ -233,6 +239,9 @@ def packed_problems(data: dict) -> list[str]:
     for side, r in data.get("sides", {}).items():
         if "skipped" in r:
             continue
+        if "stopped_after_steps" in r:
+            problems.append(f"the {side} side stopped after {r['stopped_after_steps']} of "
+                            f"{data.get('settings', {}).get('steps', '?')} steps")
         if side.startswith("patched") and total_calls(r["dispatch"], "optimized_backward_calls") == 0:
             problems.append(f"the {side} side ran no optimized backward")
         if not all(math.isfinite(x) for x in r["loss"]):

@@ -394,7 +394,9 @@ def format_packed_result(data: dict, markdown: bool = False) -> str:
         if "skipped" in r:
             rows.append([side, *["-"] * (len(head) - 1)])
             continue
-        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
+        label = side if "stopped_after_steps" not in r else \
+            f"{side} (stopped after {r['stopped_after_steps']} of {data.get('settings', {}).get('steps', '?')} steps)"
+        rows.append([label, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
                      _or_dash(r.get("slowest_after_step_3_x_median"), ".2f"), f"{r['tokens_per_s']:.0f}",
                      f"{vs[side]['speedup']:.2f}" if side in vs else "-", _or_dash(r["peak_mb"], ".0f"),
                      str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")), *_families(r)])

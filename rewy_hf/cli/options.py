@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+
 from ..command_line import CORES, HelpFormatter  # noqa: F401  (the commands take them from here)
 from ..validation import BACKENDS
 
@@ -88,8 +90,12 @@ def write_json(path: str, data: dict, stdout=None) -> None:
         stream.write(text)
         stream.flush()
         return
-    with open(path, "w", encoding="utf-8") as f:
+    # Written beside the target and moved over it: a run killed while saving (the packed bench saves
+    # after every step) leaves the previous complete file, never a truncated one.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
+    os.replace(tmp, path)
 
 
 class JsonReport:

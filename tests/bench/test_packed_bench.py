@@ -66,6 +66,7 @@ def test_the_command_times_each_side_over_new_packings(unpatched_run, tmp_path, 
     assert data["kind"] == "packed" and data["complete"] and "documents_check" not in data
     side = data["sides"]["patched eager"]
     assert len(side["step_ms"]) == 3 and len(side["loss"]) == 1 + 3 and side["peak_mb"] is None
+    assert "stopped_after_steps" not in side              # the finished side replaced its partial saves
     assert side["dispatch"]["ops"]["gated_delta_rule"]["optimized_backward_calls"] >= 3
     assert data["documents_per_step"] == [len(x) for x in packed_bench.packings(
         3, 256, build_preset("tiny-qwen3.5").config.vocab_size, 0, "cpu")[1]]
@@ -77,6 +78,32 @@ def test_the_command_times_each_side_over_new_packings(unpatched_run, tmp_path, 
     for name in ("unpatched eager", "patched eager"):
         assert name in out and name in md.read_text()
     assert "documents check" in out and plot.stat().st_size > 10_000
+
+
+def test_a_side_stopped_part_way_keeps_the_steps_it_timed(tmp_path, capsys, monkeypatch):
+    """A run stopped in the middle of a side (Ctrl-C, a time limit) leaves a JSON file with the steps
+    that side had timed, marked as stopped, and joining it says so."""
+    path, real, calls = tmp_path / "stopped.json", packed_bench.train_step, []
+
+    def stopped_at_the_fifth_step(*args, **kwargs):
+        calls.append(1)
+        # the step that makes AdamW's state, one warm-up step, two timed steps; the third is stopped
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packed_bench, "train_step", stopped_at_the_fifth_step)
+    with pytest.raises(KeyboardInterrupt):
+        packed_bench_cli([*TINY, "--sides", "patched-eager", "--no-documents-check", "--json", str(path)])
+    data = json.loads(path.read_text())
+    side = data["sides"]["patched eager"]
+    assert not data["complete"] and side["stopped_after_steps"] == 2
+    assert len(side["step_ms"]) == 2 and len(side["loss"]) == 1 + 2
+    assert side["dispatch"]["ops"]["gated_delta_rule"]["optimized_backward_calls"] >= 3
+    assert not list(tmp_path.glob("*.tmp-*")), "the report is written whole or not at all"
+    code, out, err = run_bench(["--from-json", str(path)], capsys)
+    assert "patched eager (stopped after 2 of 3 steps)" in out
+    assert code == 1 and "did not finish" in out
 
 
 def test_joining_refuses_a_side_twice_and_two_documents_checks(unpatched_run, capsys):
