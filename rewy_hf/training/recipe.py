@@ -187,7 +187,9 @@ def _run(args, accelerator, out_dir: Path, started: float) -> RunResult:
 
     if result.final_step >= args.max_steps:
         result.final_model_dir, result.adapter_dir = save_final(accelerator, model, tokenizer, out_dir, args.lora)
-    _finish(args, accelerator, result, loop, patch_report, _plot_title(args, accelerator, out_dir, compiled), started)
+    weights = str(next(accelerator.unwrap_model(model).parameters()).dtype).removeprefix("torch.")
+    _finish(args, accelerator, result, loop, patch_report, _plot_title(args, accelerator, out_dir, compiled, weights),
+            started)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
@@ -256,8 +258,9 @@ def _start_outputs(args, out_dir: Path, config: dict) -> None:
     (out_dir / "run_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
-def _plot_title(args, accelerator, out_dir: Path, compiled: bool) -> str:
-    """The loss plot's title: the run's name (its --output-dir) and model, then its main settings."""
+def _plot_title(args, accelerator, out_dir: Path, compiled: bool, weights: str) -> str:
+    """The loss plot's title: the run's name (its --output-dir) and model, then its main settings
+    (``weights``: the model's parameter dtype, what a run without mixed precision computes in)."""
     shape = f"batch {args.batch_size} x seq-len {args.seq_len}"
     if args.grad_accum > 1:
         shape += f" x {args.grad_accum} micro-steps"
@@ -265,7 +268,8 @@ def _plot_title(args, accelerator, out_dir: Path, compiled: bool) -> str:
         shape += f" x {accelerator.num_processes} processes"
     settings = [f"{args.max_steps} steps", shape,
                 f"lr {args.lr:g} (warmup {args.warmup_steps}, cosine to {args.min_lr_ratio:g}x)",
-                f"precision {accelerator.mixed_precision}",
+                f"{weights} weights" + ("" if accelerator.mixed_precision == "no"
+                                        else f", {accelerator.mixed_precision} autocast"),
                 f"patched (rewy, backend {args.backend})" if args.core == "rewy" else "unpatched (--core original)",
                 f"compile {'on' if compiled else 'off'}"]
     settings += [name for on, name in ((args.lora, f"LoRA r {args.lora_r}"),

@@ -132,7 +132,7 @@ def test_the_plot_title_names_the_run_and_its_settings(reported_run):
     (title,) = reported_run["titles"]
     name_line, settings = title.split("\n")
     assert name_line == "tiny-run: gdn2-tiny"
-    for part in ("4 steps", "batch 1 x seq-len 32", "lr 0.0003 (warmup 1, cosine to 0.1x)", "precision no",
+    for part in ("4 steps", "batch 1 x seq-len 32", "lr 0.0003 (warmup 1, cosine to 0.1x)", "float32 weights",
                  "patched (rewy, backend auto)", "compile off"):
         assert part in settings, (part, settings)
     assert "(matplotlib)" in reported_run["stdout"]
