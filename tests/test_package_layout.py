@@ -1,5 +1,6 @@
-"""The import graph of rewy_hf (rewy_hf.kernels and rewy_hf.adapters included) has no cycle,
-and no module imports another rewy_hf module's private (underscore) name.
+"""The import graph of rewy_hf (rewy_hf.kernels and rewy_hf.adapters included) has no cycle, no
+module imports another rewy_hf module's private (underscore) name, the folders import one way
+down their layers, and no function outside a Triton kernel is too long to read.
 
 Imports are read with ``ast``, at module level and inside functions alike (an
 import deferred into a function still ties the two modules together). An edge
@@ -194,23 +195,54 @@ def test_every_package_is_listed_for_installation():
     assert packages == listed, (sorted(packages - listed), sorted(listed - packages))
 
 
-def imports_leaving(modules: dict[str, Path], package: str) -> list[str]:
-    """Imports by modules of ``package`` of modules outside it (within the scanned roots)."""
+# --- layers ---------------------------------------------------------------------------------------
+
+# The installed library's folders, lowest first: the kernels (math only), the package's own top-level
+# modules (the public ops, their checks and settings), the adapters, patching, models, parity, verify,
+# training, bench and the command line. Each imports only from the layers below it (the loop
+# cli -> bench -> training -> cli once ran back up). The package's __init__ and __main__ gather the
+# public names and sit above them all.
+LAYERS = ("rewy_hf.kernels", "rewy_hf", "rewy_hf.adapters", "rewy_hf.patching", "rewy_hf.models",
+          "rewy_hf.parity", "rewy_hf.verify", "rewy_hf.training", "rewy_hf.bench", "rewy_hf.cli")
+FACADE = ("rewy_hf", "rewy_hf.__main__")
+MAX_FUNCTION_LINES = 100
+
+
+def layer_of(module: str, layers: tuple[str, ...]) -> str:
+    """The longest layer that is ``module`` or a package above it; a module directly in the root
+    package (the second layer) belongs to that layer, a deeper one to a layer of its own."""
+    best = max((x for x in layers if module == x or module.startswith(x + ".")), key=len)
+    if best == layers[1] and module.count(".") > best.count(".") + 1:
+        raise AssertionError(f"{module} lies in a folder that no layer names; add it to the layers")
+    return best
+
+
+def upward_imports(modules: dict[str, Path], layers: tuple[str, ...], facade: tuple[str, ...] = ()) -> list[str]:
+    """Imports of a module in a layer above the importing module's own (``facade`` modules excepted)."""
     out = []
     for name, path in modules.items():
-        if name != package and not name.startswith(package + "."):
+        if name in facade:
             continue
+        own = layers.index(layer_of(name, layers))
         for target, imported, line in imports_of(name, path, modules):
-            if target != package and not target.startswith(package + "."):
-                out.append(f"{path}:{line}: {name} imports {target + ('.' + imported if imported else '')}")
+            theirs = layers.index(layer_of(target, layers))
+            if theirs > own:
+                out.append(f"{path}:{line}: {name} ({layers[own]}) imports "
+                           f"{target + ('.' + imported if imported else '')} ({layers[theirs]})")
     return out
 
 
-def test_kernels_import_nothing_of_rewy_hf_above_them(modules):
-    """The math depends on nothing above it: rewy_hf.kernels imports no rewy_hf module outside itself
+def test_every_import_points_down_the_layers(modules):
+    """Among them: rewy_hf.kernels, the lowest layer, imports no rewy_hf module outside itself
     (rewy_hf.errors, rewy_hf.validation and rewy_hf.settings re-export what the kernels define)."""
-    found = imports_leaving(modules, "rewy_hf.kernels")
-    assert not found, "kernels/ imports from the package above it:\n" + "\n".join(found)
+    found = upward_imports(modules, LAYERS, FACADE)
+    assert not found, "imports that run up the layers:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module, layer", [("rewy_hf.kernels.core", "rewy_hf.kernels"), ("rewy_hf.ops", "rewy_hf"),
+                                           ("rewy_hf.cli.bench", "rewy_hf.cli"), ("rewy_hf", "rewy_hf")])
+def test_modules_map_to_their_layers(module, layer):
+    assert layer_of(module, LAYERS) == layer
 
 
 def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
@@ -221,8 +253,23 @@ def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
     (pkg / "low" / "__init__.py").write_text("")
     (pkg / "low" / "a.py").write_text("from . import b\n")
     (pkg / "low" / "b.py").write_text("def f():\n    from ..errors import E\n")
-    (found,) = imports_leaving(walk_modules({"pkg": pkg}), "pkg.low")
-    assert found.endswith("pkg.low.b imports pkg.errors.E")
+    (found,) = upward_imports(walk_modules({"pkg": pkg}), ("pkg.low", "pkg"))
+    assert found.endswith("pkg.low.b (pkg.low) imports pkg.errors.E (pkg)")
+
+
+def _is_triton_kernel(node: ast.FunctionDef) -> bool:
+    return any("triton" in ast.unparse(d) or ast.unparse(d).split("(")[0].endswith("jit") for d in node.decorator_list)
+
+
+def test_no_function_outside_a_triton_kernel_is_longer_than_the_limit(modules):
+    long = []
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
 
 
 # --- one vocabulary ------------------------------------------------------------------------------
