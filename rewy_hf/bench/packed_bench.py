@@ -178,6 +178,12 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
         if cuda:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+
+        def so_far() -> dict:
+            return {**side_summary(ms, tokens), "warmup_step_ms": list(warm_ms),
+                    "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
+                    "loss": list(losses), "dispatch": dispatch_report()}
+
         for i, batch in enumerate([batches[0]] * warmup + batches):
             t0 = time.perf_counter()
             losses.append(train_step(run, opt, batch))
@@ -185,12 +191,8 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
             (ms if i >= warmup else warm_ms).append((time.perf_counter() - t0) * 1e3)
             step(side)
             if on_partial is not None and ms:
-                on_partial(side, {**side_summary(ms, tokens), "warmup_step_ms": warm_ms, "loss": list(losses),
-                                  "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
-                                  "dispatch": dispatch_report(), "stopped_after_steps": len(ms)})
-        row = {**side_summary(ms, tokens), "warmup_step_ms": warm_ms,
-               "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
-               "loss": losses, "dispatch": dispatch_report()}
+                on_partial(side, so_far() | {"stopped_after_steps": len(ms)})
+        row = so_far()
         if is_compiled:
             row.update(dynamo_counts())
         if cuda:

@@ -367,14 +367,11 @@ def run_packed(run: ModelRun, model) -> int:
                 data["documents_check"] = check
                 run.report.save(data)
 
-            def on_partial(side: str, row: dict) -> None:
-                data.setdefault("sides", {})[side] = row
-                run.report.save(data)
 
             data.update(run_packed_bench(model, device=s.device, steps=s.steps, warmup=s.warmup,
                                          seq_len=s.seq_len, seed=s.seed, backend=s.backend, policy=s.policy,
                                          sides=sides, check=not args.no_documents_check, on_side=on_side,
-                                         on_check=on_check, step=bar.step, on_partial=on_partial))
+                                         on_check=on_check, step=bar.step, on_partial=run.save_side))
     except Exception as exc:
         run.failed(_failure_hint(exc, "the unpatched sides"))
     data["summary"] = packed_summary(data)
