@@ -6,7 +6,8 @@ gate (scalar_gate/: DeltaNet, whose gate is zero, and GDN) and the vector gate
 record, as the torch backend's do (kernels/core.py calls them). Shared launch
 helpers live beside it: launch.py (direct launches of tuned kernels),
 state_launch.py and state_checkpoints.py (FLA's state recurrences, launched
-and segmented by rewy), chunks.py, occupancy.py, tiles.py.
+and segmented by rewy), packed_builds.py (every launch variant a packed call can reach,
+built at the first packed call), chunks.py, occupancy.py, tiles.py.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import torch
 
 from ..constants import CHUNK
 from ..core_args import CoreArgs
-from . import state_checkpoints, state_launch
+from . import packed_builds, state_checkpoints, state_launch
 from .occupancy import sm_count
 from .qk_l2norm import normalize, normalize_backward
 
@@ -139,6 +139,8 @@ def _inputs(stages, a: CoreArgs) -> Tensors:
 
 def forward(stages, a: CoreArgs):
     """(o, final state in the caller's layout, the tensors of ``saved_names``)."""
+    if a.v.is_cuda:             # builds are compiled and tuned on a GPU only, not under the interpreter
+        packed_builds.prepare(stages, a, forward, backward)
     call = _call(stages, a)
     t = _inputs(stages, a)
     t.q, t.q_rstd = normalize(t.q, a.qk_l2norm)
