@@ -94,6 +94,11 @@ def expand(values: list[str] | None, allowed: tuple[str, ...], every: str, defau
     return [v for v in allowed if v in values]
 
 
+def given(args, *flags: str) -> list[str]:
+    """Those of the options ``flags`` (spelled as on the command line) that ``args`` sets."""
+    return [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"))]
+
+
 def check_T(shape: Shape, max_tokens: int) -> int:
     """T for the gradient check: the timed T unless B*T*H exceeds ``max_tokens``; then
     the largest multiple of the 64-token chunk that fits (at least one chunk)."""

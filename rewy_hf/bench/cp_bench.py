@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..op_inputs import DISPATCH_NAME, GRAD_NAMES, Shape, make_inputs
 from ..rel_error import rel_err
 from . import timing
+from .config import check_T, given
 from .op_bench import Settings, fla_impl, guard_lifted, rewy_impl
 from .timing import describe, free_memory, leaves, runner
 
@@ -160,8 +161,6 @@ def peak_mb(fn, inputs, do, device: str) -> float | None:
 
 def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: Settings) -> CPRow:
     """One configuration: the check, then the timing of each side that passed it."""
-    from .config import check_T
-
     cuda = s.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     world = dist.get_world_size()
@@ -207,10 +206,7 @@ def refusal(args, device: str) -> str | None:
                 "(one GPU per process on CUDA, gloo on CPU)")
     if args.model:
         return "--context-parallel is an op-level bench; the recipe's --context-parallel trains a model that way"
-    taken = [flag for flag, given in (("--peers", args.peers), ("--kernel-profile", args.kernel_profile),
-                                      ("--plot", args.plot), ("--keep-autotune-picks", args.keep_autotune_picks))
-             if given]
-    if taken:
+    if taken := given(args, "--peers", "--kernel-profile", "--plot", "--keep-autotune-picks"):
         return (f"--context-parallel times rewy against FLA only, with neither {', '.join(taken)}; drop "
                 f"{'it' if len(taken) == 1 else 'them'} (the op bench without --context-parallel takes them)")
     ops = [op for op in (args.op or CP_OPS) if op != "all"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .kernel_profile import KERNEL_GROUPS, largest
 from .rows import OpRow
-from .tables import profiled_sides, shape_label
+from .tables import op_base, profiled_sides, shape_label
 
 
 def plot_unavailable() -> str | None:
@@ -79,10 +79,28 @@ def kernel_plot_path(path: str) -> str:
     return str(p.with_name(f"{p.stem}-kernels{p.suffix or '.png'}"))
 
 
-def plot_op_run(rows: list[OpRow], boundaries: list[str], path: str, base: str, device_name: str,
-                device: str) -> list[str]:
-    """The speedup figure at ``path`` and, where the run profiled its kernels (--kernel-profile), the
-    kernel figure beside it (``kernel_plot_path``); returns the paths written."""
+def plot_run(data: dict, path: str) -> list[str]:
+    """A run's figure at ``path`` (a live run's data or a --json file's) and, where an op-level run profiled
+    its kernels (--kernel-profile), the kernel figure beside it (``kernel_plot_path``); the paths written."""
+    st, kind, device_name = data["settings"], data["kind"], data["device_name"]
+    if kind == "ops":
+        return _plot_op_run(data["rows"], st["boundaries"], path, op_base(data), device_name,
+                            data.get("device", "cuda"))
+    if kind == "context_parallel" or (kind == "packed" and not data.get("sides")):
+        return []
+    title = (f"{st['model']}, {st.get('batch_size', 1)}x{st.get('seq_len')} {'packed ' * (kind == 'packed')}tokens, "
+             f"{st.get('dtype')}, {device_name}")
+    if kind == "packed":
+        plot_packed(data, path, title)
+    elif "sides" in data:
+        plot_compile_result(data, path, title)
+    else:
+        plot_model_steps(data, path, title)
+    return [path]
+
+
+def _plot_op_run(rows: list[OpRow], boundaries: list[str], path: str, base: str, device_name: str,
+                 device: str) -> list[str]:
     plot_op_speedups(rows, boundaries, path, f"speedup = {base} time / rewy time ({device_name}; >1: rewy faster)")
     panels = [(r, bd) for r in rows for bd in boundaries if profiled_sides(r, bd, base)]
     if not panels:

@@ -1,22 +1,20 @@
-"""Running `rewy-hf bench` from its parsed options: the op-level run, the model-level runs (two-sided,
-four-sided ``--compile``, ``--packed``), the ``--context-parallel`` run, and ``--from-json``.
-
-Each prints its progress and tables, keeps the --json report up to date while it runs (``report``:
-``save(data)`` as it goes, ``finish(data)`` at the end, ``human_output()`` around what it prints), and
-returns the exit status: 0 every check passed, 1 a check failed. A run that cannot start, or stops
-before it has a result, raises ``CouldNotRun`` (exit status 2) with the reason and the fix.
+"""Running `rewy-hf bench` from its parsed options: the op level, the model level (two-sided,
+``--compile``, ``--packed``), ``--context-parallel`` and ``--from-json``. Each prints its progress and
+tables, keeps the --json report up to date (``report.save`` as it goes, ``report.finish`` at the end,
+``report.human_output()`` around what it prints) and returns the exit status: 0 every check passed,
+1 a check failed. A run that cannot start, or stops before a result, raises ``CouldNotRun`` (exit
+status 2) with the reason and the fix.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 
 from ..op_inputs import OPS
 from ..validation import POLICIES
 from .config import (BOUNDARIES, MODEL_DTYPE, MODEL_SEQ_LEN, MODEL_STEPS, MODEL_WARMUP, OP_REPS, OP_WARMUP,
-                     PACKED_SEQ_LEN, PACKED_STEPS, environment, expand, on_cpu, resolve_shapes)
+                     PACKED_SEQ_LEN, PACKED_STEPS, environment, expand, given, on_cpu, resolve_shapes)
 from .rows import as_json
 
 
@@ -25,58 +23,52 @@ class CouldNotRun(Exception):
 
 
 class Progress:
-    """``step(label)`` after each unit of work, ``write(line)`` for a result line.
-
-    tqdm when installed (the bar on stderr, result lines kept above it), else a
-    flushed ``[i/n] label`` line per unit so a long run in a pipe shows it is alive.
-    """
+    """A context manager: ``step(label)`` after each unit of work, ``write(line)`` for a result line.
+    tqdm's bar on stderr where installed (result lines kept above it), else a flushed ``[i/n] label``
+    line per unit, so that a long run in a pipe shows it is alive."""
 
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.done = total, desc, 0
         try:
             from tqdm.auto import tqdm
         except ImportError:
-            self._bar, self._tqdm = None, None
+            self.bar = None
         else:
-            self._tqdm = tqdm
-            self._bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
     def step(self, label: str, units: int = 1) -> None:
         self.done += units
-        if self._bar is not None:
-            self._bar.set_postfix_str(label, refresh=False)
-            self._bar.update(units)
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(units)
         else:
             print(f"[{self.done}/{self.total}] {self.desc}: {label}", file=sys.stderr, flush=True)
 
     def write(self, line: str) -> None:
-        if self._tqdm is not None:
-            self._tqdm.write(line, file=sys.stdout)
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
         else:
-            print(line, flush=True)
+            print(line)
         sys.stdout.flush()
 
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
-
-@contextlib.contextmanager
-def progress(total: int, desc: str):
-    bar = Progress(total, desc)
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-def write_markdown(path: str | None, data: dict) -> None:
+def write_outputs(args, data: dict) -> list[str]:
+    """--markdown and --plot of a finished run (a live run's data or a --json file's); the plots written."""
+    from .plots import plot_run
     from .tables import markdown_text
 
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(markdown_text(data))
-        print(f"Markdown: {path}")
+        print(f"Markdown: {args.markdown}")
+    return plot_run(data, args.plot) if args.plot and not data.get("error") else []
 
 
 def run_bench(args, device: str, report) -> int:
@@ -104,9 +96,7 @@ def run_bench(args, device: str, report) -> int:
         warnings.filterwarnings("ignore", message=r"rewy-hf: .* runs on the torch backend on GPU")
         if args.model:
             return run_model(args, device, guard, report)
-        if args.context_parallel:
-            return run_cp(args, device, guard, report)
-        return run_ops(args, device, guard, report)
+        return (run_cp if args.context_parallel else run_ops)(args, device, guard, report)
 
 
 def _settings(args, device: str, guard: dict, runs_on: str | None = None, **more):
@@ -123,7 +113,6 @@ def _settings(args, device: str, guard: dict, runs_on: str | None = None, **more
 def run_ops(args, device: str, guard: dict, report) -> int:
     from .op_bench import PEERS, baseline_label
     from .op_run import OpRun, conclude, describe_run, run_rows
-    from .plots import plot_op_run
     from .tables import format_op_tables, format_row_line, shape_label
 
     cuda = device == "cuda"
@@ -142,21 +131,16 @@ def run_ops(args, device: str, guard: dict, report) -> int:
               "these speedups say nothing about a GPU.")
     print(f"shapes: {origin}\ntiming: {st['timing']}" + (f"\nautotune: {st['autotune']}" if cuda else "")
           + f"\ncheck: {st['check']}\n", flush=True)
-
-    def save(d: dict) -> None:
-        report.save(as_json(d))
-
-    with progress(len(plan.ops) * len(shapes) * len(plan.policies), "rewy-hf bench") as bar:
-        run_rows(plan, data, save=save, step=bar.step,
+    with Progress(len(plan.ops) * len(shapes) * len(plan.policies), "rewy-hf bench") as bar:
+        run_rows(plan, data, save=lambda d: report.save(as_json(d)), step=bar.step,
                  on_row=lambda row: bar.write(format_row_line(row, plan.boundaries, base)))
     rows = data["rows"]
     print()
     for table in format_op_tables(rows, plan.boundaries, base, device):
         print(table + "\n")
     failed = conclude(data)
-    save(data)
-    write_markdown(args.markdown, data)
-    plots = plot_op_run(rows, plan.boundaries, args.plot, base, data["device_name"], device) if args.plot else []
+    report.save(as_json(data))
+    plots = write_outputs(args, data)
     print(f"rewy-hf bench: {len(rows) - len(failed)} of {len(rows)} configurations passed the gradient check"
           + ("" if not failed else "; failed: " + ", ".join(f"{r.op} {r.policy} {shape_label(r)}" for r in failed))
           + (f"; JSON: {args.json}" if args.json and not report.to_stdout else "")
@@ -177,9 +161,6 @@ def run_cp(args, device: str, guard: dict, report) -> int:
     lead = rank == 0
     shapes, _ = resolve_shapes(args.shapes, device)
     s = _settings(args, device, guard, runs_on=start(device))
-    ops = expand(args.op, CP_OPS, "all", CP_OPS)
-    policies = expand(args.policy, POLICIES, "both", POLICIES)
-    boundaries = expand(args.boundary, BOUNDARIES, "both", BOUNDARIES)
     data = {"kind": "context_parallel", **environment(device), "processes": world,
             "settings": {"backend": args.backend, "reps": s.reps, "warmup": s.warmup, "seed": s.seed,
                          "runs_per_round": INNER_RUNS["cpu" if device == "cpu" else "cuda"],
@@ -192,9 +173,9 @@ def run_cp(args, device: str, guard: dict, report) -> int:
             print("NOTE: CPU run (gloo): FLA's side needs CUDA, so only rewy's side runs; these times say nothing "
                   "about a GPU.")
     for shape in shapes:
-        for op in ops:
-            for policy in policies:
-                row = run_row(op, policy, shape, boundaries, s)
+        for op in expand(args.op, CP_OPS, "all", CP_OPS):
+            for policy in expand(args.policy, POLICIES, "both", POLICIES):
+                row = run_row(op, policy, shape, expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), s)
                 data["rows"].append(row)
                 if lead:
                     ms = ", ".join(f"{b}: " + " / ".join(f"{n} {v:.3f} ms" for n, v in t.items())
@@ -207,7 +188,7 @@ def run_cp(args, device: str, guard: dict, report) -> int:
     if lead:
         print(format_cp_rows(data["rows"]))
         report.finish(as_json(data))
-        write_markdown(args.markdown, data)
+        write_outputs(args, data)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0
@@ -215,31 +196,24 @@ def run_cp(args, device: str, guard: dict, report) -> int:
 
 # --- model level --------------------------------------------------------------------------------
 
-def _failure_hint(exc: Exception, unpatched: str = "the unpatched side") -> str:
-    """The reason a model run stopped, with the way round FLA's GDN guard where that stopped it."""
-    hint = (f"; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time "
-            f"{unpatched} anyway") if "#640" in str(exc) else ""
-    return f"{type(exc).__name__}: {exc}{hint}"
-
-
 class ModelRun:
-    """What the model-level runs share: the loaded model, its settings and report, and how a run ends."""
+    """What the model-level runs share: the options, settings and report, and how a run ends."""
 
     def __init__(self, args, device: str, guard: dict, report):
         self.args, self.report = args, report
         cpu = on_cpu(device)
-        op_only = [flag for flag, value in (("--op", args.op), ("--shapes", args.shapes),
-                                            ("--boundary", args.boundary), ("--reps", args.reps),
-                                            ("--peers", args.peers), ("--kernel-profile", args.kernel_profile))
-                   if value]
-        if op_only:
+        if op_only := given(args, "--op", "--shapes", "--boundary", "--reps", "--peers", "--kernel-profile"):
             raise CouldNotRun(f"{', '.join(op_only)} apply to the op-level bench; drop them, or drop --model "
                               "(the model level times --steps training steps)")
         policies = expand(args.policy, POLICIES, "both", ("recompute",))
         if len(policies) != 1:
             raise CouldNotRun("--model takes one --policy (recompute or full); run it once per policy")
-        if args.packed and (reason := packed_refusal(args)):
-            raise CouldNotRun(reason)
+        if args.packed and (mixed := given(args, "--compile", "--curve-steps", "--lengths", "--causal-masks")):
+            raise CouldNotRun(f"{', '.join(mixed)} belong to the --compile bench; --packed runs its own compiled "
+                              "sides (choose them with --sides)")
+        if args.packed and args.batch_size != 1:
+            raise CouldNotRun("--packed packs one row per step (B = 1, as the padding-free collators do); drop "
+                              "--batch-size")
         from .model_bench import ModelSettings, describe_model_run
 
         self.dtype = args.dtype or MODEL_DTYPE[cpu]
@@ -273,39 +247,38 @@ class ModelRun:
         self.report.finish(self.data)
         raise CouldNotRun(f"could not run: {message}")
 
+    def measure(self, total: int, desc: str, work, unpatched: str = "the unpatched sides"):
+        """``work(bar)`` under a progress bar; a failure ends the run with its reason (and where FLA's GDN
+        guard stopped ``unpatched``, the way round it)."""
+        from ..errors import UnsupportedConfigError
+
+        try:
+            with Progress(total, desc) as bar:
+                return work(bar)
+        except UnsupportedConfigError as exc:    # says itself what is not supported
+            self.failed(str(exc))
+        except Exception as exc:   # e.g. the unpatched core refusing to run on this GPU
+            hint = (f"; FLA refuses its GDN backward here (Hopper, triton < 3.7.1): add --lift-gdn-guard to time "
+                    f"{unpatched} anyway") if "#640" in str(exc) else ""
+            self.failed(f"{type(exc).__name__}: {exc}{hint}")
+
     def save_side(self, side: str, row: dict) -> None:
         self.data.setdefault("sides", {})[side] = row
         self.report.save(self.data)       # a run stopped half way keeps the sides it finished
 
-    def finish(self, text: str, problems: list[str], plot) -> int:
-        """Print the result, write the reports and the plot (``plot(path)``); the exit status."""
+    def finish(self, text: str, problems: list[str]) -> int:
+        """Print the result, write the reports and the plot; the exit status."""
         print(text)
         self.data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
         self.report.finish(self.data)
-        write_markdown(self.args.markdown, self.data)
-        if self.args.plot and plot is not None:
-            plot(self.args.plot)
+        write_outputs(self.args, self.data)
         for p in problems:
             print(f"FAIL: {p}", file=sys.stderr)
         return 1 if problems else 0
 
 
-def packed_refusal(args) -> str | None:
-    """Why --packed cannot run with these options, or None."""
-    mixed = [flag for flag, value in (("--compile", args.compile), ("--curve-steps", args.curve_steps),
-                                      ("--lengths", args.lengths), ("--causal-masks", args.causal_masks)) if value]
-    if mixed:
-        return (f"{', '.join(mixed)} belong to the --compile bench; --packed runs its own compiled sides "
-                "(choose them with --sides)")
-    if args.batch_size != 1:
-        return "--packed packs one row per step (B = 1, as the padding-free collators do); drop --batch-size"
-    return None
-
-
 def run_model(args, device: str, guard: dict, report) -> int:
-    from ..errors import UnsupportedConfigError
     from .model_bench import model_problems, run_model_bench
-    from .plots import plot_model_steps
     from .tables import format_model_result
 
     run = ModelRun(args, device, guard, report)
@@ -317,22 +290,14 @@ def run_model(args, device: str, guard: dict, report) -> int:
     if args.curve_steps or args.lengths or args.sides:
         run.failed("--curve-steps, --lengths and --sides apply to --compile runs; add --compile or drop them")
     s, data = run.s, run.data
-    try:
-        with progress(s.warmup + s.steps, f"bench {args.model}") as bar:
-            data.update(run_model_bench(model, s, progress=bar.step))
-    except UnsupportedConfigError as exc:
-        run.failed(str(exc))
-    except Exception as exc:   # e.g. the unpatched core refusing to run on this GPU
-        run.failed(_failure_hint(exc))
-    title = f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {run.dtype}, {data['device_name']}"
-    return run.finish(format_model_result(data, args.model, run.settings), model_problems(data),
-                      lambda path: plot_model_steps(data, path, title))
+    data.update(run.measure(s.warmup + s.steps, f"bench {args.model}",
+                            lambda bar: run_model_bench(model, s, progress=bar.step), "the unpatched side"))
+    return run.finish(format_model_result(data, args.model, run.settings), model_problems(data))
 
 
 def run_packed(run: ModelRun, model) -> int:
     """--model X --packed: bench/packed_bench.py."""
     from .packed_bench import ALL_SIDES, packed_problems, packed_summary, run_packed_bench
-    from .plots import plot_packed
     from .tables import format_packed_result
 
     args, s, data = run.args, run.s, run.data
@@ -349,41 +314,36 @@ def run_packed(run: ModelRun, model) -> int:
                "on the same weights, optimizer state and packings")
     if not args.no_documents_check:
         print("documents check: one packed row against its documents run one by one", flush=True)
-    try:
-        with progress(len(sides) * (s.warmup + s.steps), f"bench {args.model} --packed") as bar:
-            def on_side(side: str, row: dict) -> None:
-                if "skipped" in row:
-                    bar.step(side, s.warmup + s.steps)
-                    bar.write(f"{side}: skipped ({row['skipped']})")
-                else:
-                    peak = "" if row["peak_mb"] is None else f", peak {row['peak_mb']:.0f} MB"
-                    bar.write(f"{side}: median {row['median_step_ms']:.1f} ms, max {row['max_step_ms']:.1f}, "
-                              f"{row['tokens_per_s']:.0f} tokens/s{peak}"
-                              + (f", {row['graphs']} graphs, {row['graph_breaks']} breaks" if "graphs" in row
-                                 else ""))
-                run.save_side(side, row)
 
-            def on_check(check: dict) -> None:
-                data["documents_check"] = check
-                run.report.save(data)
+    def work(bar):
+        def on_side(side: str, row: dict) -> None:
+            if "skipped" in row:
+                bar.step(side, s.warmup + s.steps)
+                bar.write(f"{side}: skipped ({row['skipped']})")
+            else:
+                peak = "" if row["peak_mb"] is None else f", peak {row['peak_mb']:.0f} MB"
+                bar.write(f"{side}: median {row['median_step_ms']:.1f} ms, max {row['max_step_ms']:.1f}, "
+                          f"{row['tokens_per_s']:.0f} tokens/s{peak}"
+                          + (f", {row['graphs']} graphs, {row['graph_breaks']} breaks" if "graphs" in row else ""))
+            run.save_side(side, row)
 
+        def on_check(check: dict) -> None:
+            data["documents_check"] = check
+            run.report.save(data)
 
-            data.update(run_packed_bench(model, device=s.device, steps=s.steps, warmup=s.warmup,
-                                         seq_len=s.seq_len, seed=s.seed, backend=s.backend, policy=s.policy,
-                                         sides=sides, check=not args.no_documents_check, on_side=on_side,
-                                         on_check=on_check, step=bar.step, on_partial=run.save_side))
-    except Exception as exc:
-        run.failed(_failure_hint(exc, "the unpatched sides"))
+        return run_packed_bench(model, device=s.device, steps=s.steps, warmup=s.warmup, seq_len=s.seq_len,
+                                seed=s.seed, backend=s.backend, policy=s.policy, sides=sides,
+                                check=not args.no_documents_check, on_side=on_side, on_check=on_check,
+                                step=bar.step, on_partial=run.save_side)
+
+    data.update(run.measure(len(sides) * (s.warmup + s.steps), f"bench {args.model} --packed", work))
     data["summary"] = packed_summary(data)
-    title = f"{args.model}, 1x{s.seq_len} packed tokens, {data['device_name']}"
-    return run.finish(format_packed_result(data), packed_problems(data),
-                      (lambda path: plot_packed(data, path, title)) if data.get("sides") else None)
+    return run.finish(format_packed_result(data), packed_problems(data))
 
 
 def run_compiled(run: ModelRun, model) -> int:
     """--model X --compile: the four sides of bench/compile_bench.py."""
     from .compile_bench import SIDES, compile_problems, run_compile_bench
-    from .plots import plot_compile_result
     from .tables import format_compile_result, format_side
 
     args, s, data = run.args, run.s, run.data
@@ -398,30 +358,26 @@ def run_compiled(run: ModelRun, model) -> int:
     run.settings.update(curve_steps=curve, lengths=list(args.lengths), sides=list(sides),
                         causal_masks=args.causal_masks)
     total = len(sides) * (s.warmup + s.steps + curve) + sum(x.endswith("compiled") for x in sides) * len(args.lengths)
-    try:
-        with progress(total, f"bench {args.model} --compile") as bar:
-            def on_side(side: str, row: dict) -> None:
-                bar.write(format_side(side, row))
-                data["tokens_per_step"] = s.batch_size * s.seq_len
-                run.save_side(side, row)
 
-            res = run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,
-                                    lengths=args.lengths, sides=sides, causal_masks=args.causal_masks)
-    except Exception as exc:
-        run.failed(_failure_hint(exc, "the unpatched sides"))
+    def work(bar):
+        def on_side(side: str, row: dict) -> None:
+            bar.write(format_side(side, row))
+            data["tokens_per_step"] = s.batch_size * s.seq_len
+            run.save_side(side, row)
+
+        return run_compile_bench(model, s, progress=bar.step, on_side=on_side, curve_steps=curve,
+                                 lengths=args.lengths, sides=sides, causal_masks=args.causal_masks)
+
+    res = run.measure(total, f"bench {args.model} --compile", work)
     data.update(res)
-    title = f"{args.model}, {s.batch_size}x{s.seq_len} tokens, {data['device_name']}"
-    return run.finish(format_compile_result(data, args.model), compile_problems(res),
-                      lambda path: plot_compile_result(res, path, title))
+    return run.finish(format_compile_result(data, args.model), compile_problems(res))
 
-
-# --- --from-json --------------------------------------------------------------------------------
 
 def render(args) -> int:
     """--from-json: the tables (and plot, Markdown) of earlier runs, with their exit status."""
     from .merge import MergeError, merge_runs
     from .plots import plot_unavailable
-    from .tables import report_blocks
+    from .tables import report_text
 
     if args.plot and (reason := plot_unavailable()):
         raise CouldNotRun(reason)
@@ -429,29 +385,11 @@ def render(args) -> int:
         data = merge_runs(args.from_json)
     except MergeError as exc:
         raise CouldNotRun(str(exc)) from None
-    for block in report_blocks(data):
-        print(block)
-    if args.plot and not data.get("error"):
-        plot_from_json(data, args.plot)
+    print(report_text(data))
+    if args.plot and data["kind"] == "context_parallel":
+        print("note: --context-parallel runs have a table and no plot")
     if not data.get("complete", False):
         which = "one of these runs" if data.get("sources") else "that run"
         print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
-    write_markdown(args.markdown, data)
+    write_outputs(args, data)
     return int(data.get("exit_code", 1))
-
-
-def plot_from_json(data: dict, path: str) -> None:
-    from . import plots
-    from .tables import op_base
-
-    st, kind, device_name = data["settings"], data["kind"], data["device_name"]
-    if kind == "model" and "sides" in data:
-        plots.plot_compile_result(data, path, f"{st['model']}, {device_name}")
-    elif kind == "packed" and data.get("sides"):
-        plots.plot_packed(data, path, f"{st['model']}, 1x{st['seq_len']} packed tokens, {device_name}")
-    elif kind == "context_parallel":
-        print("note: --context-parallel runs have a table and no plot")
-    elif kind == "model":
-        plots.plot_model_steps(data, path, f"{st['model']}, {device_name}")
-    elif kind == "ops":
-        plots.plot_op_run(data["rows"], st["boundaries"], path, op_base(data), device_name, data.get("device", "cuda"))

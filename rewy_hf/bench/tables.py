@@ -1,7 +1,7 @@
 """The tables of `rewy-hf bench`, as plain text and as Markdown (for docs/performance.md): the op
 level's per (op, policy) with its peers and kernel profiles, the model level's, the four-sided and
-packed runs' side tables, and the context-parallel table; ``report_blocks`` and ``markdown_text``
-give a whole run's (a live run's data or a --json file's)."""
+packed runs' sides, and the context-parallel table; ``report_text`` and ``markdown_text`` give a
+whole run's (a live run's data or a --json file's)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,16 @@ from .rows import Check, OpRow
 TOP_KERNELS = 10
 
 
+def _f(x, fmt: str, suffix: str = "") -> str:
+    return "-" if x is None else format(x, fmt) + suffix
+
+
 def _ms(x) -> str:
-    return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    return _f(x, ".3f" if x is None or x < 10 else ".1f")
 
 
 def _x(x) -> str:
-    return "-" if x is None else f"{x:.2f}x"
-
-
-def _err(x) -> str:
-    return "-" if x is None else f"{x:.1e}"
-
-
-def _mb(x) -> str:
-    return "-" if x is None else f"{x:.0f}"
-
-
-def _or_dash(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+    return _f(x, ".2f", "x")
 
 
 def table(header: list[str], rows: list[list[str]], markdown: bool = False, rule: bool = True) -> list[str]:
@@ -85,10 +77,13 @@ def geomeans(rows: list[OpRow], boundaries: list[str]) -> list[dict]:
     return out
 
 
+def _label(s, kv: bool = False) -> str:
+    return f"{s.B},{s.T},{s.H}" + (f",{s.K},{s.V}" if kv else "") + (f",packed={s.N}" if s.N else "")
+
+
 def shape_label(r: OpRow, kv: bool = False) -> str:
     """B,T,H (with K,V when ``kv``), and the packed sequences of a packed row."""
-    s = r.shape
-    return f"{s.B},{s.T},{s.H}" + (f",{s.K},{s.V}" if kv else "") + (f",packed={s.N}" if s.N else "")
+    return _label(r.shape, kv)
 
 
 def _errors(r: OpRow) -> list[tuple[str, str]]:
@@ -98,43 +93,45 @@ def _errors(r: OpRow) -> list[tuple[str, str]]:
              ("baseline check error", c.baseline_check_error), ("baseline hint", r.baseline_hint)]
     for name in ("bound", "strong"):
         second = getattr(r, name) or Check()
-        found += [(f"{name} rewy error", second.rewy_error), (f"{name} baseline check error",
-                                                               second.baseline_check_error)]
+        found += [(f"{name} rewy error", second.rewy_error),
+                  (f"{name} baseline check error", second.baseline_check_error)]
     return [(what, why) for what, why in found if why]
 
 
 def _err_of(check: Check | None, side: str, timing_only: bool = False) -> str:
-    return "timing only" if timing_only else _err(getattr(check, f"err_{side}", None))
+    return "timing only" if timing_only else _f(getattr(check, f"err_{side}", None), ".1e")
+
+
+# The second checks' columns and notes: (column name, OpRow field, marked timing only as the main check, note).
+_SECOND_CHECKS = (("bound err", "bound", False, "bound err: the same check on gates near FLA's safe lower bound "
+                   "(safe_gate=True on both sides); pass needs both"),
+                  ("strong-decay err", "strong", True, "strong-decay err: the same check with a log-gate of about "
+                   "-10 per token; pass needs both"))
 
 
 def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device: str, markdown: bool = False,
                     report_shapes: list | None = None) -> str:
-    """One table for one (op, policy): rows are shapes, then the geometric mean.
-    ``report_shapes``: every shape of the report; a table missing some says so,
-    since its geometric mean is then over fewer shapes than its neighbours'."""
-    r0 = rows[0]
+    """One table for one (op, policy): rows are shapes, then the geometric mean. ``report_shapes``: every
+    shape of the report; a table missing some says so, as its mean is then over fewer shapes."""
+    r0, cuda = rows[0], device == "cuda"
     missing = [s for s in (report_shapes or []) if s not in {r.shape for r in rows}]
     timing_only = any(r.baseline_timing_only for r in rows)
     b = base + ("*" if timing_only else "")
     kv = not all(r.shape.K == r.shape.V == 128 for r in rows)
+    checks = [("err", "check", True, None)] + [c for c in _SECOND_CHECKS if any(getattr(r, c[1]) for r in rows)]
     header = ["B,T,H" + (",K,V" if kv else "")]
-    for bd in boundaries:
-        header += [f"{bd}: {b} ms", f"{bd}: rewy ms", f"{bd} speedup"]
-    header += [f"peak MB {b}", "peak MB rewy"] if device == "cuda" else []
-    header += [f"err {b}", "err rewy"]
-    bound, strong = any(r.bound for r in rows), any(r.strong for r in rows)
-    header += [f"bound err {b}", "bound err rewy"] if bound else []
-    header += [f"strong-decay err {b}", "strong-decay err rewy"] if strong else []
+    header += [h for bd in boundaries for h in (f"{bd}: {b} ms", f"{bd}: rewy ms", f"{bd} speedup")]
+    header += [h for name in ["peak MB"] * cuda + [c[0] for c in checks] for h in (f"{name} {b}", f"{name} rewy")]
     header += ["check T", "pass"]
     body = []
     for r in rows:
         cells = [shape_label(r, kv=kv)]
         for bd in boundaries:
             cells += [_ms(r.baseline.ms.get(bd)), _ms(r.rewy.ms.get(bd)), _x(r.speedup.get(bd))]
-        cells += [_mb(r.baseline.peak_mb), _mb(r.rewy.peak_mb)] if device == "cuda" else []
-        cells += [_err_of(r.check, "baseline", r.baseline_timing_only), _err_of(r.check, "rewy")]
-        cells += [_err_of(r.bound, "baseline"), _err_of(r.bound, "rewy")] if bound else []
-        cells += [_err_of(r.strong, "baseline", r.baseline_timing_only), _err_of(r.strong, "rewy")] if strong else []
+        cells += [_f(r.baseline.peak_mb, ".0f"), _f(r.rewy.peak_mb, ".0f")] if cuda else []
+        for _, field, marked, _ in checks:
+            c = getattr(r, field)
+            cells += [_err_of(c, "baseline", marked and r.baseline_timing_only), _err_of(c, "rewy")]
         body.append(cells + [str(r.check_T) + ("*" if r.check_reduced else ""), "PASS" if r.ok else "FAIL"])
     several = any(len(r.rewy.rounds.get(bd) or []) > 1 for r in rows for bd in boundaries)
     means = [("geometric mean" + (f" ({len(rows)} of {len(rows) + len(missing)} shapes)" if missing else ""),
@@ -146,17 +143,10 @@ def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device:
     backends = sorted({str(r.check.rewy_backend) for r in rows if r.check and r.check.rewy_backend})
     title = (f"{r0.op}, rewy policy {r0.policy} | {base}: {r0.baseline_policy or '-'} | "
              f"rewy backend: {', '.join(backends) or '-'}")
-    notes = []
-    if missing:
-        notes.append("not timed for this op and policy: "
-                     + "; ".join(f"{s.B},{s.T},{s.H}" + (f",packed={s.N}" if s.N else "") for s in missing))
+    notes = ["not timed for this op and policy: " + "; ".join(_label(s) for s in missing)] if missing else []
     if timing_only:
         notes.append(f"* {base}: {next(r.baseline_note for r in rows if r.baseline_timing_only)}")
-    if bound:
-        notes.append("bound err: the same check on gates near FLA's safe lower bound (safe_gate=True on both "
-                     "sides); pass needs both")
-    if strong:
-        notes.append("strong-decay err: the same check with a log-gate of about -10 per token; pass needs both")
+    notes += [note for *_, note in checks if note]
     if any(r.check_reduced for r in rows):
         notes.append("check T*: the gradient check ran at this reduced T (same B, H) to save time and memory")
     if several:
@@ -254,8 +244,9 @@ def format_peer_table(rows: list[OpRow], boundaries: list[str], base: str, markd
                 continue
             for bd in boundaries:
                 cells += [_ms(p.timing.ms.get(bd)), _ms(r.rewy.ms.get(bd)), _x(p.speedup.get(bd))]
-            err = "timing only" if p.timing_only else _err(p.err)
-            body.append(cells + [_mb(p.timing.peak_mb), err, ", ".join(p.served_by or []) or "its own kernels"])
+            err = "timing only" if p.timing_only else _f(p.err, ".1e")
+            body.append(cells + [_f(p.timing.peak_mb, ".0f"), err, ", ".join(p.served_by or []) or
+                                 "its own kernels"])
             if p.timing.error:
                 notes.append(f"{shape_label(r)} {n}: {p.timing.error}")
     for n in names:
@@ -280,12 +271,12 @@ def format_row_line(r: OpRow, boundaries: list[str], base: str) -> str:
                      f"({_x(r.speedup.get(bd))})")
     errs = f"err {base} {_err_of(r.check, 'baseline', r.baseline_timing_only)} rewy {_err_of(r.check, 'rewy')}"
     if r.bound:
-        errs += f"; bound err {base} {_err(r.bound.err_baseline)} rewy {_err(r.bound.err_rewy)}"
+        errs += f"; bound err {base} {_f(r.bound.err_baseline, '.1e')} rewy {_f(r.bound.err_rewy, '.1e')}"
     parts.append(f"{errs} -> {'PASS' if r.ok else 'FAIL'}")
     for name, p in (r.peers or {}).items():
         if p.skipped is None:
             times = ", ".join(f"{bd} {_ms(p.timing.ms.get(bd))} ms ({_x(p.speedup.get(bd))})" for bd in boundaries)
-            parts.append(f"{name} {times}, err {'timing only' if p.timing_only else _err(p.err)}")
+            parts.append(f"{name} {times}, err {'timing only' if p.timing_only else _f(p.err, '.1e')}")
     return "; ".join(parts)
 
 
@@ -298,8 +289,8 @@ def format_model_result(res: dict, spec: str, settings: dict, markdown: bool = F
              f"{settings['device']}, median of {settings['steps']} step(s) after {settings['warmup']} warm-up",
              ""]
     header = ["side", "median step ms", "tokens/s", "peak MB", "loss (1st step)"]
-    rows = [[name, _ms(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", _mb(d["peak_mb"]), f"{d['loss'][0]:.5f}"]
-            for name, d in (("unpatched", u), ("patched (rewy)", p))]
+    rows = [[name, _ms(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", _f(d["peak_mb"], ".0f"),
+             f"{d['loss'][0]:.5f}"] for name, d in (("unpatched", u), ("patched (rewy)", p))]
     lines += table(header, rows, markdown)
     lines.append(f"\nspeedup (unpatched / patched step time): {res['speedup']:.3f}x")
     lines.append(f"patched layers: {res['patched_layers']}; optimized backward calls in the timed steps: "
@@ -341,8 +332,8 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
     base = res["sides"].get("unpatched eager")
     for side, r in res["sides"].items():
         x = r.get("speedup_vs_unpatched_eager") or (base["median_step_ms"] / r["median_step_ms"] if base else None)
-        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", _or_dash(x, ".3f"),
-                     _or_dash(r.get("peak_mb"), ".0f"), _or_dash(r.get("compile_s"), ".1f"),
+        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", _f(x, ".3f"),
+                     _f(r.get("peak_mb"), ".0f"), _f(r.get("compile_s"), ".1f"),
                      str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")), *_families(r)])
     st = res.get("settings", {})
     if markdown:
@@ -397,8 +388,8 @@ def format_packed_result(data: dict, markdown: bool = False) -> str:
         label = side if "stopped_after_steps" not in r else \
             f"{side} (stopped after {r['stopped_after_steps']} of {data.get('settings', {}).get('steps', '?')} steps)"
         rows.append([label, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
-                     _or_dash(r.get("slowest_after_step_3_x_median"), ".2f"), f"{r['tokens_per_s']:.0f}",
-                     f"{vs[side]['speedup']:.2f}" if side in vs else "-", _or_dash(r["peak_mb"], ".0f"),
+                     _f(r.get("slowest_after_step_3_x_median"), ".2f"), f"{r['tokens_per_s']:.0f}",
+                     f"{vs[side]['speedup']:.2f}" if side in vs else "-", _f(r["peak_mb"], ".0f"),
                      str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")), *_families(r)])
     lines = table(head, rows, markdown, rule=False)
     if check := data.get("documents_check"):
@@ -421,11 +412,11 @@ def format_cp_rows(rows: list) -> str:
         T = r.tokens_per_process * r.processes
         for boundary, ms in r.ms.items():
             fla, rewy = ms.get("FLA"), ms.get("rewy")
-            body.append([r.op, r.policy, r.shape, str(r.processes), boundary, _or_dash(fla, ".3f"),
-                         _or_dash(rewy, ".3f"), f"{fla / rewy:.2f}x" if fla and rewy else "-",
+            body.append([r.op, r.policy, r.shape, str(r.processes), boundary, _f(fla, ".3f"),
+                         _f(rewy, ".3f"), f"{fla / rewy:.2f}x" if fla and rewy else "-",
                          f"{T / (rewy / 1e3):,.0f}" if rewy else "-",
-                         " / ".join(_or_dash(r.peak_mb.get(n), ".0f") for n in ("FLA", "rewy")),
-                         " / ".join(_or_dash(r.err.get(n), ".1e") for n in ("FLA", "rewy")),
+                         " / ".join(_f(r.peak_mb.get(n), ".0f") for n in ("FLA", "rewy")),
+                         " / ".join(_f(r.err.get(n), ".1e") for n in ("FLA", "rewy")),
                          "yes" if r.passed else "NO"])
     notes = sorted({f"{name}: {why}" for r in rows for name, why in r.errors.items()})
     checks = sorted({f"check T {r.check_T} for {r.shape}" for r in rows
@@ -439,44 +430,39 @@ def op_base(data: dict) -> str:
     return baseline_label(data.get("device", "cuda"), data.get("versions"))
 
 
-def report_blocks(data: dict) -> list[str]:
-    """What --from-json prints of a run, block by block."""
-    if data.get("error"):
-        return [f"that run could not run: {data['error']}"]
-    kind, st = data["kind"], data["settings"]
-    if kind == "model" and "sides" in data:
-        return [format_compile_result(data, st["model"])]
-    if kind == "packed":
-        return [format_packed_result(data)]
+def _body(data: dict, markdown: bool) -> str:
+    kind, st = data["kind"], data.get("settings", {})
     if kind == "context_parallel":
-        return [format_cp_rows(data["rows"])]
+        return format_cp_rows(data["rows"])
+    if kind == "packed":
+        return format_packed_result(data, markdown)
     if kind == "model":
-        return [format_model_result(data, st["model"], st)]
-    return [t + "\n" for t in format_op_tables(data["rows"], st["boundaries"], op_base(data), data["device"])]
+        return (format_compile_result(data, st.get("model", "?"), markdown) if "sides" in data else
+                format_model_result(data, st.get("model", "?"), st, markdown))
+    return "\n\n".join(format_op_tables(data.get("rows", []), st.get("boundaries", []), op_base(data),
+                                        data.get("device", "cuda"), markdown))
+
+
+def report_text(data: dict) -> str:
+    """What --from-json prints of a run."""
+    if data.get("error"):
+        return f"that run could not run: {data['error']}"
+    return _body(data, False) + ("\n" if data["kind"] == "ops" else "")
 
 
 def markdown_text(data: dict) -> str:
-    """A whole run as --markdown writes it (for docs/performance.md)."""
-    if data.get("kind") == "context_parallel":
-        return format_cp_rows(data["rows"]) + "\n"
-    if data.get("kind") == "packed":
-        return format_packed_result(data, markdown=True) + "\n"
-    v = data.get("versions", {})
+    """A whole run as --markdown writes it: the op and model levels under a line naming the device and
+    versions (and the op level's timing, autotune and check), the packed and context-parallel tables bare."""
+    if data.get("kind") in ("context_parallel", "packed"):
+        return _body(data, True) + "\n"
     st = data.get("settings", {})
-    head = [f"Device: {data.get('device_name')}; " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + ".", ""]
+    head = [f"Device: {data.get('device_name')}; "
+            + ", ".join(f"{k} {x}" for k, x in data.get("versions", {}).items() if x) + ".", ""]
     if data.get("error"):
         return "\n".join(head + [f"This run could not run: {data['error']}"]) + "\n"
-    if data.get("kind") == "model" and "sides" in data:
-        body = format_compile_result(data, st.get("model", "?"), markdown=True)
-    elif data.get("kind") == "model":
-        body = format_model_result(data, st.get("model", "?"), st, markdown=True)
-    else:
+    if data.get("kind") != "model":
         head += [f"Timing: {st.get('timing')}.", ""]
-        if st.get("autotune"):
-            head += [f"Autotune: {st['autotune']}.", ""]
+        head += [f"Autotune: {st['autotune']}.", ""] if st.get("autotune") else []
         head += [f"Check: {st.get('check')}.", ""]
-        body = "\n\n".join(format_op_tables(data.get("rows", []), st.get("boundaries", []), op_base(data),
-                                            data.get("device", "cuda"), markdown=True))
     tail = [] if data.get("complete", False) else ["", "(This run did not finish: these are the rows it wrote.)"]
-    return "\n".join(head + [body] + tail) + "\n"
-
+    return "\n".join(head + [_body(data, True)] + tail) + "\n"

@@ -401,10 +401,10 @@ def test_plot_without_matplotlib_fails_before_timing(tmp_path, capsys, monkeypat
 
 
 def test_progress_without_tqdm_prints_flushed_lines(capsys, monkeypatch):
-    from rewy_hf.bench.runner import progress
+    from rewy_hf.bench.runner import Progress
 
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
-    with progress(2, "bench") as bar:
+    with Progress(2, "bench") as bar:
         bar.step("gdn 1,64,1")
         bar.write("a result line")
     out = capsys.readouterr()
