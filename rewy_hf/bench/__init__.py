@@ -1,14 +1,9 @@
-"""The benchmark engine behind `rewy-hf bench`.
+"""The benchmark engine behind `rewy-hf bench` (docs/bench.md says what each level measures).
 
-``config``: what is measured (boundaries, shapes, device defaults; the suite
-in ``bench_shapes.json``) and the record of the machine. ``op_bench``: one op
-configuration, its sides, gradient checks and timing, as an ``rows.OpRow``;
-``op_run``: a whole op-level run. ``model_bench``: one model's training step,
-unpatched against patched; ``compile_bench`` the same four ways, eager and
-compiled; ``packed_bench`` over packed rows; ``cp_bench`` one row split across
-processes. ``timing``: the alternating rounds and peak memory;
-``kernel_profile``: where a run's time goes; ``autotune_picks``: forgetting
-Triton's picks between shapes; ``fla_backends``: FLA's optional backends.
-``tables`` and ``plots`` show the results; ``merge`` combines several runs'
-JSON into one report; ``runner`` runs the command from its options.
+``config``: what is measured and the record of the machine; ``op_bench``: one op configuration as a
+``rows.OpRow``, ``op_run`` a whole op-level run, ``timing`` its rounds and peak memory; ``model_bench``,
+``compile_bench`` and ``packed_bench``: a model's training step two ways, four ways, and on packed rows;
+``cp_bench``: one row split across processes; ``kernel_profile``, ``autotune_picks`` and
+``fla_backends``: where time goes, Triton's picks, FLA's optional backends; ``tables``, ``plots`` and
+``merge`` show and combine results; ``runner`` runs the command from its options.
 """

@@ -1,19 +1,9 @@
 """Forgetting Triton's autotune picks between the op bench's shapes, and reading them back.
 
-A Triton autotuner times its configs at the first launch with a new key and
-keeps the winner for the rest of the process. FLA's keys mostly leave out the
-batch size and the sequence length: its reverse state recurrence
-(``chunk_gated_delta_rule_bwd_dhu``, which rewy's backward runs too) is keyed
-on heads, head dims and chunk size only, so a pick made at one shape is kept
-at another where a different config is faster (CHANGELOG.md gives by how
-much). A training run at one shape tunes at that shape, so the bench
-forgets every pick before each shape: each is then timed with what a process
-running only that shape would run.
-
-``picks`` reads back what the autotuners chose, so that a bench row says which
-launch config each kernel ran at that shape (and ``kernel_registers --picks``
-can compile exactly those configs on a machine without a GPU).
-"""
+Many of FLA's autotune keys leave out B and T, so a pick made at one shape would be kept at another
+where a different config is faster; the bench forgets every pick before each shape, so each runs what
+a process training at that shape alone would (docs/bench.md). ``picks`` reads back what the autotuners
+chose, so that a row says which launch config each kernel ran with."""
 
 from __future__ import annotations
 

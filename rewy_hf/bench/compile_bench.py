@@ -1,23 +1,8 @@
-"""`rewy-hf bench --model X --compile`: one training step, four ways, on the same weights.
-
-The sides are unpatched eager, unpatched compiled, patched eager and patched
-compiled (``torch.compile`` with its defaults: inductor, automatic dynamic
-shapes). They run one after the other on the one model instance, each from the
-same weights and optimizer state (restored before every step, outside the
-timing). A compiled side's first step includes tracing and compiling; its
-compile time is that step's wall time less the side's median step. Per side:
-the median step, tokens/s, peak memory, the compile time, dynamo's graph
-breaks and compiled graphs, and one profiled step's GPU time by kernel family
-(the delta-rule core, GEMMs, elementwise and copies, the short convolution,
-attention, the optimizer), so what is left after compiling is visible.
-The unpatched compiled side runs the installed kernels (FLA) with their graph
-breaks, the wrapper's export check held False (installed_kernels.py says why).
-
-Unlike the two-sided bench (model_bench.py), the sides do not alternate step by
-step: every switch between a compiled patched and unpatched model would re-run
-dynamo's guards on the swapped functions, and the four blocks keep each
-compiled graph warm.
-"""
+"""`rewy-hf bench --model X --compile`: one training step four ways (unpatched / patched, eager /
+``torch.compile``) on the same weights and optimizer state, each side in a block of its own: switching
+a compiled model between patched and unpatched every step would rerun dynamo's guards. The unpatched
+compiled side runs the installed kernels (FLA) with their graph breaks (installed_kernels.py says why).
+docs/bench.md lists what each side reports."""
 
 from __future__ import annotations
 
@@ -118,15 +103,10 @@ def compiles_at_lengths(run, opt: torch.optim.Optimizer, model: nn.Module, s: Mo
 def run_compile_bench(model: nn.Module, s: ModelSettings, progress=None, on_side=None, curve_steps: int = 0,
                       lengths: tuple[int, ...] = (), compiler: str = "inductor",
                       sides: tuple[str, ...] = SIDES, causal_masks: bool = False) -> dict:
-    """Per side of ``sides`` (some of SIDES, run in SIDES' order), ``s.warmup`` untimed then ``s.steps``
-    timed training steps; see the module docstring. ``on_side(side, row)`` is called as each side finishes.
-
-    ``curve_steps``: each side then trains that many consecutive steps on fresh corpus batches (CURVE_LR)
-    from the same weights, and its loss curve is compared with the unpatched eager one.
-    ``lengths``: each compiled side then runs one step at each of these sequence lengths and reports how
-    many graphs each one compiled (0: no recompile). ``compiler``: torch.compile's backend. The summary
-    fields relative to a side (speed-ups, curve differences) are there when that side ran; `--from-json`
-    of several runs on the same settings joins their sides (merge.py)."""
+    """Per side of ``sides`` (run in SIDES' order), ``s.warmup`` untimed then ``s.steps`` timed training
+    steps, ``on_side(side, row)`` as each finishes; then ``curve_steps`` steps on fresh corpus batches
+    (CURVE_LR) for its loss curve, and on a compiled side one step at each of ``lengths`` counting the
+    graphs each compiles. ``compiler``: torch.compile's backend."""
     unknown = [x for x in sides if x not in SIDES]
     if unknown or not sides:
         raise ValueError(f"sides {unknown or '(none)'}: choose one or more of {', '.join(SIDES)}")

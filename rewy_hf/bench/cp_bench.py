@@ -1,20 +1,9 @@
-"""`rewy-hf bench --context-parallel`: one packed row split across the processes of a launch.
-
-Launched with N processes (``torchrun --nproc-per-node N -m rewy_hf bench --context-parallel ...``),
-every process builds the same packed row (B = 1, T tokens in ``packed=N`` sequences, as the op
-bench's shapes), FLA's ``cp_context`` for it, and runs its own contiguous slice through rewy's op
-and through FLA's, alternating, on the same inputs. A round runs each side a fixed number of times
-on every process at once (their collectives pair up, so every process must run the same count),
-and its time is the slowest process's; the table gives the median round per side and boundary (B:
-backward only, FB: forward + backward), the tokens per second of the whole row, and the largest
-peak memory of one process.
-
-Each configuration is checked first: each process's output and input gradients on its slice
-against rewy's float32 torch backend on the whole row in one process (at a reduced T where the row
-is long, as the op bench does), the worst relative error over the processes. FLA's context-parallel
-kernels are Triton kernels that need CUDA: on the CPU (gloo) only rewy's side runs, and the table
-says so.
-"""
+"""`rewy-hf bench --context-parallel`: one packed row split across the processes of a launch
+(``torchrun --nproc-per-node N -m rewy_hf bench --context-parallel ...``), rewy's op against FLA's on
+each process's slice with FLA's ``cp_context``. A round runs each side the same number of times on
+every process (their collectives pair up) and takes the slowest process's time; each configuration
+is first checked against rewy's float32 torch backend on the whole row. On the CPU (gloo) only rewy's
+side runs: FLA's context-parallel kernels need CUDA."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
-"""FLA's optional backends, as the bench sees them: which are on, which served a call, and FLA without them.
-
-FLA 0.6.0 routes some of its functions to other implementations when their
-packages are installed (``fla/backends.py``): ``chunk_gated_delta_rule`` to
-FlashQLA (``flash-qla``), GDN's ``chunk_bwd_dqkwg`` and KDA's fused backward to
-TileLang kernels (``tilelang`` and nvcc present), each behind a registry of
-backends that it asks, in priority order, before running its own Triton code.
-So "FLA" on a machine with those packages is not FLA's Triton path. The bench
-times both:
-
-- FLA as installed (its dispatch on), and says which backends served it;
-- FLA's Triton path (``dispatch_off``): every registry empty while the call and
-  its backward run, which is what ``FLA_DISABLE_BACKEND_DISPATCH=1`` gives a
-  process started with it (FLA reads that variable once, at import).
-
-Both reach into FLA's registries (``fla.backends._operation_registries`` and
-``_function_registries``), found by feature detection: an FLA without them has
-no dispatch to turn off, and ``registries()`` is then empty.
-"""
+"""FLA's optional backends, as the bench sees them: which are on, which served a call, and FLA without
+them. FLA 0.6.0 routes some functions to FlashQLA or TileLang when they are installed, through
+registries of backends it asks before its own Triton code (``fla/backends.py``); ``dispatch_off``
+empties every registry while a call runs, which is what ``FLA_DISABLE_BACKEND_DISPATCH=1`` gives a
+process started with it. The registries are found by feature detection: an FLA without them has no
+dispatch to turn off, and ``registries()`` is then empty."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Where one call spends its time, kernel by kernel, from one run under torch.profiler.
-
-A speed-up says which side is faster; this says where each side's time goes:
-the device time of every kernel summed over its launches, with the launch
-count, so two sides can be laid next to each other stage by stage (`rewy-hf
-bench --kernel-profile`). On a GPU the entries are kernels (memsets left out:
-they are the allocator's, not the op's); on the CPU, where the torch backend
-runs as ATen operators, they are the operators' self times, so no time is
-counted twice where one operator calls another. A model-level step's kernels are
-summed by family instead (the delta-rule core, GEMMs, elementwise, the short
-convolution, attention, the optimizer), which says what is left after compiling.
-"""
+"""Where one call spends its time, kernel by kernel, from one run under torch.profiler (`rewy-hf bench
+--kernel-profile`): each kernel's device time summed over its launches, with the launch count (memsets
+left out: they are the allocator's); on the CPU, ATen operators' self times, so that nothing counts
+twice. A model-level step's kernels are summed by family instead (KERNEL_GROUPS)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
-"""Reading `rewy-hf bench --json` files back, one or several.
+"""Several `rewy-hf bench --json` files as one report (``--from-json a.json b.json ...``).
 
-Op-level runs split over several invocations (one per op, or one per GPU of
-a host) are combined into one report: the rows of every file in order, the
-union of their ops. The result is "complete" if every file is, or if the
-rows together cover every (op, policy, shape) any of the runs asked for: a run
-cut short by a time limit is completed by a later run of its missing
-configurations.
-Four-sided model runs (`--model X --compile`) split with `--sides` combine
-the same way: the sides of every file, each at most once, if the files agree
-on the device, the versions and every setting but the sides and the further
-lengths (each compiled side reports the lengths it ran).
-Files from different devices, library versions or timing settings are
-refused, since their rows could not share a table, and so is a configuration
-timed twice, since the report could only silently pick one.
-
-The second gradient checks (BOUND_CHECK for KDA and GDN2, STRONG_CHECK for
-GDN) each concern their ops' rows only. A run from before a check existed held
-the other ops' rows to the same check as a run after it, so the two combine;
-rows of a checked op with and without its second check do not.
-"""
+Op-level runs (one per op, per GPU, or a later run completing one cut short by a time limit) combine
+into their rows in order; the result is complete if every file is, or if the rows together cover every
+configuration any run asked for. Model runs split with ``--sides`` (four-sided or packed) combine into
+their sides, each at most once. Files from different devices, versions or timing settings are refused,
+since their rows could not share a table, and so is a configuration timed twice. The second gradient
+checks concern their ops' rows only: rows of a checked op with and without the check do not combine."""
 
 from __future__ import annotations
 
@@ -44,23 +31,27 @@ class MergeError(ValueError):
     pass
 
 
+def _not_a_report(path: str, what: str, fix: str = "") -> MergeError:
+    return MergeError(f"--from-json {path}{what}; pass the file an earlier run wrote with --json{fix}")
+
+
 def load_run(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
-        raise MergeError(f"--from-json {path}: {exc}; pass the file an earlier run wrote with --json") from None
+        raise _not_a_report(path, f": {exc}") from None
     if not isinstance(data, dict):
-        raise MergeError(f"--from-json {path} holds a JSON {_json_type(data)}, not a `rewy-hf bench --json` report "
-                         "(an object with kind, settings, ...); pass the file an earlier run wrote with --json")
+        raise _not_a_report(path, f" holds a JSON {_json_type(data)}, not a `rewy-hf bench --json` report (an "
+                                  "object with kind, settings, ...)")
     if data.get("kind") not in ("ops", "model", "context_parallel", "packed") or not isinstance(data.get("settings"),
                                                                                                  dict):
         raise MergeError(f"--from-json {path} is not a `rewy-hf bench --json` file")
     code = data.get("exit_code", 1)
     # bool is an int to Python, but no run writes one: true/false there is an edited file
     if not isinstance(code, int) or isinstance(code, bool):
-        raise MergeError(f"--from-json {path}: exit_code is {code!r}, not a whole number (0 passed, 1 a check "
-                         "failed, 2 could not run); pass the file an earlier run wrote with --json, or fix that field")
+        raise _not_a_report(path, f": exit_code is {code!r}, not a whole number (0 passed, 1 a check failed, 2 "
+                                  "could not run)", ", or fix that field")
     if data["kind"] in _ROW_FIELDS and not data.get("error"):
         _check_rows(path, data)
         row_type = OpRow if data["kind"] == "ops" else CPRow
@@ -68,13 +59,12 @@ def load_run(path: str) -> dict:
     return data
 
 
-# What the tables (and combining runs) read of every row of a kind of run that has rows.
+# What the tables (and combining runs) read of every row of a kind of run that has rows, and of its settings.
 _ROW_FIELDS = {
     "ops": ("op", "policy", "B", "T", "H", "K", "V", "check_T", "check_reduced"),
     "context_parallel": ("op", "policy", "shape", "processes", "tokens_per_process", "ms", "peak_mb", "err",
                          "errors", "pass", "check_T"),
 }
-
 _SETTING_FIELDS = {"ops": ("ops", "policies", "boundaries", "shapes")}
 
 
@@ -86,25 +76,17 @@ def _json_type(value) -> str:
 def _check_rows(path: str, data: dict) -> None:
     """MergeError naming ``path`` and what is wrong unless its rows are a list of rows of its kind. An
     empty list passes: a run stopped before its first row may still be completed by a later run."""
-    missing = [key for key in _SETTING_FIELDS.get(data["kind"], ()) if key not in data["settings"]]
-    if missing:
-        raise MergeError(f"--from-json {path}: its settings have no {', '.join(missing)}; pass the file an earlier "
-                         "run wrote with --json")
+    if missing := [key for key in _SETTING_FIELDS.get(data["kind"], ()) if key not in data["settings"]]:
+        raise _not_a_report(path, f": its settings have no {', '.join(missing)}")
     if "rows" not in data:
-        raise MergeError(f"--from-json {path}: this {data['kind']} run has no \"rows\"; pass the file an earlier "
-                         "run wrote with --json")
-    rows = data["rows"]
-    if not isinstance(rows, list):
-        raise MergeError(f"--from-json {path}: \"rows\" is a JSON {_json_type(rows)}, not a list of rows; pass the "
-                         "file an earlier run wrote with --json")
+        raise _not_a_report(path, f": this {data['kind']} run has no \"rows\"")
+    if not isinstance(rows := data["rows"], list):
+        raise _not_a_report(path, f": \"rows\" is a JSON {_json_type(rows)}, not a list of rows")
     for n, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise MergeError(f"--from-json {path}: rows[{n}] is a JSON {_json_type(row)}, not an object; pass the file "
-                             "an earlier run wrote with --json")
-        missing = [key for key in _ROW_FIELDS[data["kind"]] if key not in row]
-        if missing:
-            raise MergeError(f"--from-json {path}: rows[{n}] has no {', '.join(missing)}; pass the file an earlier run "
-                             "wrote with --json, or fix that row")
+            raise _not_a_report(path, f": rows[{n}] is a JSON {_json_type(row)}, not an object")
+        if missing := [key for key in _ROW_FIELDS[data["kind"]] if key not in row]:
+            raise _not_a_report(path, f": rows[{n}] has no {', '.join(missing)}", ", or fix that row")
 
 
 def _refuse_no_rows(paths: list[str], data: dict) -> None:

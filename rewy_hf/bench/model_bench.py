@@ -1,13 +1,6 @@
-"""Model-level `rewy-hf bench --model`: one whole training step, unpatched vs patched.
-
-A step is forward + loss backward + AdamW step + zero_grad. Both sides are the
-same model instance (``patch_model`` / ``unpatch_model`` switch it), fed the
-same batch, and start every step from the same weights and optimizer state
-(restored in place before each step, outside the timing), so neither side's
-optimizer updates drift the other's inputs. The sides alternate step by step
-and swap which goes first every step, so slow drift of the machine (clocks,
-allocator) is shared.
-"""
+"""Model-level `rewy-hf bench --model`: one whole training step (forward, loss backward, AdamW step,
+zero_grad), unpatched against patched on the same model instance, from the same weights and optimizer
+state before every step; the sides alternate and swap which goes first every step."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""Op-level `rewy-hf bench`: one (op, policy, shape) configuration at a time.
-
-CUDA: FLA 0.6.0's op (the baseline) against rewy's op, BF16 q/k/v and write
-strengths (beta, b, w), log-sigmoid gates in float32 (as FLA's layers hand
-them over), l2-normalised keys. CPU: rewy's torch backend against autograd through rewy's
-token-by-token reference recurrence (FLA's kernels need a GPU), float32.
-
-Every configuration is checked before it is timed: the input gradients of the
-baseline and of rewy against a higher-precision reference (CUDA: rewy's torch
-backend, policy full, on the same BF16 values in float32; CPU: the float64
-recurrence), as relative Frobenius errors, worst over the gradients. KDA and
-GDN2 are checked twice: on the log-sigmoid gates they are timed with, and on
-gates near FLA's safe lower bound with ``safe_gate=True`` on both sides, the
-regime where their intra-chunk decay factors span the widest range. GDN is
-checked twice too: on log-sigmoid gates and under strong decay (a log-gate of
-about -10 per token), where its gate gradient is the sum of very unequal terms.
-"""
+"""Op-level `rewy-hf bench`: one (op, policy, shape) configuration at a time: FLA 0.6.0's op (on CPU
+the reference recurrence) against rewy's, each gradient-checked (KDA and GDN2 also on gates near the
+safe lower bound, GDN also under strong decay) before it is timed; docs/bench.md gives the inputs,
+the references and the pass rule."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import inspect
 import math
@@ -114,24 +102,21 @@ def rewy_impl(op: str, backend: str, policy: str, safe_gate: bool = False) -> Im
     return Impl(fn, policy)
 
 
+# Where FLA 0.6.0 has each op: (module, function).
+FLA_OPS = {"delta_rule": ("fla.ops.delta_rule", "chunk_delta_rule"),
+           "gdn": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+           "kda": ("fla.ops.kda", "chunk_kda"), "gdn2": ("fla.ops.gdn2", "chunk_gdn2")}
+
+
 def fla_function(op: str) -> Callable:
-    if op == "delta_rule":
-        from fla.ops.delta_rule import chunk_delta_rule as f
-    elif op == "gdn":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
-    elif op == "kda":
-        from fla.ops.kda import chunk_kda as f
-    else:
-        from fla.ops.gdn2 import chunk_gdn2 as f
-    return f
+    module, name = FLA_OPS[op]
+    return getattr(importlib.import_module(module), name)
 
 
 def load_kernel_modules(ops) -> None:
     """Import FLA's op modules and rewy's Triton kernels for ``ops`` now rather than at their
     first call. An autotuner not yet imported when the bench forgets the picks would keep its
     on-disk result cache on, which can hold a pick made at another shape."""
-    import importlib
-
     for op in ops:
         try:
             fla_function(op)
@@ -147,7 +132,8 @@ def load_kernel_modules(ops) -> None:
         pass
 
 
-def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> Impl:
+def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False, dispatch: bool = True) -> Impl:
+    """FLA's op; ``dispatch`` False: its Triton path (fla_backends.dispatch_off)."""
     f = fla_function(op)
     # FLA 0.6.0 has `disable_recompute` on chunk_kda and chunk_gdn2 only; its GDN
     # and DeltaNet ops always recompute, so that is what "full" times against there.
@@ -158,7 +144,10 @@ def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> 
     if safe_gate:
         kw["safe_gate"] = True
     impl = Impl(lambda *x, **packing: f(*x, **kw, **packing)[0], fla_policy)
-    if guard_lifted(op, gdn_guard) and not gdn_guard_bypassed():
+    if not dispatch:
+        impl.scope = fla_backends.dispatch_off
+    # with the dispatch on, FlashQLA or TileLang may serve the guarded kernel (gdn_guard_bypassed)
+    if guard_lifted(op, gdn_guard) and not (dispatch and gdn_guard_bypassed()):
         impl.trusted = False
         impl.note = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue "
                      "#640), so its gradients are not compared")
@@ -190,12 +179,7 @@ def peer_impl(op: str, name: str, policy: str, gdn_guard: dict) -> Impl | str:
     if name == "fla-triton":
         if not fla_backends.active_backends():
             return "no FLA backend is on here: FLA as installed already is its Triton path"
-        impl = fla_impl(op, policy, gdn_guard)
-        impl.scope = fla_backends.dispatch_off
-        if guard_lifted(op, gdn_guard):              # with the dispatch off nothing bypasses the guard
-            impl.trusted = False
-            impl.note = "timing only: FLA's GDN backward guard was lifted (FLA issue #640)"
-        return impl
+        return fla_impl(op, policy, gdn_guard, dispatch=False)
     if name == "flash-qla":
         if op != "gdn":
             return "FlashQLA has Gated DeltaNet only"
@@ -318,12 +302,10 @@ class ShapeContext:
         self.check_packing = check_shape.packing(s.device)
         self.ref = reference_grads(op, self.check_inputs, self.check_do, s.device, self.check_packing)
         self.bound = self.strong = None
-        if op in BOUND_OPS:
-            inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 2, gates="bound")
-            self.bound = (inputs, do, reference_grads(op, inputs, do, s.device, self.check_packing))
-        if op in STRONG_OPS:
-            inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, s.seed + 3, gates="strong")
-            self.strong = (inputs, do, reference_grads(op, inputs, do, s.device, self.check_packing))
+        for gates, checked, seed in (("bound", BOUND_OPS, s.seed + 2), ("strong", STRONG_OPS, s.seed + 3)):
+            if op in checked:
+                inputs, do = make_inputs(op, check_shape, s.device, s.qkv_dtype, seed, gates=gates)
+                setattr(self, gates, (inputs, do, reference_grads(op, inputs, do, s.device, self.check_packing)))
 
     def timed_inputs(self):
         if self.check_T == self.shape.T:

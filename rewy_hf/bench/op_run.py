@@ -1,10 +1,5 @@
-"""A whole op-level run of `rewy-hf bench`: every (op, shape, policy) configuration in turn.
-
-``describe_run`` builds the run's JSON document before any row (environment,
-baseline, settings and the sentences that say how it times and checks),
-``run_rows`` fills in one row per configuration, and ``conclude`` adds the
-geometric means and the verdict.
-"""
+"""A whole op-level run: ``describe_run`` builds its JSON document before any row, ``run_rows`` adds
+one row per (op, shape, policy), ``conclude`` the geometric means and the verdict."""
 
 from __future__ import annotations
 

@@ -1,29 +1,10 @@
-"""A padding-free packed fine-tuning run, the way Trainer / TRL feed it, on each configuration.
-
-Every step takes one row of ``seq_len`` tokens packed from documents whose
-lengths follow a long-tailed (log-normal) distribution, the last one cut at
-the row's end, with a new packing each step: ``position_ids`` restart at each
-document and the first label of each document is -100, as
-``DataCollatorWithFlattening`` builds them. The sides run one after the other
-on one model instance (patched and unpatched by ``patch_model`` /
-``unpatch_model``), each from the same weights and optimizer state and on the
-same sequence of packings:
-
-- unpatched eager, patched eager, patched compiled, unpatched compiled;
-- where Liger-Kernel is installed and has a patch for the model, the same with
-  its kernels (RMSNorm, SwiGLU, fused linear cross-entropy). Liger patches the
-  model's classes for the rest of the process, so those sides come last.
-
-Per side: every step's wall time (median, p90, max, and the slowest step after
-the third against the median: a tuning stall shows there), tokens/s, peak
-memory, compiled graphs and graph breaks, and one profiled step's GPU time by
-kernel family. The unpatched sides run transformers' layers as they are, whose
-delta-rule cores and short convolutions run across document bounds (their
-loss is not the packed documents' loss); the check before the timing measures
-how far, against the documents run one by one.
-
-Run through ``rewy-hf bench --model qwen3.5-gva-1b-248k --packed`` (cli/bench.py).
-"""
+"""`rewy-hf bench --model X --packed`: padding-free packed fine-tuning as Trainer / TRL feed it. Each
+step takes one row packed from documents of log-normal lengths, a new packing each step, with
+``position_ids`` and labels as ``DataCollatorWithFlattening`` builds them. The sides (unpatched /
+patched, eager / compiled, and with Liger-Kernel where it is installed: Liger patches the model's
+classes for the rest of the process, so its sides come last) run one after the other from the same
+weights on the same packings. The unpatched sides run transformers' layers as they are, across
+document bounds; the documents check before the timing measures how far that is off."""
 
 from __future__ import annotations
 
@@ -85,13 +66,10 @@ def _grads_rel_err(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) 
 
 
 def documents_check(model: nn.Module, device, backend: str = "auto", seed: int = 123) -> dict:
-    """The unpatched and the patched model (in their own dtype) on one packed row and on its
-    documents run one by one, each against the patched model in float32 on the documents one by one.
-
-    The documents-alone figure is the model's own rounding at that dtype; a packed row that keeps
-    its documents apart comes out near it, one that leaks does not. The float32 reference is the
-    patched model because rewy's cores are checked against float64 (``rewy-hf verify``), and FLA's
-    GDN backward is not trusted on Hopper with Triton < 3.7.1."""
+    """The unpatched and the patched model (in their own dtype) on one packed row and on its documents
+    run one by one, each against the patched model in float32 on the documents one by one (rewy's cores
+    are checked against float64 by `rewy-hf verify`; FLA's GDN backward is not trusted everywhere). The
+    documents-alone figure is the model's own rounding; a row that keeps its documents apart comes near it."""
     import copy
 
     from ..parity.packed import Readout, backward_through, documents_alone, packed_row, trainable_grads

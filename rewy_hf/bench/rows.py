@@ -1,14 +1,6 @@
-"""An op-level bench row as named fields, and its JSON form.
-
-A row is one (op, policy, shape) configuration: its gradient checks (``Check``:
-the main one, and for some ops a second one under other gates), each side's
-figures (``Timing``: the baseline, rewy, and the peers of ``--peers``) and the
-speed-ups. On disk (``--json``, the files under docs/bench/) a row is one flat
-object whose keys name the check, side and boundary (``bound_err_rewy``,
-``baseline_B_ms``, ``rewy_kernels_FB``, ...); ``to_json`` and ``from_json`` are
-the only places that spell them, so files written by earlier versions keep
-loading.
-"""
+"""An op-level bench row as named fields, and its JSON form: one flat object per row whose keys name
+the check, side and boundary (``bound_err_rewy``, ``baseline_B_ms``, ``rewy_kernels_FB``, ...).
+``to_json`` and ``from_json`` are the only places that spell them, so earlier files keep loading."""
 
 from __future__ import annotations
 
