@@ -99,13 +99,14 @@ class Peer:
 
     @classmethod
     def from_json(cls, d: dict) -> "Peer":
-        return cls(**{k: d[k] for k in ("skipped", "policy", "timing_only", "note", "served_by", "err",
-                                        "err_per_grad") if k in d},
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name not in ("timing", "speedup") and f.name in d},
                    timing=Timing.from_json(d, ""), speedup=_speedups(d))
 
 
 # The second checks some ops get, by their key prefix: gates near the safe lower bound, strong decay.
 SECOND_CHECKS = ("bound", "strong")
+# OpRow's fields that are not one JSON key of their own.
+_NESTED = ("shape", "check", *SECOND_CHECKS, "baseline", "rewy", "speedup", "peers")
 
 
 @dataclass
@@ -156,9 +157,7 @@ class OpRow:
     @classmethod
     def from_json(cls, d: dict) -> "OpRow":
         shape = Shape(d["B"], d["T"], d["H"], d["K"], d["V"], d.get("N", 0))
-        row = cls(**{k: d[k] for k in ("op", "policy", "check_T", "check_reduced", "ok", "baseline_policy",
-                                       "baseline_timing_only", "baseline_note", "baseline_hint",
-                                       "kernel_profile_errors", "autotune_picks", "seconds", "source") if k in d},
+        row = cls(**{f.name: d[f.name] for f in fields(cls) if f.name not in _NESTED and f.name in d},
                   shape=shape, baseline=Timing.from_json(d, "baseline_"), rewy=Timing.from_json(d, "rewy_"),
                   speedup=_speedups(d))
         row.check = Check.from_json(d) if "check_rule" in d or "err_rewy" in d else None
