@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from .compile_bench import SIDES, dynamo_counts, fresh_counts
 from .kernel_profile import gpu_time_by_group
+from .triton_builds import built_and_tuned
 from .model_bench import Snapshot, optimizer_for, step_summary, train_step
 
 LIGER_SIDES = ("unpatched eager + liger", "patched eager + liger", "patched compiled + liger")
@@ -151,7 +152,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
             patch_model(model, backend=backend, policy=policy)
         run = compiled if is_compiled else model
         fresh_counts(compile_from_scratch=True)
-        ms, warm_ms, losses = [], [], []
+        ms, warm_ms, losses, builds = [], [], [], []
         sync()
         if cuda:
             before = torch.cuda.memory_allocated()
@@ -160,13 +161,20 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
         def so_far() -> dict:
             return {**side_summary(ms, tokens), "warmup_step_ms": list(warm_ms),
                     "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None,
-                    "loss": list(losses), "dispatch": dispatch_report()}
+                    "loss": list(losses), "dispatch": dispatch_report(),
+                    **({"triton_builds_per_step": list(builds)} if cuda else {})}
 
+        held = built_and_tuned() if cuda else None
         for i, batch in enumerate([batches[0]] * warmup + batches):
             t0 = time.perf_counter()
             losses.append(train_step(run, opt, batch))
             sync()
             (ms if i >= warmup else warm_ms).append((time.perf_counter() - t0) * 1e3)
+            if cuda:                        # kernels compiled + picks tuned during the timed step
+                now = built_and_tuned()
+                if i >= warmup:
+                    builds.append(sum(now) - sum(held))
+                held = now
             step(side)
             if on_partial is not None and ms:
                 on_partial(side, so_far() | {"stopped_after_steps": len(ms)})

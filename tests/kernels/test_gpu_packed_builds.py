@@ -4,31 +4,17 @@ that call, so a long packed run never stops at a step for Triton."""
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from triton.runtime.autotuner import Autotuner
-from triton.runtime.jit import JITFunction
-
 import rewy_hf
+from rewy_hf.bench.triton_builds import built_and_tuned
 
 pytestmark = pytest.mark.gpu
 
 T, H, K, V = 4096, 4, 128, 128      # 4 heads: one document walks narrow, nine fill half the SMs
-
-
-def _built_and_tuned() -> tuple[int, int]:
-    """Compiled kernels over every jit function, tuned picks over every autotuner, in the process."""
-    built = tuned = 0
-    for o in gc.get_objects():
-        if isinstance(o, JITFunction):
-            built += sum(len(caches[0]) for caches in o.device_caches.values())
-        elif isinstance(o, Autotuner):
-            tuned += len(o.cache)
-    return built, tuned
 
 
 def _step(op, bounds, seed):
@@ -57,7 +43,7 @@ def test_no_packing_builds_or_tunes_after_the_first_packed_call(op):
     rng = random.Random(3)
     _step(op, _bounds([700, 1100, 45, 900, 1000, 351]), seed=0)
     torch.cuda.synchronize()
-    before = _built_and_tuned()
+    before = built_and_tuned()
     tail = []
     while sum(tail) < T:
         tail.append(min(T - sum(tail), int(rng.paretovariate(1.2) * 60)))
@@ -65,4 +51,4 @@ def test_no_packing_builds_or_tunes_after_the_first_packed_call(op):
                                  [2048, 2048], [5, T - 5]]):
         _step(op, _bounds(lengths), seed=i + 1)
     torch.cuda.synchronize()
-    assert _built_and_tuned() == before
+    assert built_and_tuned() == before
