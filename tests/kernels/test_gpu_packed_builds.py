@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
 import rewy_hf
 from rewy_hf.bench.triton_builds import built_and_tuned
 
