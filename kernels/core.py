@@ -49,6 +49,7 @@ tensor's values.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import replace
 from typing import Callable, Protocol
 
@@ -142,16 +143,17 @@ def _restored(kept: tuple, settings: tuple, backend: str, saved: list) -> CoreAr
     return a
 
 
-def delta_rule(a: CoreArgs, backend: str) -> tuple[Tensor, Tensor]:
-    """(o [B, T, HV, V] in v's dtype, the final state [N, HV, K, V] float32 in the caller's layout).
-    The final state is always returned; a caller that did not ask for it drops it, and its
-    gradient is then absent."""
+def delta_rule(a: CoreArgs, backend: str, final_state: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(o [B, T, HV, V] in v's dtype, the final state [N, HV, K, V] float32 in the caller's layout,
+    or None where ``final_state`` is False; its gradient is then absent)."""
     if a.family not in FAMILIES:
         raise ValueError(f"unknown delta-rule family {a.family!r}; expected one of {FAMILIES}")
     if torch.compiler.is_compiling():
         out = torch.ops.rewy.delta_rule(*a.tensors(), *a.settings(), backend)
-        return out[0], out[1]
-    return CoreFunction.apply(*a.tensors(), a.settings(), backend)
+        # The op returns the state flat (_forward_fake says why); shaped only where the caller takes it.
+        return out[0], out[1].view(a.state_shape()) if final_state else None
+    o, ht = CoreFunction.apply(*a.tensors(), a.settings(), backend)
+    return o, ht if final_state else None
 
 
 # The inputs the eager path keeps as dense copies where they are views into a larger buffer (_compact).
@@ -230,7 +232,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor,
     _check_values(a)
     o, ht, saved = _backend(backend).forward(a)
     _announce_forward(a, backend)
-    return [_own(x) for x in (o, ht, *saved)]
+    return [_own(x) for x in (o, ht.reshape(-1), *saved)]
 
 
 @_forward_op.register_fake
@@ -241,7 +243,10 @@ def _forward_fake(q, k, v, g, beta, w, h0, cu_seqlens, scale, family, policy, st
     ctx = torch.library.get_ctx()
     state_dtype = torch.float64 if backend == "torch" and q.dtype == torch.float64 else torch.float32
     o = v.new_empty(v.shape)
-    ht = q.new_empty(a.state_shape(), dtype=state_dtype)
+    # The final state flat, N x HV x K x V values: shaped [N, HV, K, V], its size N of a packed call
+    # (symbolic in a compiled graph) would be guarded against 1 when the trace checks contiguity, and the
+    # first step whose row held one document compiled the graph again.
+    ht = q.new_empty(math.prod(a.state_shape()), dtype=state_dtype)
     return [o, ht, *_backend(backend).saved_like(a, ctx.new_dynamic_size)]
 
 
@@ -252,6 +257,8 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor
                  scale: float, family: str, policy: str, state_v_first: bool, qk_l2norm: bool, safe_gate: bool,
                  report_as: str, why: str, backend: str) -> list[Tensor]:
     a, backend = _record(locals())
+    # dht comes flat, as the forward op returns the state; shaped here, outside the trace (_forward_fake)
+    dht = None if dht is None else dht.view(a.state_shape())
     grads = _backend(backend).backward(a, list(saved), do, dht)
     _announce_backward(a, backend)
     return [_own(x) for x in grads if x is not None]

@@ -210,8 +210,7 @@ def _run_op(spec: OpSpec, q, k, v, tensors: dict, given: dict, *, scale, initial
         from .kernels.context_parallel import cp_delta_rule
 
         return cp_delta_rule(a, chosen, cp_call), None
-    o, ht = delta_rule(a, chosen)
-    return o, (ht if output_final_state else None)
+    return delta_rule(a, chosen, final_state=output_final_state)
 
 
 def _state_layout(state_v_first: bool, options: dict) -> bool:

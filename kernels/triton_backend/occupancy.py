@@ -26,6 +26,11 @@ def fills_half(sequences: int, value_heads: int, V: int, sms: int) -> bool:
     return 2 * sequences * value_heads * triton.cdiv(V, 64) >= sms
 
 
+def fewest_filling_half(value_heads: int, V: int, sms: int) -> int:
+    """The fewest sequences for which ``fills_half`` holds."""
+    return -(-sms // (2 * value_heads * triton.cdiv(V, 64)))
+
+
 def launch_fills_half(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
     """``fills_half`` for v [B, T, HV, V] on its GPU, N counted from ``cu_seqlens`` when packed.
     Decided from shapes alone: reading the packed lengths would cost a device sync."""

@@ -41,7 +41,7 @@ import triton
 from ..constants import CHUNK
 from . import state_launch
 from .chunks import host_bounds
-from .occupancy import fills_half, launch_fills_half, sm_count
+from .occupancy import fewest_filling_half, fills_half, launch_fills_half, sm_count
 
 # Segments of at least MIN_CHUNKS chunks, about PROGRAMS_PER_SM programs per SM in all. Both measured on
 # the H200: where the rebuild gained, 32 chunks per segment was the fastest or close to it at every shape,
@@ -120,14 +120,16 @@ def plan(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Segments | None:
     return None if L is None else _segments(bounds, L, v.device)
 
 
-def packed_count(chunks, sequences: int, value_heads: int, V: int, sms: int):
-    """At most how many checkpoints ``plan`` keeps for ``sequences`` packed sequences of at most
-    ``chunks`` chunks in all: 0 where the launch fills half the SMs (decided by the shapes), else
-    one per MIN_CHUNKS chunks (segments are never shorter) plus one per sequence (its last,
-    partial segment)."""
-    if fills_half(sequences, value_heads, V, sms):
-        return 0
-    return -(-chunks // MIN_CHUNKS) + sequences
+def packed_count(chunks, sequences, value_heads: int, V: int, sms: int):
+    """Slots for the checkpoints ``plan`` keeps for ``sequences`` packed sequences of at most
+    ``chunks`` chunks in all: where the launch fills half the SMs it keeps none, else at most one
+    per MIN_CHUNKS chunks (segments are never shorter) plus one per sequence (its last, partial
+    segment); one slot more either way. In a compiled graph the number of sequences is symbolic:
+    written without a branch on it and never 0, the count leaves the trace no guard on it (a branch,
+    or a size of 0 when the trace's row filled the GPU, would have the first row of fewer sequences
+    than ``fewest_filling_half``, one long document say, compile the graph again)."""
+    few = torch.sym_min(1, torch.sym_max(0, fewest_filling_half(value_heads, V, sms) - sequences))
+    return 1 + (-(-chunks // MIN_CHUNKS) + sequences) * few
 
 
 def kept(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments | None, size: int):

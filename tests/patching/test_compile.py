@@ -271,6 +271,40 @@ def test_triton_fake_implementation_of_packed_calls_has_no_run_time_sizes(family
     assert not [tuple(x.shape) for x in outputs if free_unbacked_symbols(x.shape)]
 
 
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+@pytest.mark.parametrize("value_heads", [4, 16, 32])
+def test_triton_fake_implementation_of_packed_calls_guards_on_no_sequence_count(family, policy, value_heads):
+    """Traced with four packed sequences, every guard the Triton backend's fake implementation leaves
+    holds at any number of sequences (and any T of more than one chunk): the checkpoint slots are
+    counted without a branch on the count (at 16 value heads, 3 or more sequences fill half an
+    H200's SMs and fewer keep checkpoints) and the final state is returned flat, so that no size is
+    N alone. Either had the first row of one document compile a training graph again."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    T, H, D = 4096, 16, 128
+    gate = (1, T, value_heads) if family == "gdn" else (1, T, value_heads, D)
+
+    def core(q, k, v, g, beta, cu):
+        return torch.ops.rewy.delta_rule(q, k, v, g, beta, None, None, cu, D ** -0.5, family, policy, False, True,
+                                         False, "", "", "triton")
+
+    inputs = [torch.empty(1, T, H, D, dtype=torch.bfloat16), torch.empty(1, T, H, D, dtype=torch.bfloat16),
+              torch.empty(1, T, value_heads, D, dtype=torch.bfloat16), torch.empty(gate),
+              torch.empty(1, T, value_heads, dtype=torch.bfloat16), torch.tensor([0, 1000, 1000, 3000, T])]
+    graph = make_fx(core, tracing_mode="symbolic")(*inputs)
+    placeholders = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
+    length, bounds = placeholders[0].shape[1].node.expr, placeholders[-1].shape[0].node.expr
+    env = placeholders[0].fake_mode.shape_env
+    values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+    others = {s: v for s, v in values.items() if s not in (length, bounds)}
+    for T_run in (65, 4096, 8192):
+        for sequences in (1, 2, 3, 4, 9, 40, T_run // 2):
+            at = {**others, length: T_run, bounds: sequences + 1}
+            failed = [g.expr for g in env.guards if not g.expr.xreplace(at)]
+            assert not failed, f"T = {T_run}, {sequences} sequences: {failed}"
+
+
 # ---------------------------------------------------------------------------
 # 4. Packed sequences: one dynamic graph for different bounds
 # ---------------------------------------------------------------------------

@@ -218,8 +218,8 @@ def _row(lens, vocab: int, flash_kwargs: bool, seed: int) -> dict:
 @pytest.mark.parametrize("family,flash_kwargs,most_frames", [
     ("qwen3_5", False, 1), ("qwen3_5", True, 2), ("kimi_linear", False, None)])
 def test_compiled_packings_do_not_recompile(family, flash_kwargs, most_frames):
-    """Six packings of 2-5 documents in 160 tokens: the frames compiled by the third step are all
-    there are; with bounds from position_ids the one graph break is at the model's entry (the
+    """Eight packings of 1-5 documents in 160 tokens: the frames compiled by the third step are all
+    there are, a row of one document among the later ones; with bounds from position_ids the one graph break is at the model's entry (the
     bounds are read there), never in a delta-rule layer; compiled gradients are the eager ones."""
     import torch._dynamo.utils as dynamo_utils
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -236,7 +236,10 @@ def test_compiled_packings_do_not_recompile(family, flash_kwargs, most_frames):
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
     frames = []
-    for step, lens in enumerate(_packings(6, 160)):
+    # a row of one document, and one whose first document is a single token, among them
+    packings = list(_packings(6, 160))
+    packings[3:3] = [[160], [1, 159]]
+    for step, lens in enumerate(packings):
         batch = _row(lens, hf.VOCAB, flash_kwargs, seed=step)
         for m in (compiled, eager):
             m.zero_grad(set_to_none=True) if hasattr(m, "zero_grad") else None
