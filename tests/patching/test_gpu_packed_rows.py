@@ -87,7 +87,9 @@ def test_compiled_packings_do_not_recompile_on_the_gpu():
     patch_model(model, backend="triton")
     compiled = torch.compile(model)
     graphs = []
-    for step, lens in enumerate(_packings(6, 1024)):
+    packings = list(_packings(6, 1024))
+    packings[3:3] = [[1024], [1, 1023]]          # one document; a first document of one token
+    for step, lens in enumerate(packings):
         batch = {k: v.cuda() for k, v in _row(lens, hf.VOCAB, False, seed=step).items()}
         compiled(**batch).logits.float().square().mean().backward()
         graphs.append(int(dynamo_utils.counters["stats"]["unique_graphs"]))
