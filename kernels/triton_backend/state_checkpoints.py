@@ -135,7 +135,7 @@ def packed_count(chunks, sequences, value_heads: int, V: int, sms: int):
 def kept(h: torch.Tensor, h0: torch.Tensor | None, segments: Segments | None, size: int):
     """What the forward saves: ``save``'s checkpoints flattened to one dimension (empty without
     segments), ``size`` values long (rows: ``dense_count``'s exact count; packed calls:
-    ``packed_count``'s bound, the values past the checkpoints zero and not read). Flat, their one
+    ``packed_count``'s slots, the values past the checkpoints zero and not read). Flat, their one
     size is a multiple of HV x K x V, never 0 or 1 at any length, so a compiled graph does not
     specialise on it."""
     # Values past the checkpoints are zeros, not left unwritten: they are an output of the custom op,
