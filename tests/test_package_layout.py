@@ -169,14 +169,18 @@ def test_verify_does_not_depend_on_the_bench_engine(modules):
         assert not {m for m in reachable(graph, start) if m.startswith("rewy_hf.bench")}, start
 
 
-def test_the_checks_find_a_planted_cycle_and_private_import(tmp_path):
+def _planted(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package ``pkg`` under ``tmp_path`` holding ``files`` (path inside it -> text)."""
     pkg = tmp_path / "pkg"
-    (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from .sub import b\n")
-    (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import _helper\n")
-    (pkg / "c.py").write_text("import pkg.a\n")
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
+
+
+def test_the_checks_find_a_planted_cycle_and_private_import(tmp_path):
+    pkg = _planted(tmp_path, {"__init__.py": "", "a.py": "from .sub import b\n", "sub/__init__.py": "",
+                              "sub/b.py": "def f():\n    from ..a import _helper\n", "c.py": "import pkg.a\n"})
     modules = walk_modules({"pkg": pkg})
     assert set(modules) == {"pkg", "pkg.a", "pkg.sub", "pkg.sub.b", "pkg.c"}
     assert cycles(import_graph(modules)) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
@@ -246,13 +250,8 @@ def test_modules_map_to_their_layers(module, layer):
 
 
 def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
-    pkg = tmp_path / "pkg"
-    (pkg / "low").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "errors.py").write_text("")
-    (pkg / "low" / "__init__.py").write_text("")
-    (pkg / "low" / "a.py").write_text("from . import b\n")
-    (pkg / "low" / "b.py").write_text("def f():\n    from ..errors import E\n")
+    pkg = _planted(tmp_path, {"__init__.py": "", "errors.py": "", "low/__init__.py": "",
+                              "low/a.py": "from . import b\n", "low/b.py": "def f():\n    from ..errors import E\n"})
     (found,) = upward_imports(walk_modules({"pkg": pkg}), ("pkg.low", "pkg"))
     assert found.endswith("pkg.low.b (pkg.low) imports pkg.errors.E (pkg)")
 
@@ -341,14 +340,12 @@ def test_each_vocabulary_list_is_defined_once(modules):
 
 
 def test_the_vocabulary_check_finds_a_planted_second_definition(tmp_path):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("__all__ = ['chunk_delta_rule', 'chunk_gated_delta_rule', 'chunk_kda', "
-                                     "'chunk_gdn2']\n")
-    (pkg / "a.py").write_text("MODES = ('full', 'recompute')\nOK = ('full', 'recompute', 'both')\n"
-                              "def f():\n    choices: frozenset = frozenset({'triton', 'auto', 'torch'})\n")
-    (pkg / "b.py").write_text("NAMES = {'delta_rule': 'x', 'gdn': 'y', 'kda': 'z', 'gdn2': 'w'}\n"
-                              "FUNCTIONS = {'delta_rule': f, 'gdn': f, 'kda': f, 'gdn2': f}\n")
+    pkg = _planted(tmp_path, {
+        "__init__.py": "__all__ = ['chunk_delta_rule', 'chunk_gated_delta_rule', 'chunk_kda', 'chunk_gdn2']\n",
+        "a.py": "MODES = ('full', 'recompute')\nOK = ('full', 'recompute', 'both')\n"
+                "def f():\n    choices: frozenset = frozenset({'triton', 'auto', 'torch'})\n",
+        "b.py": "NAMES = {'delta_rule': 'x', 'gdn': 'y', 'kda': 'z', 'gdn2': 'w'}\n"
+                "FUNCTIONS = {'delta_rule': f, 'gdn': f, 'kda': f, 'gdn2': f}\n"})
     found = vocabulary_spelled_out(walk_modules({"pkg": pkg}), "pkg.vocabulary")
     assert [f.rpartition(": ")[2].split(" [")[0] for f in found] == [
         "pkg.a spells out POLICIES", "pkg.a spells out BACKENDS", "pkg.b spells out FAMILIES"], found
