@@ -244,15 +244,10 @@ def test_triton_fake_implementation_guards_on_no_length(family, policy, batch, v
     assert any(n.target is torch.ops.rewy.delta_rule.default for n in graph.graph.nodes)
 
 
-@pytest.mark.parametrize("family", ["gdn", "kda"])
-@pytest.mark.parametrize("policy", ["recompute", "full"])
-@pytest.mark.parametrize("value_heads", [16, 32])
-def test_triton_fake_implementation_of_packed_calls_has_no_run_time_sizes(family, policy, value_heads):
-    """Packed calls on the Triton backend: the saved tensors are sized by bounds of the shapes (T
-    and the number of sequences), so the trace has no unbacked size, which torch < 2.13 cannot
-    trace through a custom op (the call would break the graph)."""
+def _traced_packed_core(family, policy, value_heads):
+    """The Triton backend's forward op traced symbolically (its fake implementation; the kernels need
+    a GPU) on a packed row of 4,096 tokens in four sequences, one of them empty."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     T, H, D = 4096, 16, 128
     gate = (1, T, value_heads) if family == "gdn" else (1, T, value_heads, D)
@@ -264,7 +259,19 @@ def test_triton_fake_implementation_of_packed_calls_has_no_run_time_sizes(family
     inputs = [torch.empty(1, T, H, D, dtype=torch.bfloat16), torch.empty(1, T, H, D, dtype=torch.bfloat16),
               torch.empty(1, T, value_heads, D, dtype=torch.bfloat16), torch.empty(gate),
               torch.empty(1, T, value_heads, dtype=torch.bfloat16), torch.tensor([0, 1000, 1000, 3000, T])]
-    graph = make_fx(core, tracing_mode="symbolic")(*inputs)
+    return make_fx(core, tracing_mode="symbolic")(*inputs)
+
+
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+@pytest.mark.parametrize("policy", ["recompute", "full"])
+@pytest.mark.parametrize("value_heads", [16, 32])
+def test_triton_fake_implementation_of_packed_calls_has_no_run_time_sizes(family, policy, value_heads):
+    """Packed calls on the Triton backend: the saved tensors are sized by bounds of the shapes (T
+    and the number of sequences), so the trace has no unbacked size, which torch < 2.13 cannot
+    trace through a custom op (the call would break the graph)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    graph = _traced_packed_core(family, policy, value_heads)
     node = next(n for n in graph.graph.nodes if n.target is torch.ops.rewy.delta_rule.default)
     outputs = node.meta["val"]
     assert len(outputs) > 2
@@ -280,19 +287,7 @@ def test_triton_fake_implementation_of_packed_calls_guards_on_no_sequence_count(
     counted without a branch on the count (at 16 value heads, 3 or more sequences fill half an
     H200's SMs and fewer keep checkpoints) and the final state is returned flat, so that no size is
     N alone. Either had the first row of one document compile a training graph again."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    T, H, D = 4096, 16, 128
-    gate = (1, T, value_heads) if family == "gdn" else (1, T, value_heads, D)
-
-    def core(q, k, v, g, beta, cu):
-        return torch.ops.rewy.delta_rule(q, k, v, g, beta, None, None, cu, D ** -0.5, family, policy, False, True,
-                                         False, "", "", "triton")
-
-    inputs = [torch.empty(1, T, H, D, dtype=torch.bfloat16), torch.empty(1, T, H, D, dtype=torch.bfloat16),
-              torch.empty(1, T, value_heads, D, dtype=torch.bfloat16), torch.empty(gate),
-              torch.empty(1, T, value_heads, dtype=torch.bfloat16), torch.tensor([0, 1000, 1000, 3000, T])]
-    graph = make_fx(core, tracing_mode="symbolic")(*inputs)
+    graph = _traced_packed_core(family, policy, value_heads)
     placeholders = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
     length, bounds = placeholders[0].shape[1].node.expr, placeholders[-1].shape[0].node.expr
     env = placeholders[0].fake_mode.shape_env
