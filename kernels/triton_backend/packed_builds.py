@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -92,7 +93,7 @@ def representatives(T: int, value_heads: int, V: int, sms: int) -> tuple[tuple[i
     found, covered = [], set()
     for n in range(1, T + 1):
         for lengths in _patterns(T, n):
-            bounds = tuple([0] + [sum(lengths[:i + 1]) for i in range(n)])
+            bounds = tuple(accumulate(lengths, initial=0))
             new = builds(bounds, value_heads, V, sms) - covered
             if new:
                 found.append(bounds)
