@@ -232,7 +232,8 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor,
     _check_values(a)
     o, ht, saved = _backend(backend).forward(a)
     _announce_forward(a, backend)
-    return [_own(x) for x in (o, ht.reshape(-1), *saved)]
+    # Flattened after _own: a view over the whole of a buffer no other output shares, not a copy of it.
+    return [_own(o), _own(ht).view(-1), *(_own(x) for x in saved)]
 
 
 @_forward_op.register_fake
