@@ -219,8 +219,9 @@ def _row(lens, vocab: int, flash_kwargs: bool, seed: int) -> dict:
     ("qwen3_5", False, 1), ("qwen3_5", True, 2), ("kimi_linear", False, None)])
 def test_compiled_packings_do_not_recompile(family, flash_kwargs, most_frames):
     """Eight packings of 1-5 documents in 160 tokens: the frames compiled by the third step are all
-    there are, a row of one document among the later ones; with bounds from position_ids the one graph break is at the model's entry (the
-    bounds are read there), never in a delta-rule layer; compiled gradients are the eager ones."""
+    there are, a row of one document among the later ones; with bounds from position_ids the one
+    graph break is at the model's entry (the bounds are read there), never in a delta-rule layer;
+    compiled gradients are the eager ones."""
     import torch._dynamo.utils as dynamo_utils
     from torch._dynamo.testing import CompileCounterWithBackend
 
