@@ -143,9 +143,11 @@ def merge_runs(paths: list[str]) -> dict:
 
 
 def _refuse_other_setup(first_path: str, first: dict, path: str, run: dict, what: str) -> None:
-    """MergeError unless both runs ran and come from one device and one set of versions."""
-    if run.get("error") or first.get("error"):
-        raise MergeError(f"--from-json: a run that could not run has no {what} to combine ({path})")
+    """MergeError unless both runs ran and come from one device and one set of versions. A model run
+    that failed after finishing some sides (a later side's error) still holds those sides."""
+    for p, r in ((first_path, first), (path, run)):
+        if r.get("error") and not (what == "sides" and r.get("sides")):
+            raise MergeError(f"--from-json: a run that could not run has no {what} to combine ({p})")
     for key in ("device_name", "versions"):
         if run.get(key) != first.get(key):
             raise MergeError(f"--from-json: {path} has a different {key} than {first_path}: "
@@ -171,11 +173,13 @@ def _merge_sides(paths: list[str], runs: list[dict], order: tuple[str, ...], may
                 raise MergeError(f"--from-json: the {side} side is in both {seen[side]} and {path}; pass only one "
                                  "run of each side")
             seen[side] = path
+    first = {k: v for k, v in first.items() if k != "error"}    # each run's error is one of the problems
     return {**first, "sides": {side: next(run["sides"][side] for run in runs if side in run.get("sides", {}))
                                for side in order if side in seen},
             "sources": {path: list(run.get("sides", {})) for path, run in zip(paths, runs)},
             "complete": all(run.get("complete", False) for run in runs),
-            "problems": [p for run in runs for p in run.get("problems", [])],
+            "problems": [p for run in runs for p in run.get("problems", [])]
+            + [f"{path}: {run['error']}" for path, run in zip(paths, runs) if run.get("error")],
             "ok": all(run.get("ok", False) for run in runs),
             "exit_code": max(int(run.get("exit_code", 1)) for run in runs)}
 

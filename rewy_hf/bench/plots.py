@@ -205,6 +205,8 @@ def plot_packed(data: dict, path: str, title: str) -> None:
     left.set_xlabel("step (a new packing each step)")
     left.set_ylabel("step ms (log scale)")
     left.set_yscale("log")
+    left.yaxis.set_major_formatter(lambda y, _: f"{y:g}")
+    left.yaxis.set_minor_formatter(lambda y, _: f"{y:g}")
     left.legend(fontsize=7)
     left.set_title(title, fontsize=9)
     names = list(sides)
@@ -213,6 +215,8 @@ def plot_packed(data: dict, path: str, title: str) -> None:
         if sides[n]["peak_mb"] is not None:
             right.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {sides[n]['peak_mb'] / 1024:.1f} GiB",
                        va="center", fontsize=7)
+    right.set_xlim(0, 1.2 * max(sides[n]["tokens_per_s"] for n in names))     # room for the memory labels
+    right.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k")     # 35000 would run into its neighbours
     right.set_xlabel("tokens/s (median step); label: peak memory")
     right.invert_yaxis()
     right.tick_params(axis="y", labelsize=7)

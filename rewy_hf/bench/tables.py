@@ -445,9 +445,14 @@ def _body(data: dict, markdown: bool) -> str:
 
 def report_text(data: dict) -> str:
     """What --from-json prints of a run."""
-    if data.get("error"):
+    if data.get("error") and not data.get("sides"):
         return f"that run could not run: {data['error']}"
-    return _body(data, False) + ("\n" if data["kind"] == "ops" else "")
+    text = _body(data, False) + ("\n" if data["kind"] == "ops" else "")
+    if data.get("error"):
+        text += f"\nthe run stopped after the sides above: {data['error']}"
+    if isinstance(data.get("sources"), dict):      # joined model runs: what went wrong in any of them
+        text += "".join(f"\nproblem: {p}" for p in data.get("problems", []))
+    return text
 
 
 def markdown_text(data: dict) -> str:

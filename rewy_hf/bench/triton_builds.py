@@ -17,8 +17,11 @@ def built_and_tuned() -> tuple[int, int]:
 
     built = tuned = 0
     for o in gc.get_objects():
-        if isinstance(o, JITFunction):
+        # type(), not isinstance(): isinstance reads __class__ through a weak proxy, and a proxy
+        # whose referent died (compiled graphs leave some) raises ReferenceError.
+        kind = type(o)
+        if issubclass(kind, JITFunction):
             built += sum(len(caches[0]) for caches in o.device_caches.values())
-        elif isinstance(o, Autotuner):
+        elif issubclass(kind, Autotuner):
             tuned += len(o.cache)
     return built, tuned

@@ -106,6 +106,32 @@ def test_a_side_stopped_part_way_keeps_the_steps_it_timed(tmp_path, capsys, monk
     assert code == 1 and "did not finish" in out
 
 
+def test_a_run_that_fails_in_a_later_side_keeps_and_joins_the_sides_it_finished(unpatched_run, tmp_path, capsys,
+                                                                                 monkeypatch):
+    path, real, calls = tmp_path / "failed.json", packed_bench.train_step, []
+
+    def fails_in_the_second_side(*args, **kwargs):
+        calls.append(1)
+        # the first side: the step that makes AdamW's state, one warm-up step, three timed steps
+        if len(calls) > 5:
+            raise RuntimeError("the compiled side failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packed_bench, "train_step", fails_in_the_second_side)
+    code = packed_bench_cli([*TINY, "--sides", "patched-eager,patched-compiled", "--no-documents-check",
+                             "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert code == 2 and "the compiled side failed" in data["error"]
+    assert list(data["sides"]) == ["patched eager"] and len(data["sides"]["patched eager"]["step_ms"]) == 3
+
+    code, out, err = run_bench(["--from-json", str(path)], capsys)
+    assert code == 2 and "patched eager" in out and "stopped after the sides above" in out
+    code, out, err = run_bench(["--from-json", str(unpatched_run), str(path)], capsys)
+    assert code == 2, err
+    assert "unpatched eager" in out and "patched eager" in out
+    assert f"problem: {path}: RuntimeError: the compiled side failed" in out
+
+
 def test_joining_refuses_a_side_twice_and_two_documents_checks(unpatched_run, capsys):
     code, _, err = run_bench(["--from-json", str(unpatched_run), str(unpatched_run)], capsys)
     assert code == 2 and "unpatched eager side is in both" in err
