@@ -50,10 +50,11 @@ def convs():
     """Each side: a function of (x [B, C, T] view, weight [C, W], cu_seqlens or None), and the value
     of ``FLA_CONV_GLUON`` it runs under (FLA reads it at every forward and backward call, and takes its
     Gluon kernels where it is 1)."""
-    from rewy_hf.kernels.short_conv import triton_short_conv
+    from fla.modules.convolution import causal_conv1d
 
-    def fla(x, w, cu):
-        return triton_short_conv(x, w, None, "silu", cu)
+    def fla(x, w, cu):         # as a patched layer's eager call reaches it
+        out, _ = causal_conv1d(x.transpose(1, 2), w, None, activation="silu", backend="triton", cu_seqlens=cu)
+        return out.transpose(1, 2)
 
     def torch_path(x, w, cu):      # transformers' fallback: bf16 F.conv1d then SiLU; ignores the bounds
         return F.silu(F.conv1d(x, w[:, None], None, padding=W - 1, groups=x.shape[1])[..., :x.shape[-1]])
