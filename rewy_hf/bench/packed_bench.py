@@ -123,7 +123,7 @@ def side_summary(ms: list[float], tokens: int) -> dict:
 
 
 def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, policy: str,
-              sides: tuple[str, ...], on_side, step=lambda label: None, on_partial=None) -> None:
+              sides: tuple[str, ...], on_side, step=lambda label, units=1: None, on_partial=None) -> None:
     """Time each side in turn; ``on_side(side, row)`` as each finishes, and ``on_partial(side, row)``
     after each of its timed steps, with the steps so far and ``stopped_after_steps``: a run stopped in
     the middle of a side (a time limit, Ctrl-C) keeps what that side measured."""
@@ -165,6 +165,8 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
                     **({"triton_builds_per_step": list(builds)} if cuda else {})}
 
         held = built_and_tuned() if cuda else None
+        # the first step may take minutes (compiling, Triton builds) before the bar moves
+        step(f"{side}: first step, {'compiling' if is_compiled else 'building kernels'}", 0)
         for i, batch in enumerate([batches[0]] * warmup + batches):
             t0 = time.perf_counter()
             losses.append(train_step(run, opt, batch))
@@ -189,7 +191,7 @@ def run_sides(model: nn.Module, batches: list[dict], warmup: int, backend: str, 
 
 def run_packed_bench(model: nn.Module, *, device: str, steps: int, warmup: int, seq_len: int, seed: int,
                      backend: str, policy: str, sides: tuple[str, ...], check: bool, on_side,
-                     on_check=lambda c: None, step=lambda label: None, on_partial=None) -> dict:
+                     on_check=lambda c: None, step=lambda label, units=1: None, on_partial=None) -> dict:
     """The documents check (unless ``check`` is False), then the timed sides; returns what they
     measured besides the sides (given to ``on_side`` one by one)."""
     out: dict = {}

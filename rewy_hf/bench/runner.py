@@ -44,9 +44,11 @@ class Progress:
             self.bar.close()
 
     def step(self, label: str, units: int = 1) -> None:
+        """``units`` of work done, now labelled ``label``; 0 units: only the label changes (work
+        that takes long before its first unit, such as a first compiled step, says so)."""
         self.done += units
         if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.set_postfix_str(label, refresh=not units)
             self.bar.update(units)
         else:
             print(f"[{self.done}/{self.total}] {self.desc}: {label}", file=sys.stderr, flush=True)

@@ -80,6 +80,16 @@ def test_the_command_times_each_side_over_new_packings(unpatched_run, tmp_path, 
     assert "documents check" in out and plot.stat().st_size > 10_000
 
 
+def test_each_side_says_what_its_first_step_waits_for_before_the_bar_moves():
+    model = build_preset("tiny-qwen3.5")
+    calls = []
+    packed_bench.run_packed_bench(model, device="cpu", steps=2, warmup=1, seq_len=128, seed=0, backend="auto",
+                                  policy="recompute", sides=("unpatched eager", "patched eager"), check=False,
+                                  on_side=lambda side, row: None, step=lambda label, units=1: calls.append((label, units)))
+    assert calls == [("unpatched eager: first step, building kernels", 0), *[("unpatched eager", 1)] * 3,
+                     ("patched eager: first step, building kernels", 0), *[("patched eager", 1)] * 3]
+
+
 def test_a_side_stopped_part_way_keeps_the_steps_it_timed(tmp_path, capsys, monkeypatch):
     """A run stopped in the middle of a side (Ctrl-C, a time limit) leaves a JSON file with the steps
     that side had timed, marked as stopped, and joining it says so."""
