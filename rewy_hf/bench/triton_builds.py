@@ -18,7 +18,7 @@ def built_and_tuned() -> tuple[int, int]:
     built = tuned = 0
     for o in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__ through a weak proxy, and a proxy
-        # whose referent died (compiled graphs leave some) raises ReferenceError.
+        # whose referent died raises ReferenceError (one stopped a compiled side of the bench).
         kind = type(o)
         if issubclass(kind, JITFunction):
             built += sum(len(caches[0]) for caches in o.device_caches.values())

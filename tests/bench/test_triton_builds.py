@@ -31,7 +31,7 @@ def test_counts_a_new_autotune_pick():
 
 
 def test_a_dead_weak_proxy_among_the_objects_does_not_stop_the_count():
-    # compiled graphs leave weak proxies whose referents are gone; reading __class__ through one raises
+    # a weak proxy whose referent is gone: reading __class__ through it raises
     before = built_and_tuned()
     referent = _Referent()
     held = [weakref.proxy(referent)]
