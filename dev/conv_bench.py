@@ -4,7 +4,7 @@ and as transformers' torch path runs it, on a GPU.
     python $REPO/dev/conv_bench.py [--json out.json]
 
 For each shape (rows x tokens x channels, width 4, SiLU, bf16; packed rows with log-normal document
-lengths), first the check: values and input / weight gradients of each side against
+lengths as the packed bench draws them), first the check: values and input / weight gradients of each side against
 the documents run one by one through ``F.conv1d`` in float64 (relative error). Then forward and
 forward + backward as a patched layer calls them (x a transposed [B, C, T] view of a [B, T, C]
 tensor, the output gradient a transposed view too), two ways: the kernels' own GPU time (summed over
@@ -16,27 +16,20 @@ median of 50 after 10 warm-up calls), which also counts the host's launch work.
 from __future__ import annotations
 
 import argparse
-import os
 import json
-import math
+import os
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+from rewy_hf.bench.packed_bench import packed_lengths
+from rewy_hf.rel_error import rel_err
+
 # (B, T, C, packed): the ~1 B presets' convolutions (Qwen3.5-like: 2 x 2048 key + 4096 value
 # channels; Kimi-Linear-like: 3 x 2048) at B x T = 8192, as one packed row and as two rows of 4096.
 SHAPES = [(1, 8192, 8192, True), (2, 4096, 6144, False)]
 W = 4
-
-
-def documents(T: int, gen: torch.Generator) -> list[int]:
-    lens, total = [], 0
-    while total < T:
-        n = min(T - total, int(max(16.0, 600 * math.exp(torch.randn((), generator=gen).item()))))
-        lens.append(n)
-        total += n
-    return lens
 
 
 def reference(x, w, lens):
@@ -104,7 +97,7 @@ def main() -> None:
     print(f"FLA's Gluon convolution importable: {gluon_ran()}")
     gen = torch.Generator().manual_seed(0)
     for B, T, C, packed in SHAPES:
-        lens = documents(T, gen) if packed else None
+        lens = packed_lengths(T, gen) if packed else None
         cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
                                                     dtype=torch.int32, device="cuda")
         x64 = torch.randn(B, T, C, dtype=torch.float64, device="cuda").transpose(1, 2)
@@ -121,8 +114,7 @@ def main() -> None:
             dy = dy64.to(torch.bfloat16)
             out = conv(x, w, cu)
             grads = torch.autograd.grad(out, (x, w), dy)
-            errs = [float((a.detach().double() - r.detach()).norm() / r.detach().norm())
-                    for a, r in zip((out, *grads), (ref, *ref_grads))]
+            errs = [rel_err(a, r) for a, r in zip((out, *grads), (ref, *ref_grads))]
 
             def fwd():
                 with torch.no_grad():
