@@ -21,11 +21,14 @@ the row goes through ``F.conv1d`` as transformers' own path runs it, and only
 the first W - 1 outputs of each document, the ones that read across a bound,
 are recomputed from their own document.
 
-Eagerly on CUDA, packed or not, the convolution runs on FLA's Triton causal
-convolution instead (``triton_short_conv``), with the activation fused.
+Eagerly on CUDA, packed or not, the convolution runs on FLA's causal convolution
+kernels instead (``triton_short_conv``), with the activation fused: its Gluon kernels where they
+serve the call, else its Triton kernels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -58,20 +61,69 @@ def packed_causal_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def triton_short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The convolution on FLA's Triton causal convolution (forward and backward, the activation
+                      cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    """The convolution on FLA's causal convolution kernels (forward and backward, the activation
     fused, the sum in float32 and one rounding), for x [B, C, T] as transformers passes it, packed
-    rows restarting at every bound of ``cu_seqlens``. For eager CUDA calls, where transformers would
-    otherwise run ``F.conv1d`` and the activation as separate library kernels."""
-    from fla.modules.convolution import causal_conv1d
+    rows restarting at every bound of ``cu_seqlens``; and which kernels ran it. For eager CUDA calls,
+    where transformers would otherwise run ``F.conv1d`` and the activation as separate library kernels.
 
+    ``"fla-gluon"``: FLA's Gluon kernels, wherever they serve the call (an NVIDIA GPU, a Triton with
+    Gluon, and what FLA's own check for them accepts: one process, width 2-4, one packed row). FLA
+    leaves them off unless ``FLA_CONV_GLUON`` is set; rewy calls them directly. ``"fla-triton"``:
+    FLA's Triton kernels, everywhere else."""
     check_conv_inputs(x, weight)
     if cu_seqlens is not None:
         check_one_row(x)
     # FLA's layout is [B, T, C]: transformers hands a transposed view of one, so no copy either way.
-    out, _ = causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation, backend="triton",
-                           cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32))
-    return out.transpose(1, 2)
+    xt = x.transpose(1, 2).contiguous()
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    gluon = fla_gluon_conv() if x.is_cuda else None
+    if gluon is not None and gluon.causal_conv1d_fwd_verifier(x=xt, weight=weight, cu_seqlens=cu)[0]:
+        return _GluonShortConv.apply(xt, weight, bias, activation, cu).transpose(1, 2), "fla-gluon"
+    from fla.modules.convolution import causal_conv1d
+
+    out, _ = causal_conv1d(xt, weight, bias, activation=activation, backend="triton", cu_seqlens=cu)
+    return out.transpose(1, 2), "fla-triton"
+
+
+@functools.cache
+def fla_gluon_conv():
+    """FLA's Gluon convolution module, or None where this machine cannot run it."""
+    from fla.backends import GluonBackend
+
+    if not GluonBackend.is_available():
+        return None
+    try:
+        from fla.modules.causal_conv1d.backends import gluon
+    except ImportError:         # a Triton whose Gluon lacks what FLA's kernels use
+        return None
+    return gluon
+
+
+class _GluonShortConv(torch.autograd.Function):
+    """FLA's Gluon forward and backward as one autograd node, on x [B, T, C] with contiguous channels.
+    Saves x, not the pre-activation: the backward recomputes it, as FLA's own function does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, cu_seqlens):
+        from fla.ops.utils import prepare_chunk_indices
+
+        weight = weight.contiguous()        # the backward kernels index it densely
+        # the packed row's 64-token chunk table, built once for the forward and the backward
+        chunks = None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, 64)
+        y, _ = fla_gluon_conv().causal_conv1d_fwd_gluon(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens,
+                                                        chunk_indices=chunks)
+        ctx.save_for_backward(x, weight, bias, cu_seqlens, chunks)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, cu_seqlens, chunks = ctx.saved_tensors
+        dx, dw, db, _, _ = fla_gluon_conv().causal_conv1d_bwd_gluon(
+            x, dy, None, weight=weight, bias=bias, activation=ctx.activation, cu_seqlens=cu_seqlens,
+            chunk_indices=chunks)
+        return dx, dw, db, None, None
 
 
 def _restarted_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,

@@ -231,8 +231,8 @@ CONV_OP = "short_conv"      # the convolution's entry in the dispatch report
 def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: dict):
     """A patched layer's short convolution: inside ``context_parallel``, the convolution with its
     exchange across ranks (kernels/context_parallel_conv.py); eagerly on CUDA where transformers
-    would run its ``F.conv1d`` fallback, and on every packed row there, FLA's Triton convolution
-    with the activation fused; on a packed row elsewhere, rewy's convolution restarting at every
+    would run its ``F.conv1d`` fallback, and on every packed row there, FLA's convolution kernels
+    (Gluon or Triton, ``triton_short_conv``) with the activation fused; on a packed row elsewhere, rewy's convolution restarting at every
     document start (transformers' own ignores the bounds); under torch.compile, where transformers
     would run its ``F.conv1d`` fallback, the same convolution in the form inductor fuses
     (kernels/short_conv.py); otherwise transformers' own choice (a kernel package it found)."""
@@ -252,8 +252,9 @@ def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: di
 
         return context_parallel_conv.cp_causal_short_conv(x, weight, bias, activation, context)
     if on_cuda and not compiling:
-        count_forward(CONV_OP, "fla-triton", "-", "packed row" if bounds is not None else "in place of F.conv1d")
-        return triton_short_conv(x, weight, bias, activation, bounds)
+        out, kernels = triton_short_conv(x, weight, bias, activation, bounds)
+        count_forward(CONV_OP, kernels, "-", "packed row" if bounds is not None else "in place of F.conv1d")
+        return out
     if bounds is not None:
         if not compiling:
             count_forward(CONV_OP, "torch", "-", "packed row")
