@@ -4,8 +4,8 @@ For each supported layer, the module-level core name its forward calls (and,
 where the adapter names them, its decode-step core and its short convolution)
 is replaced (once per process) by a ``CoreDispatcher``, and a forward pre-hook
 and hook on the layer instance mark it as active while its forward runs. A
-transformers layer's gated output norm gets an instance-level forward that runs
-FLA's fused kernel eagerly on CUDA (gated_norm.py). Only marked layers reach rewy; every other
+transformers layer's gated output norm (and Kimi-Linear's forget gate) gets an
+instance-level forward that runs it as fused work eagerly (layer_parts.py). Only marked layers reach rewy; every other
 model keeps its original core. Parameters, buffers, the state dict and the
 config are never touched, so checkpoints are byte-identical.
 
@@ -35,7 +35,7 @@ from ..errors import UnsupportedConfigError
 from ..kernels.vocabulary import BACKENDS, POLICIES
 from .dispatch import CoreDispatcher, active_layers, make_dispatcher, prepare_fallback_count, route
 from . import flash_qla
-from .gated_norm import bind_gated_norms, unbind_gated_norms
+from .layer_parts import bind_layer_parts, unbind_layer_parts
 from .packing import bind_packed_rows, unbind_packed_rows
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
@@ -63,7 +63,7 @@ class LayerPatch:
     policy: str
     fallback: str
     hook_ids: tuple[int, int] = (-1, -1)     # the forward pre-hook and hook that mark the layer active
-    norms: tuple[str, ...] = ()              # its gated norms given the fused kernel (gated_norm.py)
+    parts: tuple[str, ...] = ()              # its children run in rewy's form (layer_parts.py)
 
     def call_core(self, original: Callable, args: tuple, kwargs: dict):
         return route(self, original, args, kwargs)
@@ -216,7 +216,7 @@ def patch_model(
         state = LayerPatch(name, _layer_class(layer), adapter, backend, policy, fallback)
         layer.__dict__[_STATE_ATTR] = state
         state.hook_ids = _add_hooks(layer)
-        state.norms = bind_gated_norms(layer)
+        state.parts = bind_layer_parts(layer)
         report.patched.append(PatchedLayer(name, _layer_class(layer), adapter.op, backend, policy))
     _bind_packed_rows(model)
     if strict and not report.patched:
@@ -268,7 +268,7 @@ def unpatch_model(model: nn.Module, *, only: set[str] | None = None) -> int:
         if state is None:
             continue
         _remove_hooks(layer, state.hook_ids)
-        unbind_gated_norms(layer, state.norms)
+        unbind_layer_parts(layer, state.parts)
         _release_dispatcher(state.adapter, layer)
         restored += 1
     if not any(_STATE_ATTR in m.__dict__ for m in model.modules()):

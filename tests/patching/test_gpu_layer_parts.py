@@ -1,7 +1,7 @@
 """The gated RMSNorm of patched transformers layers on FLA's fused kernel, eagerly on the GPU in
-bfloat16: no further from float64 than the module's own torch forward, counted in the dispatch
-report once per layer and call, and a patched model's loss and gradients within bf16 rounding of
-the unpatched model's."""
+bfloat16: no further from float64 than the module's own torch forward; it and Kimi-Linear's forget
+gate counted in the dispatch report once per layer and call, and a patched model's loss and
+gradients within bf16 rounding of the unpatched model's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 import rewy_hf
 from rewy_hf.patching.dispatch import report_difference
-from rewy_hf.patching.gated_norm import fused_gated_rms_norm
+from rewy_hf.patching.layer_parts import fused_gated_rms_norm
 from rewy_hf.rel_error import rel_err
 
 import hf_tiny_models as hf
@@ -74,10 +74,12 @@ def test_a_patched_model_runs_its_norms_on_the_fused_kernel(family):
     layers = len(rewy_hf.patch_model(model).patched)
     before = rewy_hf.dispatch_report()
     loss, grads = loss_and_grads(model)
-    counts = report_difference(before, rewy_hf.dispatch_report())["ops"]["gated_norm"]
-    assert counts["forward_calls"] == layers > 0
+    ops = report_difference(before, rewy_hf.dispatch_report())["ops"]
+    assert ops["gated_norm"]["forward_calls"] == layers > 0
+    if family == "kimi_linear":
+        assert ops["forget_gate"]["forward_calls"] == layers
     assert rel_err(loss, ref_loss) < 1e-2 and rel_err(grads, ref_grads) < 5e-2
     rewy_hf.unpatch_model(model)
     before = rewy_hf.dispatch_report()
     model(input_ids=ids)
-    assert "gated_norm" not in report_difference(before, rewy_hf.dispatch_report())["ops"]
+    assert not {"gated_norm", "forget_gate"} & set(report_difference(before, rewy_hf.dispatch_report())["ops"])
