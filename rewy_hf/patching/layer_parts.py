@@ -57,7 +57,8 @@ def is_forget_gate(layer: nn.Module, child: nn.Module) -> bool:
     """Kimi-Linear's forget gate: the unbounded softplus form with one A_log per head (its kin with a
     lower bound or a reshaped A_log compute another formula and keep their own forward)."""
     return (type(child).__name__ == "KimiLinearForgetGate" and _own_forward(layer, child, "ForgetGate")
-            and all(hasattr(child, a) for a in ("f_a_proj", "f_b_proj", "dt_bias", "A_log", "head_dim"))
+            and all(hasattr(child, a) for a in ("f_a_proj", "f_b_proj", "dt_bias", "A_log", "head_dim", "num_heads",
+                                                "qkv_dim"))
             and child.A_log.numel() == child.num_heads and child.dt_bias.numel() == child.qkv_dim)
 
 
@@ -70,7 +71,7 @@ def fused_gated_rms_norm(norm: nn.Module, hidden_states: torch.Tensor, gate: tor
 
 
 def _norm(norm: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
-    if gate is None or not hidden_states.is_cuda or gate.shape != hidden_states.shape:
+    if gate is None or gate.shape != hidden_states.shape:
         return type(norm).forward(norm, hidden_states, gate)
     count_forward(NORM_OP, "fla-triton", "-", "in place of the torch norm")
     return fused_gated_rms_norm(norm, hidden_states, gate)
@@ -84,10 +85,6 @@ def forget_gate(gate: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _gate(gate: nn.Module, hidden_states: torch.Tensor):
-    # CUDA only, where the memory is scarce: its float32 arithmetic differs from the module's in
-    # rounding order, which a float64 parity check of the whole model on the CPU would see
-    if not hidden_states.is_cuda:
-        return type(gate).forward(gate, hidden_states)
     count_forward(GATE_OP, "rewy", "-", "activation as one node")
     return forget_gate(gate, hidden_states)
 
@@ -98,17 +95,19 @@ PARTS: tuple[tuple[Callable[[nn.Module, nn.Module], bool], Callable], ...] = (
 
 
 class RoutedForward:
-    """A bound part's forward: rewy's form eagerly, the class's own forward when traced. An object
-    rather than a bound method, so that a pickled or deep-copied model carries it, pointing at its
-    own copy of the module."""
+    """A bound part's forward: rewy's form for eager CUDA calls, the class's own forward otherwise.
+    Traced, inductor fuses the torch form itself; on the CPU the torch form stays, since the forget
+    gate's float32 arithmetic differs from the module's in rounding order, which a float64 parity
+    check of the whole model would see. An object rather than a bound method, so that a pickled or
+    deep-copied model carries it, pointing at its own copy of the module."""
 
     def __init__(self, module: nn.Module, run: Callable):
         self.module, self.run = module, run
 
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return type(self.module).forward(self.module, *args, **kwargs)
-        return self.run(self.module, *args, **kwargs)
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling() or not hidden_states.is_cuda:
+            return type(self.module).forward(self.module, hidden_states, *args, **kwargs)
+        return self.run(self.module, hidden_states, *args, **kwargs)
 
 
 def layer_parts(layer: nn.Module) -> list[tuple[str, nn.Module, Callable]]:
