@@ -7,6 +7,7 @@ someone else's."""
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -63,6 +64,12 @@ def test_patching_binds_each_layers_norm_and_unpatching_restores_it():
     twin = copy.deepcopy(model)        # a copy's norms route through their own module, not the original's
     assert all(t.forward.module is t for name, m in twin.named_modules() if name.endswith("linear_attn")
                for t in [m.norm])
+    saved = io.BytesIO()               # and so do those of a pickled model (torch.save of the whole module)
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert all(isinstance(t.__dict__.get("forward"), RoutedForward) and t.forward.module is t
+               for name, m in loaded.named_modules() if name.endswith("linear_attn") for t in [m.norm])
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     rewy_hf.reset_dispatch_report()
     model(input_ids=ids)
