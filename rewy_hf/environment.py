@@ -153,6 +153,29 @@ def _backends(fla_ok: bool) -> dict[str, dict[str, Any]]:
             "flash_qla": flash_qla}
 
 
+def _eager_parts(cuda: bool, fla: bool | None) -> dict[str, str]:
+    """What a patched transformers layer runs around its core in eager mode here (patching/layer_parts.py,
+    kernels/short_conv.py); ``fla``: FLA imported (None: not tried). The kernels serve eager CUDA calls only."""
+    if not cuda or fla is False:
+        why = "no CUDA device" if not cuda else "FLA could not be imported"
+        return {"short_conv": f"the layer's own convolution ({why}); on packed rows rewy's, restarting at every "
+                              "document",
+                "gated_norm": f"the layer's own torch norm ({why})",
+                "forget_gate": f"Kimi-Linear's own torch gate ({why})"}
+    if fla is None:
+        conv = "FLA's Gluon or Triton kernels (which: not checked, FLA was not imported for this report)"
+    else:
+        from .kernels.short_conv import fla_gluon_conv
+
+        conv = ("FLA's Gluon kernels wherever FLA's own check accepts the call (one process, width 2-4, one packed "
+                "row), else FLA's Triton kernels" if fla_gluon_conv() is not None else
+                "FLA's Triton kernels (FLA's Gluon kernels cannot run with this GPU or Triton)")
+    return {"short_conv": conv + ", the activation fused (a `causal-conv1d` package the layer found keeps its "
+                                 "unpacked calls)",
+            "gated_norm": "FLA's fused rms_norm_gated",
+            "forget_gate": "rewy's one-node gate activation (Kimi-Linear)"}
+
+
 def collect_env(import_fla: bool = True) -> dict[str, Any]:
     """Return a JSON-serialisable description of the environment.
 
@@ -161,6 +184,8 @@ def collect_env(import_fla: bool = True) -> dict[str, Any]:
     """
     versions = {dist: package_version(dist) for dist in PACKAGES}
     fla_import = _fla_import() if import_fla else None
+    fla_ok = fla_import["ok"] if fla_import else versions["flash-linear-attention"] is not None
+    cuda = _cuda_info()
     return {
         "rewy_hf": rewy_hf_version(),
         "python": {
@@ -172,11 +197,12 @@ def collect_env(import_fla: bool = True) -> dict[str, Any]:
         "packages": versions,
         "fla_pin": fla_pin(versions["flash-linear-attention"], versions["fla-core"]),
         "fla_import": fla_import,
-        "cuda": _cuda_info(),
+        "cuda": cuda,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "settings": {s.name: {"value": settings.current()[s.name], "default": s.default, "meaning": s.meaning}
                      for s in settings.SETTINGS},
-        "backends": _backends(fla_import["ok"] if fla_import else versions["flash-linear-attention"] is not None),
+        "backends": _backends(fla_ok),
+        "eager_parts": _eager_parts(cuda["available"], fla_import["ok"] if fla_import else None),
     }
 
 
@@ -220,4 +246,6 @@ def format_env(d: dict[str, Any]) -> str:
     for name, backend in d["backends"].items():
         state = "usable" if backend["usable"] else "not usable"
         lines.append(f"  {name:<10}{state}: {backend['reason']}")
+    lines += ["", "a patched transformers layer around its core, eagerly:"]
+    lines += [f"  {name:<12}{what}" for name, what in d["eager_parts"].items()]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ ENV_KEYS = (
     "triton_interpret",
     "settings",
     "backends",
+    "eager_parts",
 )
 
 
@@ -61,6 +62,8 @@ def test_env_text(capsys):
     assert "backends:" in out
     assert re.search(r"^  torch +usable: pure PyTorch", out, re.M)
     assert re.search(r"^  flash_qla +(not )?usable: ", out, re.M)
+    assert "a patched transformers layer around its core, eagerly:" in out
+    assert re.search(r"^  short_conv +\S", out, re.M) and re.search(r"^  forget_gate \S", out, re.M)
 
 
 def test_env_lists_both_settings_with_their_values(capsys, monkeypatch, tmp_path):
@@ -108,6 +111,22 @@ def test_unknown_subcommand_returns_2(capsys):
 def test_no_subcommand_returns_2(capsys):
     assert cli.main([]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_env_says_what_a_patched_layer_runs_around_its_core_eagerly(monkeypatch):
+    from rewy_hf.kernels import short_conv
+
+    parts = ("short_conv", "gated_norm", "forget_gate")
+    cpu = environment._eager_parts(False, True)
+    assert tuple(cpu) == parts and all("(no CUDA device)" in cpu[p] for p in parts)
+    assert "restarting at every document" in cpu["short_conv"]
+    assert all("FLA could not be imported" in x for x in environment._eager_parts(True, False).values())
+    monkeypatch.setattr(short_conv, "fla_gluon_conv", lambda: object())
+    gluon = environment._eager_parts(True, True)
+    assert gluon["short_conv"].startswith("FLA's Gluon kernels wherever") and "rms_norm_gated" in gluon["gated_norm"]
+    monkeypatch.setattr(short_conv, "fla_gluon_conv", lambda: None)
+    assert environment._eager_parts(True, True)["short_conv"].startswith("FLA's Triton kernels (FLA's Gluon")
+    assert "not checked" in environment._eager_parts(True, None)["short_conv"]
 
 
 def test_fla_pin_mismatch_is_reported():
