@@ -3,21 +3,16 @@ first call of each attention signature once, timed."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from dev_scripts import load_dev_script
 
 
 @pytest.fixture(scope="module")
 def first_calls():
-    spec = importlib.util.spec_from_file_location("first_calls", ROOT / "dev" / "first_calls.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev_script("first_calls")
 
 
 def test_a_packed_run_logs_its_steps_and_attention_signatures(first_calls, tmp_path, monkeypatch):

@@ -3,21 +3,19 @@ roofline's, and docs/bench/floor/gdn-floor.json is what the script makes of the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from dev_scripts import load_dev_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def floor():
-    spec = importlib.util.spec_from_file_location("gdn_floor", ROOT / "dev" / "gdn_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev_script("gdn_floor")
 
 
 def test_counts_follow_the_product_lists(floor):
