@@ -72,9 +72,12 @@ def main(argv: list[str]) -> None:
     log = CallLog(args.log)
     try:
         from triton import knobs
+    except ImportError:
+        knobs = None
+    if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
         knobs.runtime.jit_cache_hook = log.triton_compile
-    except ImportError:             # a Triton without knobs: steps and attention only
-        log.line("no Triton compile hook in this Triton")
+    else:                           # an older Triton: steps and attention only
+        log.line("this Triton has no compile hook (triton.knobs.runtime.jit_cache_hook): compiles are not logged")
     from rewy_hf.bench import compile_bench, model_bench, packed_bench
 
     # transformers looks the function up at each call, so the wrapper sees every attention layer

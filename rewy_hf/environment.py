@@ -167,9 +167,15 @@ def _eager_parts(cuda: bool, fla: bool | None) -> dict[str, str]:
     else:
         from .kernels.short_conv import fla_gluon_conv
 
+        try:
+            gluon = fla_gluon_conv() is not None
+        except Exception as exc:    # an FLA other than the pinned one: this report exists to show it
+            gluon = f"{type(exc).__name__}: {exc}"
         conv = ("FLA's Gluon kernels wherever FLA's own check accepts the call (one process, width 2-4, one packed "
-                "row), else FLA's Triton kernels" if fla_gluon_conv() is not None else
-                "FLA's Triton kernels (FLA's Gluon kernels cannot run with this GPU or Triton)")
+                "row), else FLA's Triton kernels" if gluon is True else
+                "FLA's Triton kernels (FLA's Gluon kernels cannot run with this GPU or Triton)" if gluon is False else
+                f"none: checking FLA's Gluon kernels failed ({gluon}), and a patched layer's eager CUDA "
+                "convolution would fail the same way; install the pinned FLA")
     return {"short_conv": conv + ", the activation fused (a `causal-conv1d` package the layer found keeps its "
                                  "unpacked calls)",
             "gated_norm": "FLA's fused rms_norm_gated",

@@ -128,6 +128,13 @@ def test_env_says_what_a_patched_layer_runs_around_its_core_eagerly(monkeypatch)
     assert environment._eager_parts(True, True)["short_conv"].startswith("FLA's Triton kernels (FLA's Gluon")
     assert "not checked" in environment._eager_parts(True, None)["short_conv"]
 
+    def broken():
+        raise ImportError("cannot import name 'GluonBackend' from 'fla.backends'")
+
+    monkeypatch.setattr(short_conv, "fla_gluon_conv", broken)
+    assert "checking FLA's Gluon kernels failed (ImportError: cannot import name 'GluonBackend'" in \
+        environment._eager_parts(True, True)["short_conv"]
+
 
 def test_fla_pin_mismatch_is_reported():
     assert fla_pin("0.6.0", "0.6.0")["ok"] is True
