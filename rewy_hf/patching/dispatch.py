@@ -235,7 +235,8 @@ def route_conv(original: Callable, torch_fallback: bool, args: tuple, kwargs: di
     (Gluon or Triton, ``triton_short_conv``) with the activation fused; on a packed row elsewhere,
     rewy's convolution restarting at every document start (transformers' own ignores the bounds);
     under torch.compile, where transformers would run its ``F.conv1d`` fallback, the same
-    convolution in the form inductor fuses (kernels/short_conv.py); otherwise transformers' own choice (a kernel package it found)."""
+    convolution in the form inductor fuses (kernels/short_conv.py); otherwise transformers' own
+    choice (a kernel package it found)."""
     context = active_context()
     bounds = packed_bounds(kwargs)
     compiling = torch.compiler.is_compiling()
