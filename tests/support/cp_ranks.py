@@ -11,6 +11,7 @@ import copy
 import datetime
 import faulthandler
 import os
+import re
 import socket
 import sys
 
@@ -206,12 +207,28 @@ def _check_split(model, ids, targets, loss_of, ref_logits, ref_grads, ctx, what:
 
 
 def _compare_grads(model, grads, ref_grads, ref32, where: str, tol: float) -> None:
-    """Each parameter's gradient summed over the ranks against the references (``_compare``)."""
-    for i, ((name, _), g, g_ref) in enumerate(zip(model.named_parameters(), grads, ref_grads)):
-        if g_ref is None:
-            continue
+    """Each parameter's gradient summed over the ranks against the references (``_compare``). With
+    ``ref32``, a parameter's one-process error is taken as the largest over the parameters of its kind
+    (its name with the layer index dropped): a gate parameter's gradient is a sum of cancelling terms
+    over every token, so one layer's bf16 error is one draw of that rounding noise and can be far below
+    its typical size (Kimi-Linear's ``forget_gate.A_log`` in bf16 on an H100, one process: 1.1e-3 in
+    layer 0, 3.1e-2 in layer 2; context parallel 1.4e-2 and 2.4e-2)."""
+    named = [(name, g, g_ref, None if ref32 is None else ref32[1][i])
+             for i, ((name, _), g, g_ref) in enumerate(zip(model.named_parameters(), grads, ref_grads))
+             if g_ref is not None]
+    noise: dict[str, float] = {}
+    for name, _, g_ref, r32 in named:
+        if r32 is not None:
+            kind = _kind(name)
+            noise[kind] = max(noise.get(kind, 0.0), _max_rel(g_ref, r32))
+    for name, g, g_ref, r32 in named:
         g, spread = _rank_sum(g)
-        _compare(g, g_ref, None if ref32 is None else ref32[1][i], f"d {name}, {where}", tol, spread)
+        _compare(g, g_ref, r32, f"d {name}, {where}", tol, spread, noise.get(_kind(name), 0.0))
+
+
+def _kind(name: str) -> str:
+    """A parameter's name without its layer index: ``model.layers.N.self_attn.forget_gate.A_log``."""
+    return re.sub(r"\.\d+\.", ".N.", name)
 
 
 def _rank_sum(g: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -231,17 +248,18 @@ def _max_rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _compare(x: torch.Tensor, one: torch.Tensor, ref32: torch.Tensor | None, what: str, tol: float,
-             spread: float = 0.0) -> None:
+             spread: float = 0.0, noise: float = 0.0) -> None:
     """Without ``ref32``: ``x`` equals the one-process result ``one`` within ``tol``. With it (bf16 on a
-    GPU): ``x`` is as close to the float32 model as ``one`` is, as in ``check_cuda``, plus the
-    rounding of each rank's part of a summed gradient (``spread``: ``_rank_sum``'s sum of the parts'
-    largest magnitudes). A gate parameter's gradient sums cancelling terms over every token, so its
-    parts can be larger than their sum, and their rounding with them."""
+    GPU): ``x`` is as close to the float32 model as ``one`` is (or as the one-process run is on the
+    parameters of its kind, ``noise``: ``_compare_grads``), as in ``check_cuda``, plus the rounding of
+    each rank's part of a summed gradient (``spread``: ``_rank_sum``'s sum of the parts' largest
+    magnitudes). A gate parameter's gradient sums cancelling terms over every token, so its parts can
+    be larger than their sum, and their rounding with them."""
     if ref32 is None:
         _close(x.float().cpu(), one.float().cpu(), what, tol)
         return
     scale = max(ref32.float().abs().max().item(), 1e-30)
-    e_cp, e_one = _max_rel(x, ref32), _max_rel(one, ref32)
+    e_cp, e_one = _max_rel(x, ref32), max(_max_rel(one, ref32), noise)
     parts = torch.finfo(one.dtype).eps / 2 * spread / scale
     assert e_cp <= 2 * e_one + parts + 1e-3, (f"{what}: context parallel {e_cp:.2e} off the float32 model, one "
                                               f"process {e_one:.2e}, rounding of the ranks' parts {parts:.2e}")
