@@ -140,6 +140,12 @@ STEP_TABLES = {
                      "Packed fine-tuning at a real vocabulary", 1),
     "packed-kimi": (["packed/kimi-164k-unpatched-eager-h100.json", "packed/kimi-164k-patched-h100.json"],
                     "performance.md", "Packed fine-tuning at a real vocabulary", 1),
+    "packed-kimi-compiled": (["packed/kimi-164k-unpatched-eager-h100.json",
+                              "packed/kimi-164k-patched-compiled-h100.json"],
+                             "performance.md", "Packed fine-tuning at a real vocabulary", 1),
+    "packed-liger": (["packed/qwen35-248k-unpatched-eager-and-liger-h100.json",
+                      "packed/qwen35-248k-patched-liger-h100.json"],
+                     "performance.md", "Packed fine-tuning at a real vocabulary", 1),
     "lengths-qwen": (["model/compile-qwen3.5-gva-1b-corpus-mix-order-non-strict.json"], "studies.md",
                      "Further lengths", 0),
     "lengths-kimi": (["model/compile-kimi-linear-1b-corpus-mix-order-non-strict.json"], "studies.md",
@@ -457,14 +463,23 @@ def test_the_packed_notes_follow_their_runs():
     qe = _packed_sides("qwen35-248k-unpatched-eager-30-steps-h100.json",
                        "qwen35-248k-patched-eager-fused-parts-h100.json")
     k = _packed_sides("kimi-164k-unpatched-eager-h100.json", "kimi-164k-patched-h100.json")
+    kc = _packed_sides("kimi-164k-unpatched-eager-h100.json", "kimi-164k-patched-compiled-h100.json")
     speed = lambda s, a, b: s[a]["tokens_per_s"] / s[b]["tokens_per_s"]  # noqa: E731
     peak = lambda s, a, b: s[a]["peak_mb"] / s[b]["peak_mb"]  # noqa: E731
     u, pe, pc = "unpatched eager", "patched eager", "patched compiled"
+    flat = " ".join(text.split())
     assert (f"{speed(q, pc, u):.2f}x the unpatched eager tokens/s at {peak(q, pc, u):.2f} of its peak memory"
-            in text)
-    assert f"{speed(k, pc, u):.2f}x at {peak(k, pc, u):.2f} (Kimi-Linear-like, {k[pc]['stopped_after_steps']} steps)" in text
-    assert f"**Patched eager**: {speed(qe, pe, u):.2f}x and {speed(k, pe, u):.2f}x at lower peak memory" in text
+            in flat)
+    assert f"{speed(kc, pc, u):.2f}x at {peak(kc, pc, u):.2f} (Kimi-Linear-like)" in flat
+    assert f"**Patched eager**: {speed(qe, pe, u):.2f}x and {speed(k, pe, u):.2f}x at lower peak memory" in flat
     assert qe[pe]["peak_mb"] < qe[u]["peak_mb"] and k[pe]["peak_mb"] < k[u]["peak_mb"]
+    # the compiled Kimi-Linear run's one slow step: the first one-document row, building kernels
+    slow = kc[pc]["step_ms"].index(kc[pc]["max_step_ms"])
+    kc_run = json.loads((DOCS / "bench" / "packed" / "kimi-164k-patched-compiled-h100.json").read_text())
+    assert kc_run["documents_per_step"][slow] == 1 and f"step {slow + 1}, the first row of one document" in flat
+    builds = kc[pc]["triton_builds_per_step"]
+    assert sum(builds) == builds[slow] and f"({kc[pc]['max_step_ms'] / 1e3:.1f} s, step {slow + 1}" in flat
+    assert f"built {builds[slow]} Triton kernels" in flat
     fam = lambda s, side, f: s[side]["gpu_ms_by_family"][f]  # noqa: E731
     share = 100 * fam(qe, pe, "conv") / qe[pe]["gpu_ms"]
     assert f"({fam(qe, pe, 'conv'):.1f} against {fam(qe, u, 'conv'):.1f} GPU ms, {share:.1f} % of the step)" in text
@@ -479,3 +494,25 @@ def test_the_packed_notes_follow_their_runs():
     docs = json.loads((DOCS / "bench" / "packed" / "qwen35-248k-patched-compiled-h100.json").read_text())
     assert docs["documents_per_step"][6] == 1
     assert "1.01x the median" in text and max(q[s]["slowest_after_step_3_x_median"] for s in (u, pc)) < 1.015
+    # what dev/first_calls.py logged at that step: the first SDPA call of the plain causal path
+    first = _packed_sides("qwen35-248k-first-calls-h100.json")[u]
+    log = (DOCS / "bench" / "packed" / "qwen35-248k-first-calls-h100.log").read_text().splitlines()
+    step = next(i for i, x in enumerate(log) if "no mask causal" in x)
+    assert log[step - 1].split()[-2:] == ["step", "9"]      # 1 optimizer-state step + 2 warm-up precede step 7
+    causal_ms = re.search(r"grad: ([0-9.]+) ms", log[step]).group(1)
+    assert f"first SDPA call there: {causal_ms} ms" in flat
+    assert first["step_ms"].index(first["max_step_ms"]) == 6
+    assert f"the step took {first['max_step_ms'] - first['median_step_ms']:.0f} ms more than its median" in flat
+    # Liger-Kernel: the patched sides against the unpatched ones
+    li = _packed_sides("qwen35-248k-unpatched-eager-and-liger-h100.json", "qwen35-248k-patched-liger-h100.json")
+    ul, pel, pcl = "unpatched eager + liger", "patched eager + liger", "patched compiled + liger"
+    assert f"patched eager steps {speed(li, pel, ul):.2f}x faster than unpatched eager with Liger" in flat
+    assert f"peaks at {li[pel]['peak_mb']:,.0f} MB against {li[ul]['peak_mb']:,.0f}" in flat
+    assert f"(patched eager without Liger: {qe[pe]['peak_mb']:,.0f})" in flat
+    assert (f"(GEMM {li[pel]['gpu_ms_by_family']['gemm']:.1f} against {qe[pe]['gpu_ms_by_family']['gemm']:.1f} "
+            "GPU ms)") in flat
+    assert f"({qe[pe]['median_step_ms']:.1f} against {li[pel]['median_step_ms']:.1f} ms)" in flat
+    assert qe[pe]["median_step_ms"] < li[pel]["median_step_ms"]
+    assert f"{li[pcl]['median_step_ms']:.1f} against {q[pc]['median_step_ms']:.1f} ms" in flat
+    assert li[pcl]["step_ms"].index(li[pcl]["max_step_ms"]) == 1
+    assert f"its second step recompiled ({li[pcl]['max_step_ms'] / 1e3:.1f} s)" in flat
