@@ -152,3 +152,10 @@ def test_every_relative_link_resolves(page):
 def test_every_backticked_path_exists(page):
     missing = sorted({token for span in spans(page) for token in path_tokens(span) if not resolves(token, page)})
     assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: " + ", ".join(missing)
+
+
+def test_the_performance_page_stays_a_reference():
+    """performance.md holds the current figures, their commands and short explanations; studies and
+    shape-by-shape tables live on their own pages (400 lines is the page's stated size)."""
+    lines = (ROOT / "docs" / "performance.md").read_text().splitlines()
+    assert len(lines) <= 400, f"performance.md has {len(lines)} lines: move studies to docs/studies.md"
