@@ -299,6 +299,10 @@ def _own(x: Tensor) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
+    # As in CoreFunction: an unused final state gets no zero gradient. Materialised, it would run the
+    # backward's kernels that read a state gradient, builds that eager calls never make (and that the
+    # packed builds' warm-up, packed_builds.prepare, does not make either).
+    ctx.set_materialize_grads(False)
     *flat, backend = inputs
     n = len(TENSOR_FIELDS)
     a = CoreArgs.from_flat(flat[:n], flat[n:])

@@ -118,3 +118,48 @@ def test_a_removed_listener_hears_nothing_and_a_listener_needs_both_methods():
     assert listener.events == []
     with pytest.raises(TypeError, match=r"lacks \['backward'\]"):
         core.add_listener(type("OnlyForward", (), {"forward": lambda self, *a: None})())
+
+
+class _StateGradients:
+    """Wraps a backend: records the state gradient each backward receives."""
+
+    def __init__(self, backend):
+        self.backend, self.seen = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def backward(self, a, saved, do, dht):
+        self.seen.append(dht)
+        return self.backend.backward(a, saved, do, dht)
+
+
+@pytest.mark.parametrize("use_state", [False, True], ids=["state-unused", "state-in-loss"])
+def test_compiled_backward_gets_the_state_gradient_eager_gets(monkeypatch, use_state):
+    """Compiled, an unused final state reaches the backend's backward as None, as eagerly (AOTAutograd
+    would otherwise hand it zeros, and the backward would run its state-gradient kernels for nothing);
+    a used one reaches it as its gradient, and the input gradients equal the eager ones."""
+    spies = {}
+    real = core._backend
+    monkeypatch.setattr(core, "_backend", lambda name: spies.setdefault(name, _StateGradients(real(name))))
+    a = _args()
+
+    def step(q, k, v, g, beta):
+        o, ht = core.delta_rule(dataclasses.replace(a, q=q, k=k, v=v, g=g, beta=beta), "torch", final_state=use_state)
+        return o.square().sum() + (ht.sum() if use_state else 0)
+
+    inputs = (a.q, a.k, a.v, a.g, a.beta)
+    grads = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
+        grads[compiled] = torch.autograd.grad(fn(*inputs), inputs)
+    seen = spies["torch"].seen
+    assert len(seen) == 2
+    if use_state:
+        assert all(d is not None for d in seen)
+        torch.testing.assert_close(seen[1].reshape(seen[0].shape), seen[0], rtol=0, atol=0)
+    else:
+        assert seen == [None, None]
+    for eager, compiled in zip(grads[False], grads[True]):
+        torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-12)
