@@ -372,8 +372,8 @@ def test_the_readme_and_the_guides_link_to_the_figures_instead_of_copying_them()
         assert f"(docs/performance.md#{anchor})" in readme, anchor
 
 
-def _model_sides(preset: str) -> tuple[dict, dict]:
-    sides = json.loads((DOCS / "bench" / "model" / f"eager-{preset}-h100.json").read_text())["sides"]
+def _model_sides(preset: str, run: str = "h100") -> tuple[dict, dict]:
+    sides = json.loads((DOCS / "bench" / "model" / f"eager-{preset}-{run}.json").read_text())["sides"]
     return sides["unpatched eager"], sides["patched eager"]
 
 
@@ -428,8 +428,7 @@ def test_the_model_level_tables_follow_their_runs():
             assert math.isclose(sum(side["gpu_ms_by_family"].values()), side["gpu_ms"], rel_tol=1e-6)
     # the figures before the layer parts, which the prose quotes
     for preset in presets:
-        before = json.loads((DOCS / "bench" / "model" / f"eager-{preset}-before-fused-parts-h100.json").read_text())
-        u, p = before["sides"]["unpatched eager"], before["sides"]["patched eager"]
+        u, p = _model_sides(preset, "before-fused-parts-h100")
         assert f"{u['median_step_ms'] / p['median_step_ms']:.3f}x" in text, preset
 
 
@@ -449,10 +448,14 @@ def test_the_gdn2_packed_table_follows_its_run():
         assert bound == f"{r['bound_err_baseline']:.1e} / {r['bound_err_rewy']:.1e}", policy
 
 
+def _packed_run(file: str) -> dict:
+    return json.loads((DOCS / "bench" / "packed" / file).read_text())
+
+
 def _packed_sides(*files: str) -> dict[str, dict]:
     sides = {}
     for f in files:
-        sides.update(json.loads((DOCS / "bench" / "packed" / f).read_text())["sides"])
+        sides.update(_packed_run(f)["sides"])
     return sides
 
 
@@ -476,8 +479,7 @@ def test_the_packed_notes_follow_their_runs():
     assert qe[pe]["peak_mb"] < qe[u]["peak_mb"] and k[pe]["peak_mb"] < k[u]["peak_mb"]
     # the compiled Kimi-Linear run's one slow step: the first one-document row, building kernels
     slow = kc[pc]["step_ms"].index(kc[pc]["max_step_ms"])
-    kc_run = json.loads((DOCS / "bench" / "packed" / "kimi-164k-patched-compiled-h100.json").read_text())
-    assert kc_run["documents_per_step"][slow] == 1 and f"step {slow + 1}, the first row of one document" in flat
+    assert _packed_run("kimi-164k-patched-compiled-h100.json")["documents_per_step"][slow] == 1 and f"step {slow + 1}, the first row of one document" in flat
     builds = kc[pc]["triton_builds_per_step"]
     assert sum(builds) == builds[slow] and f"({kc[pc]['max_step_ms'] / 1e3:.1f} s, step {slow + 1}" in flat
     assert f"built {builds[slow]} Triton kernels" in flat
@@ -492,8 +494,7 @@ def test_the_packed_notes_follow_their_runs():
     assert all(s["step_ms"].index(s["max_step_ms"]) == 6 for s in (qe[u], qe[pe], k[u], k[pe]))
     assert f"pays {min(extra) / 1e3:.1f}-{max(extra) / 1e3:.1f} s more than its median once, at step 7" in text
     assert all(sum(s["triton_builds_per_step"]) == 0 for s in (qe[u], qe[pe], k[u], k[pe]))
-    docs = json.loads((DOCS / "bench" / "packed" / "qwen35-248k-patched-compiled-h100.json").read_text())
-    assert docs["documents_per_step"][6] == 1
+    assert _packed_run("qwen35-248k-patched-compiled-h100.json")["documents_per_step"][6] == 1
     assert "1.01x the median" in text and max(q[s]["slowest_after_step_3_x_median"] for s in (u, pc)) < 1.015
     # what dev/first_calls.py logged at that step: the first SDPA call of the plain causal path
     first = _packed_sides("qwen35-248k-first-calls-h100.json")[u]
