@@ -4,6 +4,6 @@
 ``rows.OpRow``, ``op_run`` a whole op-level run, ``timing`` its rounds and peak memory; ``model_bench``,
 ``compile_bench`` and ``packed_bench``: a model's training step two ways, four ways, and on packed rows;
 ``cp_bench``: one row split across processes; ``kernel_profile``, ``autotune_picks`` and
-``fla_backends``: where time goes, Triton's picks, FLA's optional backends; ``tables``, ``plots`` and
-``merge`` show and combine results; ``runner`` runs the command from its options.
+``fla_backends``: where time goes, Triton's picks, FLA's optional backends; ``tables`` and ``plots``
+show results; ``runner`` runs the command from its options.
 """

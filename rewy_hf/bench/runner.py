@@ -1,5 +1,5 @@
 """Running `rewy-hf bench` from its parsed options: the op level, the model level (two-sided,
-``--compile``, ``--packed``), ``--context-parallel`` and ``--from-json``. Each prints its progress and
+``--compile``, ``--packed``) and ``--context-parallel``. Each prints its progress and
 tables, keeps the --json report up to date (``report.save`` as it goes, ``report.finish`` at the end,
 ``report.human_output()`` around what it prints) and returns the exit status: 0 every check passed,
 1 a check failed. A run that cannot start, or stops before a result, raises ``CouldNotRun`` (exit
@@ -61,15 +61,10 @@ class Progress:
         sys.stdout.flush()
 
 
-def write_outputs(args, data: dict) -> list[str]:
-    """--markdown and --plot of a finished run (a live run's data or a --json file's); the plots written."""
+def write_plot(args, data: dict) -> list[str]:
+    """--plot of a finished run; the files written."""
     from .plots import plot_run
-    from .tables import markdown_text
 
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(markdown_text(data))
-        print(f"Markdown: {args.markdown}")
     return plot_run(data, args.plot) if args.plot and not data.get("error") else []
 
 
@@ -142,7 +137,7 @@ def run_ops(args, device: str, guard: dict, report) -> int:
         print(table + "\n")
     failed = conclude(data)
     report.save(as_json(data))
-    plots = write_outputs(args, data)
+    plots = write_plot(args, data)
     print(f"rewy-hf bench: {len(rows) - len(failed)} of {len(rows)} configurations passed the gradient check"
           + ("" if not failed else "; failed: " + ", ".join(f"{r.op} {r.policy} {shape_label(r)}" for r in failed))
           + (f"; JSON: {args.json}" if args.json and not report.to_stdout else "")
@@ -190,7 +185,7 @@ def run_cp(args, device: str, guard: dict, report) -> int:
     if lead:
         print(format_cp_rows(data["rows"]))
         report.finish(as_json(data))
-        write_outputs(args, data)
+        write_plot(args, data)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0
@@ -273,7 +268,7 @@ class ModelRun:
         print(text)
         self.data.update(ok=not problems, exit_code=1 if problems else 0, problems=problems, complete=True)
         self.report.finish(self.data)
-        write_outputs(self.args, self.data)
+        write_plot(self.args, self.data)
         for p in problems:
             print(f"FAIL: {p}", file=sys.stderr)
         return 1 if problems else 0
@@ -374,24 +369,3 @@ def run_compiled(run: ModelRun, model) -> int:
     data.update(res)
     return run.finish(format_compile_result(data, args.model), compile_problems(res))
 
-
-def render(args) -> int:
-    """--from-json: the tables (and plot, Markdown) of earlier runs, with their exit status."""
-    from .merge import MergeError, merge_runs
-    from .plots import plot_unavailable
-    from .tables import report_text
-
-    if args.plot and (reason := plot_unavailable()):
-        raise CouldNotRun(reason)
-    try:
-        data = merge_runs(args.from_json)
-    except MergeError as exc:
-        raise CouldNotRun(str(exc)) from None
-    print(report_text(data))
-    if args.plot and data["kind"] == "context_parallel":
-        print("note: --context-parallel runs have a table and no plot")
-    if not data.get("complete", False):
-        which = "one of these runs" if data.get("sources") else "that run"
-        print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
-    write_outputs(args, data)
-    return int(data.get("exit_code", 1))

@@ -1,7 +1,6 @@
 """The tables of `rewy-hf bench`, as plain text and as Markdown (for docs/performance.md): the op
 level's per (op, policy) with its peers and kernel profiles, the model level's, the four-sided and
-packed runs' sides, and the context-parallel table; ``report_text`` and ``markdown_text`` give a
-whole run's (a live run's data or a --json file's)."""
+packed runs' sides, and the context-parallel table."""
 
 from __future__ import annotations
 
@@ -424,50 +423,6 @@ def format_cp_rows(rows: list) -> str:
     return "\n".join(table(head, body, markdown=True) + [f"- {n}" for n in notes + checks])
 
 
-# --- whole runs ---------------------------------------------------------------------------------
-
 def op_base(data: dict) -> str:
     return baseline_label(data.get("device", "cuda"), data.get("versions"))
 
-
-def _body(data: dict, markdown: bool) -> str:
-    kind, st = data["kind"], data.get("settings", {})
-    if kind == "context_parallel":
-        return format_cp_rows(data["rows"])
-    if kind == "packed":
-        return format_packed_result(data, markdown)
-    if kind == "model":
-        return (format_compile_result(data, st.get("model", "?"), markdown) if "sides" in data else
-                format_model_result(data, st.get("model", "?"), st, markdown))
-    return "\n\n".join(format_op_tables(data.get("rows", []), st.get("boundaries", []), op_base(data),
-                                        data.get("device", "cuda"), markdown))
-
-
-def report_text(data: dict) -> str:
-    """What --from-json prints of a run."""
-    if data.get("error") and not data.get("sides"):
-        return f"that run could not run: {data['error']}"
-    text = _body(data, False) + ("\n" if data["kind"] == "ops" else "")
-    if data.get("error"):
-        text += f"\nthe run stopped after the sides above: {data['error']}"
-    if isinstance(data.get("sources"), dict):      # joined model runs: what went wrong in any of them
-        text += "".join(f"\nproblem: {p}" for p in data.get("problems", []))
-    return text
-
-
-def markdown_text(data: dict) -> str:
-    """A whole run as --markdown writes it: the op and model levels under a line naming the device and
-    versions (and the op level's timing, autotune and check), the packed and context-parallel tables bare."""
-    if data.get("kind") in ("context_parallel", "packed"):
-        return _body(data, True) + "\n"
-    st = data.get("settings", {})
-    head = [f"Device: {data.get('device_name')}; "
-            + ", ".join(f"{k} {x}" for k, x in data.get("versions", {}).items() if x) + ".", ""]
-    if data.get("error"):
-        return "\n".join(head + [f"This run could not run: {data['error']}"]) + "\n"
-    if data.get("kind") != "model":
-        head += [f"Timing: {st.get('timing')}.", ""]
-        head += [f"Autotune: {st['autotune']}.", ""] if st.get("autotune") else []
-        head += [f"Check: {st.get('check')}.", ""]
-    tail = [] if data.get("complete", False) else ["", "(This run did not finish: these are the rows it wrote.)"]
-    return "\n".join(head + [_body(data, True)] + tail) + "\n"

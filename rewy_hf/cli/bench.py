@@ -54,12 +54,6 @@ def add_common_arguments(parser) -> None:
                         help="bar chart of the speedups (needs matplotlib); with --kernel-profile also "
                              "OUT-kernels.png, each side's time stacked by kernel")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and the model's weights)")
-    parser.add_argument("--markdown", default=None, metavar="OUT.md",
-                        help="also write the tables as Markdown (for docs/performance.md); works with --from-json")
-    parser.add_argument("--from-json", nargs="+", default=None, metavar="RUN.json",
-                        help="run nothing: print the tables of an earlier run's --json (and draw --plot from it), "
-                             "e.g. on a machine with matplotlib after a GPU run without it; exits with its status. "
-                             "Several op-level files of one setup are combined into one report")
 
 
 def add_op_arguments(ops) -> None:
@@ -124,8 +118,8 @@ def add_model_arguments(model) -> None:
                        help="--compile: run only these of the four sides (unpatched-eager, patched-eager, "
                             "patched-compiled, unpatched-compiled); --packed: also unpatched-eager-liger, "
                             "patched-eager-liger, patched-compiled-liger; e.g. to time the slow-to-compile unpatched "
-                            "compiled side in a run of its own; `--from-json` of runs on the same settings joins "
-                            "their sides into one table (default: all four)")
+                            "compiled side in a run of its own (in a clone, dev/bench_lab --from-json joins runs "
+                            "on the same settings into one table; default: all four)")
     model.add_argument("--causal-masks", action="store_true",
                        help="--compile: every side hands a transformers hybrid the mask mapping of an unpadded "
                             "causal batch (models/causal_masks.py), so that compiled attention runs SDPA's causal "
@@ -207,16 +201,16 @@ def parse_sides(text: str) -> tuple[str, ...]:
     return tuple(side for name, side in names.items() if name in picked)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..bench.runner import CouldNotRun, render, run_bench
+def run(args: argparse.Namespace, report: JsonReport | None = None, **more) -> int:
+    """A live run on the chosen device; its --json report goes to ``report`` (default: where --json says),
+    ``more`` to ``run_bench`` (what a caller adds to the run)."""
+    from ..bench.runner import CouldNotRun, run_bench
 
     try:
-        if args.from_json:
-            return render(args)
         device = chosen_device(args.device)
         if device is None:
             raise CouldNotRun(f"{NO_CUDA} (a comparison against the reference path) or a CUDA build of torch")
-        return run_bench(args, device, JsonReport(args.json))
+        return run_bench(args, device, report or JsonReport(args.json), **more)
     except CouldNotRun as exc:
         print(f"rewy-hf bench: {exc}", file=sys.stderr)
         return 2

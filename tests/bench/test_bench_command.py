@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench_cli import run_bench
+from bench_cli import run_bench, run_lab
+from dev_scripts import load_dev_module
 
 from rewy_hf import cli
 from rewy_hf.bench.config import CustomShape, check_T, resolve_shapes, suite_file
 from rewy_hf.cli.bench import parse_shape
-from rewy_hf.bench.merge import merge_runs
 from rewy_hf.op_inputs import Shape
 
 TINY = ["--device", "cpu", "--shapes", "1,64,1,16,16", "--reps", "1", "--warmup", "0"]
@@ -147,11 +147,11 @@ def test_cpu_op_level_every_op_passes_and_writes_json(tmp_path, capsys):
     assert len(data["geomean"]) == 4 * 2 * 2
     assert all(g["speedup"] > 0 and g["shapes"] == 1 for g in data["geomean"])
     # The tables can be printed again from the JSON alone (e.g. after a GPU run without matplotlib).
-    code, again, _ = run_bench(["--from-json", str(report)], capsys)
+    code, again, _ = run_lab(["--from-json", str(report)], capsys)
     assert code == 0 and again.count("geometric mean") == 8 and "gdn2, rewy policy full" in again
     # ... and as Markdown for docs/performance.md: one pipe table per (op, policy), same numbers.
     md = tmp_path / "bench.md"
-    code, _, _ = run_bench(["--from-json", str(report), "--markdown", str(md)], capsys)
+    code, _, _ = run_lab(["--from-json", str(report), "--markdown", str(md)], capsys)
     text = md.read_text()
     assert code == 0 and text.count("#### ") == 8 and text.count("| geometric mean |") == 8
     assert text.count("| bound err ref | bound err rewy |") == 4    # the KDA and GDN2 tables only
@@ -165,14 +165,14 @@ def test_runs_split_over_calls_combine_into_one_report(tmp_path, capsys, full_po
     run; files from another setup are refused by name."""
     files = [full_policy_run(op, tmp_path, capsys) for op in ("delta_rule", "kda")]
     md = tmp_path / "all.md"
-    code, out, _ = run_bench(["--from-json", *map(str, files), "--markdown", str(md)], capsys)
+    code, out, _ = run_lab(["--from-json", *map(str, files), "--markdown", str(md)], capsys)
     assert code == 0
     assert "delta_rule, rewy policy full" in out and "kda, rewy policy full" in out and "did not finish" not in out
     assert md.read_text().count("#### ") == 2
     other = json.loads(files[1].read_text())
     other["device_name"] = "another GPU"
     files[1].write_text(json.dumps(other))
-    code, _, err = run_bench(["--from-json", *map(str, files)], capsys)
+    code, _, err = run_lab(["--from-json", *map(str, files)], capsys)
     assert code == 2 and "different device_name" in err and str(files[1]) in err
 
 
@@ -188,17 +188,17 @@ def test_runs_from_before_the_lower_bound_check_combine_only_without_kda_rows(tm
         return without_check(paths[op], BOUND_CHECK, "bound_", tmp_path)
 
     md = tmp_path / "merged.md"
-    code, out, _ = run_bench(["--from-json", older("delta_rule"), str(paths["kda"]), "--markdown", str(md)], capsys)
+    code, out, _ = run_lab(["--from-json", older("delta_rule"), str(paths["kda"]), "--markdown", str(md)], capsys)
     assert code == 0 and "delta_rule, rewy policy full" in out and "kda, rewy policy full" in out
     assert BOUND_CHECK in md.read_text() and "bound err" in md.read_text()
-    code, _, err = run_bench(["--from-json", older("kda"), str(paths["gdn2"])], capsys)
+    code, _, err = run_lab(["--from-json", older("kda"), str(paths["gdn2"])], capsys)
     assert code == 2 and "not checked on gates near the safe lower bound" in err and "old_kda.json" in err
-    code, _, err = run_bench(["--from-json", older("kda"), older("gdn2")], capsys)
+    code, _, err = run_lab(["--from-json", older("kda"), older("gdn2")], capsys)
     assert code == 0, err
     changed = json.loads(paths["gdn2"].read_text())
     changed["settings"]["check"] = changed["settings"]["check"].replace("relative", "absolute")
     paths["gdn2"].write_text(json.dumps(changed))
-    code, _, err = run_bench(["--from-json", str(paths["kda"]), str(paths["gdn2"])], capsys)
+    code, _, err = run_lab(["--from-json", str(paths["kda"]), str(paths["gdn2"])], capsys)
     assert code == 2 and "checked differently" in err
 
 
@@ -215,7 +215,7 @@ def test_a_run_with_flash_qla_installed_names_that_baseline(tmp_path, capsys, fu
     data = json.loads(path.read_text())
     data["device"], data["versions"]["flash-qla"] = "cuda", "0.1.3"      # as a GPU run with flash-qla records it
     path.write_text(json.dumps(data))
-    code, out, _ = run_bench(["--from-json", str(path)], capsys)
+    code, out, _ = run_lab(["--from-json", str(path)], capsys)
     assert code == 0 and "B: FLA+QLA ms" in out and "B: ref ms" not in out
 
 
@@ -229,19 +229,19 @@ def test_a_run_cut_short_is_completed_by_a_run_of_its_missing_rows(tmp_path, cap
     short = {**whole, "rows": [r for r in whole["rows"] if r["op"] == "delta_rule"], "complete": False}
     short.pop("exit_code")
     cut.write_text(json.dumps(short))
-    code, out, _ = run_bench(["--from-json", str(cut)], capsys)
+    code, out, _ = run_lab(["--from-json", str(cut)], capsys)
     assert code == 1 and "did not finish" in out
-    code, out, _ = run_bench(["--from-json", str(cut), str(rest)], capsys)
+    code, out, _ = run_lab(["--from-json", str(cut), str(rest)], capsys)
     assert code == 0 and "did not finish" not in out and "kda, rewy policy full" in out
     assert "shapes)" not in out and "not timed" not in out
     # a shape one op lacks is named under its table, whose mean says it covers fewer shapes
     other = tmp_path / "other.json"
     assert run_bench([*TINY[:2], "--shapes", "1,64,2,16,16", *TINY[4:], "--op", "delta_rule", "--policy", "full",
                       "--json", str(other)], capsys)[0] == 0
-    code, out, _ = run_bench(["--from-json", str(cut), str(rest), str(other)], capsys)
+    code, out, _ = run_lab(["--from-json", str(cut), str(rest), str(other)], capsys)
     assert "geometric mean (1 of 2 shapes)" in out and "not timed for this op and policy: 1,64,2" in out
     cut.write_text(json.dumps(whole))
-    code, _, err = run_bench(["--from-json", str(cut), str(rest)], capsys)
+    code, _, err = run_lab(["--from-json", str(cut), str(rest)], capsys)
     assert code == 2 and "kda (policy full)" in err and "in both" in err
 
 
@@ -254,10 +254,10 @@ def test_runs_of_one_policy_each_combine_and_keep_their_settings(tmp_path, capsy
         files[policy] = tmp_path / f"{policy}.json"
         assert run_bench([*TINY, "--op", "gdn", "--policy", policy, "--json", str(files[policy])], capsys)[0] == 0
     paths = [str(files["recompute"]), str(files["full"])]
-    code, out, _ = run_bench(["--from-json", *paths], capsys)
+    code, out, _ = run_lab(["--from-json", *paths], capsys)
     assert code == 0 and "gdn, rewy policy recompute" in out and "gdn, rewy policy full" in out
     assert "did not finish" not in out
-    data = merge_runs(paths)
+    data = load_dev_module("bench_lab", "merge").merge_runs(paths)
     assert data["settings"]["policies"] == ["recompute", "full"] and data["complete"]
     assert {p: e.get("REWY_HF_CHECK_FINITE") for p, e in data["rewy_env"].items()} == dict(zip(paths, "01"))
 
@@ -372,7 +372,7 @@ def test_fastest_rounds_leave_out_a_stalled_round(tmp_path, capsys):
     row["baseline_B_ms"] = 10 * min(base)
     row["speedup_B"] = row["baseline_B_ms"] / row["rewy_B_ms"]
     report.write_text(json.dumps(data))
-    code, out, _ = run_bench(["--from-json", str(report)], capsys)
+    code, out, _ = run_lab(["--from-json", str(report)], capsys)
     assert code == 0
     (median_line,) = [ln for ln in out.splitlines() if ln.startswith("geometric mean ")]
     (fast_line,) = [ln for ln in out.splitlines() if ln.startswith("geometric mean, fastest rounds")]
@@ -430,12 +430,12 @@ def test_model_level_on_a_tiny_preset(tmp_path, capsys):
     # Same weights, optimizer state and batch every step: both sides see the same loss, every step.
     assert data["loss_rel_diff"] < 1e-5
     assert data["unpatched"]["loss"][0] == pytest.approx(data["unpatched"]["loss"][1], rel=1e-6)
-    code, again, _ = run_bench(["--from-json", str(report)], capsys)
+    code, again, _ = run_lab(["--from-json", str(report)], capsys)
     assert code == 0 and "patched layers: 1" in again and "guard lifted" not in again
     # A GPU run whose unpatched GDN backward ran with FLA's guard lifted says its gradients are not trusted.
     data["settings"]["gdn_guard"] = {"requested": True, "was_active": True}
     report.write_text(json.dumps(data))
-    code, lifted, _ = run_bench(["--from-json", str(report)], capsys)
+    code, lifted, _ = run_lab(["--from-json", str(report)], capsys)
     assert code == 0 and "guard lifted" in lifted and "not trusted" in lifted
 
 
@@ -556,10 +556,10 @@ def test_gdn_is_checked_under_strong_decay_and_old_gdn_rows_do_not_combine_with_
         return without_check(paths[op], STRONG_CHECK, "strong_", tmp_path)
 
     md = tmp_path / "merged.md"
-    code, out, err = run_bench(["--from-json", older("delta_rule"), str(paths["gdn"]), "--markdown", str(md)], capsys)
+    code, out, err = run_lab(["--from-json", older("delta_rule"), str(paths["gdn"]), "--markdown", str(md)], capsys)
     assert code == 0, err
     assert STRONG_CHECK in md.read_text() and "strong-decay err" in md.read_text()
-    code, _, err = run_bench(["--from-json", older("gdn"), str(paths["gdn"])], capsys)
+    code, _, err = run_lab(["--from-json", older("gdn"), str(paths["gdn"])], capsys)
     assert code == 2 and "not checked under strong decay" in err and "old_gdn.json" in err
 
 

@@ -20,9 +20,10 @@ import torch
 from rewy_hf.bench.compile_bench import HELD_KERNELS, SIDES, compile_problems, run_compile_bench
 from rewy_hf.bench.kernel_profile import KERNEL_GROUPS, kernel_group
 from rewy_hf.bench.model_bench import ModelSettings
-from rewy_hf.bench.tables import format_compile_result, markdown_text
+from rewy_hf.bench.tables import format_compile_result
 
 import hf_tiny_models as hf
+from dev_scripts import load_dev_module
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_tables_and_json_round_trip(result, tmp_path):
             "settings": {"model": "tiny"}, "complete": True, **result}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(data))
-    md = markdown_text(json.loads(path.read_text()))
+    md = load_dev_module("bench_lab", "reports").markdown_text(json.loads(path.read_text()))
     header = next(line for line in md.splitlines() if line.startswith("| side"))
     assert header.count("|") == 9 + len(KERNEL_GROUPS)
     assert sum(line.startswith(f"| {side} |") for side in SIDES for line in md.splitlines()) == 4
@@ -132,7 +133,8 @@ def _run_file(tmp_path, name: str, result: dict, sides: list[str], **settings) -
 
 
 def test_split_runs_join_into_the_four_sided_result(result, tmp_path):
-    from rewy_hf.bench.merge import MergeError, merge_runs
+    merge = load_dev_module("bench_lab", "merge")
+    MergeError, merge_runs = merge.MergeError, merge.merge_runs
 
     a = _run_file(tmp_path, "a.json", result, ["unpatched eager", "patched eager", "patched compiled"])
     b = _run_file(tmp_path, "b.json", result, ["unpatched compiled"])
@@ -159,9 +161,7 @@ def test_split_runs_join_into_the_four_sided_result(result, tmp_path):
 
 
 def test_a_run_of_some_sides_says_which_were_left_out(result, tmp_path):
-    from rewy_hf.bench.merge import load_run
-
-    data = load_run(_run_file(tmp_path, "a.json", result, ["unpatched eager", "patched compiled"]))
+    data = load_dev_module("bench_lab", "merge").load_run(_run_file(tmp_path, "a.json", result, ["unpatched eager", "patched compiled"]))
     text = format_compile_result(data, "tiny")
     assert "not asked for (--sides): patched eager, unpatched compiled" in text and "not measured" not in text
 

@@ -30,11 +30,11 @@ def test_two_processes_time_rewy_and_check_every_row(tmp_path, capsys):
         assert set(row["ms"]) == {"B", "FB"} and all(t["rewy"] > 0 and "FLA" not in t for t in row["ms"].values())
         assert "need CUDA" in row["errors"]["FLA"]
     # the kept JSON gives the same table again, with the run's status
-    from rewy_hf.cli import main
+    from bench_cli import lab_main
 
     capsys.readouterr()
     md = tmp_path / "cp.md"
-    assert main(["bench", "--from-json", str(out), "--markdown", str(md)]) == 0
+    assert lab_main(["--from-json", str(out), "--markdown", str(md)]) == 0
     printed = capsys.readouterr().out
     table = md.read_text()
     assert table.count("| gdn2 | recompute | 1,192,2,16,16,packed=2 | 2 |") == 2     # B and FB

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench_cli import run_bench
+from bench_cli import run_bench, run_lab
 
 from rewy_hf import cli
 from rewy_hf.bench.kernel_profile import largest, summed
@@ -61,7 +61,7 @@ def test_the_tables_print_live_and_again_from_the_json(profiled_run, tmp_path, c
     data, path = profiled_run
     (row,) = data["rows"]
     md = tmp_path / "run.md"
-    code, out, _ = run_bench(["--from-json", str(path), "--markdown", str(md)], capsys)
+    code, out, _ = run_lab(["--from-json", str(path), "--markdown", str(md)], capsys)
     assert code == 0
     for text in (out, md.read_text()):
         assert "operators of one backward (self CPU time)" in text
@@ -143,7 +143,7 @@ def test_the_table_names_the_config_each_autotuned_kernel_ran_with():
 def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_path, capsys):
     _, path = profiled_run
     png = tmp_path / "speedup.png"
-    code, _, _ = run_bench(["--from-json", str(path), "--plot", str(png)], capsys)
+    code, _, _ = run_lab(["--from-json", str(path), "--plot", str(png)], capsys)
     assert code == 0
     for figure in (png, tmp_path / "speedup-kernels.png"):
         data = figure.read_bytes()
@@ -152,7 +152,7 @@ def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_
     plain = tmp_path / "plain.json"
     argv = [a for a in PROFILED if a != "--kernel-profile"] + ["--boundary", "B", "--json", str(plain)]
     assert run_bench(argv, capsys)[0] == 0
-    code, out, _ = run_bench(["--from-json", str(plain), "--plot", str(tmp_path / "plain.png")], capsys)
+    code, out, _ = run_lab(["--from-json", str(plain), "--plot", str(tmp_path / "plain.png")], capsys)
     assert code == 0 and (tmp_path / "plain.png").exists() and not (tmp_path / "plain-kernels.png").exists()
 
 

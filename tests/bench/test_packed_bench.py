@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench_cli import run_bench
+from bench_cli import run_bench, run_lab
 
 from rewy_hf.bench import packed_bench
 from rewy_hf.models.presets import build_preset
@@ -72,7 +72,7 @@ def test_the_command_times_each_side_over_new_packings(unpatched_run, tmp_path, 
         3, 256, build_preset("tiny-qwen3.5").config.vocab_size, 0, "cpu")[1]]
     assert min(data["documents_per_step"]) > 1
 
-    code, out, err = run_bench(["--from-json", str(unpatched_run), str(path), "--plot", str(plot),
+    code, out, err = run_lab(["--from-json", str(unpatched_run), str(path), "--plot", str(plot),
                                 "--markdown", str(md)], capsys)
     assert code == 0, err
     for name in ("unpatched eager", "patched eager"):
@@ -111,7 +111,7 @@ def test_a_side_stopped_part_way_keeps_the_steps_it_timed(tmp_path, capsys, monk
     assert len(side["step_ms"]) == 2 and len(side["loss"]) == 1 + 2
     assert side["dispatch"]["ops"]["gated_delta_rule"]["optimized_backward_calls"] >= 3
     assert not list(tmp_path.glob("*.tmp-*")), "the report is written whole or not at all"
-    code, out, err = run_bench(["--from-json", str(path)], capsys)
+    code, out, err = run_lab(["--from-json", str(path)], capsys)
     assert "patched eager (stopped after 2 of 3 steps)" in out
     assert code == 1 and "did not finish" in out
 
@@ -134,16 +134,16 @@ def test_a_run_that_fails_in_a_later_side_keeps_and_joins_the_sides_it_finished(
     assert code == 2 and "the compiled side failed" in data["error"]
     assert list(data["sides"]) == ["patched eager"] and len(data["sides"]["patched eager"]["step_ms"]) == 3
 
-    code, out, err = run_bench(["--from-json", str(path)], capsys)
+    code, out, err = run_lab(["--from-json", str(path)], capsys)
     assert code == 2 and "patched eager" in out and "stopped after the sides above" in out
-    code, out, err = run_bench(["--from-json", str(unpatched_run), str(path)], capsys)
+    code, out, err = run_lab(["--from-json", str(unpatched_run), str(path)], capsys)
     assert code == 2, err
     assert "unpatched eager" in out and "patched eager" in out
     assert f"problem: {path}: RuntimeError: the compiled side failed" in out
 
 
 def test_joining_refuses_a_side_twice_and_two_documents_checks(unpatched_run, capsys):
-    code, _, err = run_bench(["--from-json", str(unpatched_run), str(unpatched_run)], capsys)
+    code, _, err = run_lab(["--from-json", str(unpatched_run), str(unpatched_run)], capsys)
     assert code == 2 and "unpatched eager side is in both" in err
 
 

@@ -3,7 +3,7 @@
 docs/per-shape.md's tables, the FlashQLA forward + backward tables of docs/studies.md, and the
 generated tables of docs/performance.md (what serves a patched GDN call with flash-qla installed, the
 end-to-end compile steps, packed fine-tuning) and of docs/studies.md (further lengths, two further
-presets) are what `rewy-hf bench --from-json` makes of their files. The tables and figures computed
+presets) are what the developer bench's `--from-json` (dev/bench_lab) makes of their files. The tables and figures computed
 from several files or from a file's raw rows (performance.md's summary and its GDN note, FlashQLA's
 backward, KDA against TileLang, the model-level step, the notes under the per-shape tables, GDN2's
 packed row in studies.md) are recomputed here. So an edited number, a table left behind after a rerun,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rewy_hf.cli import main
+from bench_cli import lab_main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -70,12 +70,12 @@ def _prose(page: str, title: str) -> str:
 
 
 def _markdown(tmp_path_factory, files: list[str], status: int) -> str:
-    """`rewy-hf bench --from-json FILES --markdown OUT`, given the files as the repository root's
+    """`dev/bench_lab --from-json FILES --markdown OUT`, given the files as the repository root's
     relative paths (as the pages write the command), and the Markdown it writes."""
     out = tmp_path_factory.mktemp("published") / "out.md"
     paths = [str(DOCS / "bench" / f) for f in files]
     assert all(Path(p).is_file() for p in paths), files
-    assert main(["bench", "--from-json", *paths, "--markdown", str(out)]) == status
+    assert lab_main(["--from-json", *paths, "--markdown", str(out)]) == status
     return out.read_text().replace(f"{ROOT}/", "")
 
 

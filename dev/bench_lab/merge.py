@@ -1,4 +1,4 @@
-"""Several `rewy-hf bench --json` files as one report (``--from-json a.json b.json ...``).
+"""Kept `rewy-hf bench --json` files read back, several as one report (``--from-json a.json b.json ...``).
 
 Op-level runs (one per op, per GPU, or a later run completing one cut short by a time limit) combine
 into their rows in order; the result is complete if every file is, or if the rows together cover every
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 
-from ..kernels.vocabulary import POLICIES
-from ..op_inputs import BOUND_OPS, STRONG_OPS
-from .config import BOUND_CHECK, STRONG_CHECK
-from .cp_bench import CPRow
-from .rows import OpRow
+from rewy_hf.bench.config import BOUND_CHECK, STRONG_CHECK
+from rewy_hf.bench.cp_bench import CPRow
+from rewy_hf.bench.rows import OpRow
+from rewy_hf.kernels.vocabulary import POLICIES
+from rewy_hf.op_inputs import BOUND_OPS, STRONG_OPS
 
 # Settings that must agree for rows of different files to be compared.
 # "check" is compared by _merged_check. The policies a run asked for are not among them:
@@ -41,6 +41,11 @@ def load_run(path: str) -> dict:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise _not_a_report(path, f": {exc}") from None
+    return as_report(data, path)
+
+
+def as_report(data, path: str) -> dict:
+    """A run's --json document (read from ``path``) checked, with its rows as row objects."""
     if not isinstance(data, dict):
         raise _not_a_report(path, f" holds a JSON {_json_type(data)}, not a `rewy-hf bench --json` report (an "
                                   "object with kind, settings, ...)")
@@ -55,7 +60,7 @@ def load_run(path: str) -> dict:
     if data["kind"] in _ROW_FIELDS and not data.get("error"):
         _check_rows(path, data)
         row_type = OpRow if data["kind"] == "ops" else CPRow
-        data["rows"] = [row_type.from_json(r) for r in data["rows"]]
+        data = {**data, "rows": [row_type.from_json(r) for r in data["rows"]]}
     return data
 
 
@@ -187,7 +192,7 @@ def _merge_sides(paths: list[str], runs: list[dict], order: tuple[str, ...], may
 def _merge_four_sided(paths: list[str], runs: list[dict]) -> dict:
     """Several `--model X --compile --sides ...` runs as one four-sided result. Each compiled side
     reports the further lengths it ran, so runs may differ in those too."""
-    from .compile_bench import SIDES, summarize
+    from rewy_hf.bench.compile_bench import SIDES, summarize
 
     merged = _merge_sides(paths, runs, SIDES, ("sides", "lengths"), "runs that differ in --sides and --lengths")
     asked = [side for side in SIDES if any(side in run["settings"].get("sides", SIDES) for run in runs)]
@@ -200,7 +205,7 @@ def _merge_four_sided(paths: list[str], runs: list[dict]) -> dict:
 def _merge_packed(paths: list[str], runs: list[dict]) -> dict:
     """Several `--model X --packed --sides ...` runs as one: their sides, and the documents check of
     the run that made one."""
-    from .packed_bench import ALL_SIDES, packed_summary
+    from rewy_hf.bench.packed_bench import ALL_SIDES, packed_summary
 
     merged = _merge_sides(paths, runs, ALL_SIDES, ("sides",), "packed runs that differ in --sides")
     checks = [run["documents_check"] for run in runs if "documents_check" in run]

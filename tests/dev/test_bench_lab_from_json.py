@@ -1,4 +1,4 @@
-"""`rewy-hf bench --from-json` on files that are not what a run writes: each is refused with exit 2
+"""dev/bench_lab --from-json on files that are not what a `rewy-hf bench` run writes: each is refused with exit 2
 (1 would say a gradient check failed) and a message naming the file and what is wrong in it,
 never a traceback, and never an empty table with exit 0."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench_cli import run_bench
+from bench_cli import run_lab
 
 from rewy_hf import cli
 
@@ -58,7 +58,7 @@ def test_the_unedited_report_renders(tiny_run, tmp_path, capsys):
     """The file the refusals below are edited from is one --from-json shows, with its exit status."""
     path = tmp_path / "run.json"
     path.write_text(json.dumps(tiny_run))
-    code, out, err = run_bench(["--from-json", str(path)], capsys)
+    code, out, err = run_lab(["--from-json", str(path)], capsys)
     assert code == 0, err
     assert "delta_rule, rewy policy recompute" in out and "geometric mean" in out
 
@@ -67,7 +67,7 @@ def test_the_unedited_report_renders(tiny_run, tmp_path, capsys):
 def test_a_file_that_is_not_a_report_exits_2_naming_it(name, content, words, tiny_run, tmp_path, capsys):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(content(tiny_run)))
-    code, out, err = run_bench(["--from-json", str(path)], capsys)
+    code, out, err = run_lab(["--from-json", str(path)], capsys)
     assert code == 2, (out, err)
     assert f"--from-json {path}" in err, err
     for w in words:
@@ -80,7 +80,7 @@ def test_among_several_files_the_bad_one_is_named(tiny_run, tmp_path, capsys):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(tiny_run))
     bad.write_text(json.dumps(_edited(tiny_run, lambda d: _drop_field(d, "K"))))
-    code, _, err = run_bench(["--from-json", str(good), str(bad)], capsys)
+    code, _, err = run_lab(["--from-json", str(good), str(bad)], capsys)
     assert code == 2 and f"--from-json {bad}: rows[0] has no K" in err
 
 
@@ -90,10 +90,10 @@ def test_runs_without_rows_are_refused_together_but_completed_by_a_run_with_them
     report."""
     cut = tmp_path / "cut.json"
     cut.write_text(json.dumps(_edited(tiny_run, lambda d: d.update(rows=[], complete=False, exit_code=1))))
-    code, out, err = run_bench(["--from-json", str(cut), str(cut)], capsys)
+    code, out, err = run_lab(["--from-json", str(cut), str(cut)], capsys)
     assert code == 2 and out == "" and f"none of {cut}, {cut} has a row" in err
     rest = tmp_path / "rest.json"
     rest.write_text(json.dumps(tiny_run))
-    code, out, err = run_bench(["--from-json", str(cut), str(rest)], capsys)
+    code, out, err = run_lab(["--from-json", str(cut), str(rest)], capsys)
     assert code == 0, err
     assert "delta_rule, rewy policy recompute" in out and "did not finish" not in out

@@ -1,0 +1,12 @@
+"""The developer bench: `rewy-hf bench` with the reports made for working on rewy-hf itself.
+
+Run from a clone, outside the repository root (its ``kernels/`` folder would shadow Hugging Face's
+``kernels`` package): ``cd /tmp && python $REPO/dev/bench_lab [options]``. It takes every option of
+the installed `rewy-hf bench` and runs its op and model levels as that command does, and adds:
+
+``--from-json`` (``reports``, ``merge``): the tables of kept ``--json`` files, without running
+anything; several op-level files of one setup combine into one report, model-level runs of some
+``--sides`` each into one table. ``--markdown``: the tables as Markdown, as docs/ publishes them.
+
+``command`` builds the parser (the installed one plus these options) and runs what they ask for.
+"""

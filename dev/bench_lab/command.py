@@ -1,0 +1,48 @@
+"""The developer bench's command line: the installed `rewy-hf bench` parser with the developer options
+added, and the dispatch to the installed bench or to this package's modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from rewy_hf.cli import bench
+from rewy_hf.cli.options import HelpFormatter, JsonReport
+
+from . import reports
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python $REPO/dev/bench_lab", formatter_class=HelpFormatter,
+                                     description=f"{bench.HELP}; with the developer options below")
+    bench.add_arguments(parser)
+    lab = parser.add_argument_group("developer options (not in the installed rewy-hf bench)")
+    lab.add_argument("--markdown", default=None, metavar="OUT.md",
+                     help="also write the tables as Markdown (for docs/); works with --from-json")
+    lab.add_argument("--from-json", nargs="+", default=None, metavar="RUN.json",
+                     help="run nothing: print the tables of an earlier run's --json (and draw --plot from it); "
+                          "exits with its status. Several op-level files of one setup are combined into one "
+                          "report, and model-level runs of some --sides each (on the same settings) into one table")
+    return parser
+
+
+class KeptReport(JsonReport):
+    """The --json report, its final document also kept (for --markdown)."""
+    data: dict | None = None
+
+    def finish(self, data: dict) -> None:
+        self.data = data
+        super().finish(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+    args = build_parser().parse_args(argv)
+    if args.from_json:
+        return reports.render(args)
+    report = KeptReport(args.json)
+    code = bench.run(args, report)
+    if args.markdown and code != 2 and report.data is not None:
+        reports.write_markdown(args.markdown, report.data, sys.stderr if report.to_stdout else None)
+    return code
