@@ -1,0 +1,392 @@
+"""A fused GDN backward in Gluon: the reverse state walk and the local Residual WY gradients in one kernel.
+
+One program per (sequence, value head) walks the chunks from last to first, as FlashQLA's fused
+backward does. The state gradient dh [K, V] stays on chip for the whole walk (fp32 in registers, a
+16-bit copy in shared memory as the operand of its products); dv2, dh and the local value gradient
+are never written to memory. Every product is a Hopper warpgroup MMA on shared-memory operands
+(Triton's ``tl`` language could not keep dh on chip: docs/studies.md, "A fused GDN backward in
+Triton: does it fit?"). Per chunk, with G the chunk-local log2 cumulative gate and G_C its last row:
+
+    dV_loc = (Aqk)^T dO                        Aqk: the causal, gated, scaled q-k products
+    dV2    = dV_loc + diag(2^(G_C - G)) K dh
+    dY     = A^T dV2                           -> dv = beta dY, dbeta
+    the local ReWY gradients of kernels/triton_backend/scalar_gate/local_backward.py, whole K
+    dh    <- 2^G_C dh + scale (Q diag(2^G))^T dO - (diag(beta 2^G) K)^T dY
+
+The last line is the walk's W^T dV2 with W = A diag(beta 2^G) K, so w is never read.
+
+Inputs are what rewy's backward holds after its state pass (h, v_new per chunk). This version takes
+bf16 inputs, K = V = 128, T a multiple of 64, no packing: the shapes of the go / no-go at
+(8, 2048, 16). It is not wired into the library.
+
+    # compile for sm_90 on any machine (the GPU's triton first on the path) and print its resources
+    PYTHONPATH=/tmp/triton-3.6 python -P $REPO/dev/gdn_fused_gluon.py --resources
+    # on an H100 / H200: gradients against rewy's split kernels, then the timings
+    python $REPO/dev/gdn_fused_gluon.py --check --time --shapes 8,2048,16 4,4096,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma  # noqa: E402
+
+NUM_WARPS = 8
+C = 64
+# The block-wide barrier is gl.thread_barrier in triton 3.6 (the GPU machines' version), gl.barrier later.
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# and the TMA load tma.async_copy_global_to_shared, later tma.async_load (same arguments).
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _offsets(row0, R: gl.constexpr, N: gl.constexpr, row_stride, layout: gl.constexpr):
+    # The first row enters before the broadcast: offsets of a tile that moves with the loop are formed in
+    # it, where loop-invariant [R, N] offset tiles would hold about 200 registers through the walk.
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    return gl.expand_dims((row0 + rows) * row_stride, 1) + gl.expand_dims(cols, 0)
+
+
+@gluon.jit
+def _sync():
+    # Threads' shared-memory stores must reach the async proxy the MMAs read through, in every warp.
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
+def gdn_fused_bwd_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk, dv, dg, db,
+                         dh0, scale, T,
+                         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                         USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
+    BT: gl.constexpr = 64
+    f32: gl.constexpr = gl.float32
+    lp: gl.constexpr = gl.bfloat16
+    # 8 warps: [64, 128] products split their columns over the two warpgroups, the [128, 128] state
+    # gradient its rows. The tiles come in by TMA, straight into shared memory.
+    MW: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    MH: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 128, 16])
+    AW: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MW, k_width=2)
+    AS: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
+    SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROW_W: gl.constexpr = gl.SliceLayout(1, MW)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
+    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
+
+    q_s = gl.allocate_shared_memory(lp, [BT, K], SW)
+    k_s = gl.allocate_shared_memory(lp, [BT, K], SW)
+    do_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    vn_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    a_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
+    p_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
+    h_s = gl.allocate_shared_memory(lp, [K, V], SW)
+    dh_s = gl.allocate_shared_memory(lp, [K, V], SW)
+    x1_s = gl.allocate_shared_memory(lp, [BT, V], SW)     # dV2, then the gated queries
+    x2_s = gl.allocate_shared_memory(lp, [BT, V], SW)     # dY
+    x3_s = gl.allocate_shared_memory(lp, [BT, K], SW)     # -(beta 2^G) K
+
+    i_nh = gl.program_id(0)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    NT = T // BT
+    bos = i_n.to(gl.int64) * T
+    v += (bos * HV + i_hv) * V
+    dv += (bos * HV + i_hv) * V
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    g += bos * HV + i_hv
+    beta += bos * HV + i_hv
+    dg += bos * HV + i_hv
+    db += bos * HV + i_hv
+    row0 = i_n * T                       # the sequence's first row in the [B T, heads x dim] views
+    h_row0 = (i_n * NT * HV + i_hv) * K  # its first state's first row in the [B NT HV K, V] view
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    nbytes: gl.constexpr = 2 * (2 * BT * K + 2 * BT * V + BT * BT + K * V)
+
+    rows_w = gl.arange(0, BT, layout=ROW_W)
+    rows_s = gl.arange(0, BT, layout=ROW_S)
+    cols_s = gl.arange(0, BT, layout=COL_S)
+    r_s = gl.expand_dims(rows_s, 1)
+    c_s = gl.expand_dims(cols_s, 0)
+
+    if USE_DHT:
+        b_dh = gl.load(dht + i_nh.to(gl.int64) * K * V + _offsets(0, K, V, V, MH))
+    else:
+        b_dh = gl.zeros([K, V], f32, MH)
+    dh_s.store(b_dh.to(lp))
+
+    for j in range(NT):
+        i_t = NT - 1 - j
+        tok = i_t.to(gl.int64) * BT
+        _barrier()              # every warp is done with the previous chunk's tiles
+        fence_async_shared()             # the generic reads of those tiles are ordered before the TMA writes
+        mbarrier.expect(bar, nbytes)
+        r = row0 + i_t * BT
+        _tma_load(q_desc, [r, i_h * K], bar, q_s)
+        _tma_load(k_desc, [r, i_h * K], bar, k_s)
+        _tma_load(do_desc, [r, i_hv * V], bar, do_s)
+        _tma_load(vn_desc, [r, i_hv * V], bar, vn_s)
+        _tma_load(a_desc, [r, i_hv * BT], bar, a_s)
+        _tma_load(h_desc, [h_row0 + i_t * (HV * K), 0], bar, h_s)
+        g_w = gl.load(g + (tok + rows_w) * HV)
+        g_r = gl.load(g + (tok + rows_s) * HV)
+        g_c = gl.load(g + (tok + cols_s) * HV)
+        g_last = gl.load(g + (tok + BT - 1) * HV)
+        b_w = gl.load(beta + (tok + rows_w) * HV).to(f32)
+        b_r = gl.load(beta + (tok + rows_s) * HV).to(f32)
+        mbarrier.wait(bar, j & 1)
+
+        # the decay term of the carried state: sum(h * dh), dh the gradient leaving this chunk
+        b_dgc = gl.sum(gl.sum(h_s.load(MH).to(f32) * b_dh, axis=1), axis=0)
+
+        # dV_loc = Aqk^T dO, from S^T[j, i] = scale k_j . q_i 2^(G_i - G_j), i >= j (masked before exp2)
+        b_kq = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
+        causal = c_s >= r_s
+        b_st = b_kq * gl.exp2(gl.where(causal, gl.expand_dims(g_c, 0) - gl.expand_dims(g_r, 1), float("-inf")))
+        b_st = (b_st * scale).to(lp)
+        b_dv2 = warpgroup_mma(gl.convert_layout(b_st, AW), do_s, gl.zeros([BT, V], f32, MW), use_acc=False)
+        b_kdh = warpgroup_mma(k_s, dh_s, gl.zeros([BT, V], f32, MW), use_acc=False)
+        b_rev = gl.exp2(g_last - g_w)
+        b_dv2 += b_kdh * gl.expand_dims(b_rev, 1)
+        x1_s.store(b_dv2.to(lp))
+        _sync()
+
+        # dY = A^T dV2 -> dv, beta's gradient
+        b_dy = warpgroup_mma(a_s.permute((1, 0)), x1_s, gl.zeros([BT, V], f32, MW), use_acc=False)
+        gl.store(dv + _offsets(tok, BT, V, HV * V, MW), (b_dy * gl.expand_dims(b_w, 1)).to(dv.dtype.element_ty))
+        b_dbeta = gl.sum(b_dy * gl.load(v + _offsets(tok, BT, V, HV * V, MW)).to(f32), axis=1)
+        b_dy_lp = b_dy.to(lp)
+        x2_s.store(b_dy_lp)
+
+        # dk is built in one accumulator, key-state term first: Vn dh^T gated to the chunk's end
+        b_dk = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([BT, K], f32, MW), use_acc=False)
+        b_dk = b_dk * gl.expand_dims(b_rev, 1)
+        b_kc = gl.sum(b_dk * k_s.load(MW).to(f32), axis=1)
+
+        # Output side: P2 = dAqk * Gamma -> dq and q's share of dk
+        b_daqk = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
+        below = c_s < r_s
+        gam = gl.exp2(gl.where(below, gl.expand_dims(g_r, 1) - gl.expand_dims(g_c, 0), float("-inf")))
+        b_diag = gl.convert_layout(scale * gl.sum(gl.where(c_s == r_s, b_daqk, 0.0), axis=1), ROW_W)
+        b_p2 = (b_daqk * gam * scale).to(lp)
+        b_eg = gl.exp2(g_w)
+        b_dq = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([BT, K], f32, MW), use_acc=False)
+        b_dq = warpgroup_mma(gl.convert_layout(b_p2, AW), k_s, b_dq * gl.expand_dims(scale * b_eg, 1))
+        b_dG = gl.sum(q_s.load(MW).to(f32) * b_dq, axis=1)
+        b_dq += gl.expand_dims(b_diag, 1) * k_s.load(MW).to(f32)
+        gl.store(dq + _offsets(tok, BT, K, HV * K, MW), b_dq.to(dq.dtype.element_ty))
+        p_s.store(b_p2)
+        _sync()
+        b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, b_dk)
+
+        # Key side: dX = -dY h^T, P = -(dY Vn^T) * Gamma, Gram Elimination as the local kernel
+        b_dyvn = warpgroup_mma(gl.convert_layout(b_dy_lp, AS), vn_s.permute((1, 0)),
+                               gl.zeros([BT, BT], f32, MS), use_acc=False)
+        b_pm = -b_dyvn * gam
+        b_da = warpgroup_mma(gl.convert_layout(b_dy_lp, AW), h_s.permute((1, 0)),
+                             gl.zeros([BT, K], f32, MW), use_acc=False)
+        b_da = warpgroup_mma(gl.convert_layout(b_pm.to(lp), AW), k_s, -b_da * gl.expand_dims(b_eg, 1))
+        _barrier()              # p_s is read by every warp's MMA above before it is rewritten
+        p_s.store((b_pm * gl.expand_dims(b_r, 1)).to(lp))
+        _sync()
+        b_dk = warpgroup_mma(p_s.permute((1, 0)), k_s, b_dk)
+        b_k = k_s.load(MW).to(f32)
+        b_dbeta += gl.sum(b_da * b_k, axis=1)
+        gl.store(db + (tok + rows_w) * HV, b_dbeta)
+        # the accumulator holds dkc + dkg, and k . dkc is kc
+        b_dG += gl.sum(b_k * (gl.expand_dims(b_w, 1) * b_da - b_dk), axis=1) + b_kc
+        b_kc = gl.convert_layout(b_kc, COL_S)
+        b_dGc = gl.convert_layout(b_dG, COL_S)
+        b_before = gl.sum(gl.where(below, gl.expand_dims(b_kc, 0), 0.0), axis=1)
+        b_after = gl.sum(gl.where(c_s >= r_s, gl.expand_dims(b_dGc, 0), 0.0), axis=1)
+        gl.store(dg + (tok + rows_s) * HV, b_after + b_before + b_dgc * gl.exp2(g_last))
+        b_q = q_s.load(MW).to(f32)
+        b_dk += gl.expand_dims(b_diag, 1) * b_q + b_da * gl.expand_dims(b_w, 1)
+        gl.store(dk + _offsets(tok, BT, K, HV * K, MW), b_dk.to(dk.dtype.element_ty))
+
+        # dh <- 2^G_C dh + scale (Q diag(2^G))^T dO - (diag(beta 2^G) K)^T dY
+        x1_s.store((b_q * gl.expand_dims(scale * b_eg, 1)).to(lp))
+        x3_s.store((b_k * gl.expand_dims(-b_w * b_eg, 1)).to(lp))
+        _sync()
+        b_dh = b_dh * gl.exp2(g_last)
+        b_dh = warpgroup_mma(x1_s.permute((1, 0)), do_s, b_dh)
+        b_dh = warpgroup_mma(x3_s.permute((1, 0)), x2_s, b_dh)
+        _barrier()              # every warp's reads of dh_s are done
+        dh_s.store(b_dh.to(lp))
+
+    mbarrier.invalidate(bar)
+    if USE_DH0:
+        gl.store(dh0 + _offsets(i_nh.to(gl.int64) * K, K, V, V, MH), b_dh)
+
+
+def shared_layout():
+    """The 128-byte swizzled layout of every 16-bit tile (rows of 64 or 128 elements)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: float = 1.0):
+    """(dq, dk per value head in fp32, dv, dg share, db, dh0) from the inputs of rewy's local kernel."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if (K, V) != (128, 128) or T % C or q.dtype != torch.bfloat16:
+        raise ValueError(f"this kernel takes bf16, K = V = 128 and T a multiple of {C}: got {q.dtype}, "
+                         f"K = {K}, V = {V}, T = {T}")
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dv = torch.empty_like(v)
+    dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
+    db = torch.empty_like(dg)
+    dh0 = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
+    lay = shared_layout()
+    NT = T // C
+
+    def desc(x, rows, block):
+        return TensorDescriptor.from_tensor(x.reshape(rows, -1), block, lay)
+
+    gdn_fused_bwd_kernel[(B * HV,)](
+        desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), v, desc(v_new, B * T, [C, V]), g, beta,
+        desc(A, B * T, [C, C]), desc(h, B * NT * HV * K, [K, V]), desc(do, B * T, [C, V]),
+        dht if dht is not None else dg, dq, dk, dv, dg, db,
+        dh0 if dh0 is not None else dg, scale, T, H=H, HV=HV, K=K, V=V, USE_DHT=dht is not None,
+        USE_DH0=dh0 is not None, num_warps=NUM_WARPS)
+    return dq, dk, dv, dg, db, dh0
+
+
+def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90):
+    """The kernel compiled for sm_<arch> without a GPU (bf16 inputs, fp32 gate and outputs)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = gdn_fused_bwd_kernel
+    bf16 = {"v", "beta", "dv"}
+    blocks = {"q_desc": (C, 128), "k_desc": (C, 128), "vn_desc": (C, 128), "do_desc": (C, 128), "a_desc": (C, C),
+              "h_desc": (128, 128)}
+    const = dict(H=H, HV=HV, K=128, V=128, USE_DHT=False, USE_DH0=False)
+    sig = {}
+    for n in fn.arg_names:
+        sig[n] = "constexpr" if n in const else "fp32" if n == "scale" else "i32" if n == "T" else \
+            f"tensordesc<bf16[{blocks[n][0]}, {blocks[n][1]}],{shared_layout()!r}>" if n in blocks else \
+            "*bf16" if n in bf16 else "*fp32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()},
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=NUM_WARPS))
+
+
+def _resources() -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_registers import opcode_counts, resource_usage
+
+    compiled = compile_sm90()
+    row = {"kernel": "gdn_fused_bwd_kernel (Gluon)", "triton": triton.__version__, "warps": NUM_WARPS,
+           **resource_usage(compiled)}
+    ops = opcode_counts(compiled)
+    row["instructions"] = sum(ops.values())
+    row["wgmma"] = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    return row
+
+
+def split_backward_inputs(B, T, H, seed=0):
+    """Inputs and outputs of rewy's split backward (full policy) at one shape, captured at its local kernel."""
+    import torch
+    import rewy_hf
+    from rewy_hf.kernels.triton_backend.scalar_gate import stages
+
+    torch.manual_seed(seed)
+    dev = "cuda"
+    K = V = 128
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+    v = torch.randn(B, T, H, V, device=dev).bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev) + 4).requires_grad_()
+    beta = torch.rand(B, T, H, device=dev).sigmoid().bfloat16().requires_grad_()
+    do = torch.randn(B, T, H, V, device=dev).bfloat16()
+    seen = {}
+    original = stages.ScalarGate.local_backward
+
+    def capture(t, do_, dh, dv2, call, pk):
+        out = original(t, do_, dh, dv2, call, pk)
+        seen.update(w=t.w, q=t.q, k=t.k, v=t.v, v_new=t.v_new, g=t.g2, beta=t.beta, A=t.A, h=t.h, do=do_, dh=dh,
+                    dv2=dv2, scale=call.scale, out=out)
+        return out
+
+    stages.ScalarGate.local_backward = staticmethod(capture)
+    try:
+        o, _ = rewy_hf.chunk_gated_delta_rule(q, k, v, g, beta, backend="triton", policy="full")
+        o.backward(do)
+    finally:
+        stages.ScalarGate.local_backward = staticmethod(original)
+    return seen
+
+
+def _check_and_time(shapes, check: bool, time: bool) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+    from rewy_hf.kernels.triton_backend.scalar_gate import reverse_walk
+    from rewy_hf.kernels.triton_backend.scalar_gate.local_backward import rewy_gdn_bwd_local
+    from rewy_hf.kernels.triton_backend import fla_stages
+
+    rows = []
+    for B, T, H in shapes:
+        s = split_backward_inputs(B, T, H)
+        args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+        row = {"B": B, "T": T, "H": H}
+        if check:
+            got = fused_backward(*args, scale=s["scale"])
+            torch.cuda.synchronize()
+            names = ("dq", "dk", "dv", "dg", "db")
+            for name, a, b in zip(names, got, s["out"]):
+                a, b = a.float(), b.float()
+                row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+                row[f"finite_{name}"] = bool(torch.isfinite(a).all())
+        if time:
+            row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
+
+            def split():
+                dvl = fla_stages.dv_local(q=s["q"], k=s["k"], do=s["do"], g=s["g"], scale=s["scale"], chunk_size=64)
+                dh, _, dv2 = reverse_walk.reverse_walk(s["q"], s["k"], s["w"], s["do"], dvl,
+                                                       g=s["g"], scale=s["scale"])
+                rewy_gdn_bwd_local(s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], dh,
+                                   s["do"], dv2, scale=s["scale"])
+            row["split_ms"] = do_bench(split, return_mode="median")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--resources", action="store_true", help="compile for sm_90 here and print its resources")
+    p.add_argument("--check", action="store_true", help="GPU: gradients against rewy's split kernels")
+    p.add_argument("--time", action="store_true", help="GPU: the fused kernel against the split kernels it replaces")
+    p.add_argument("--shapes", nargs="+", default=["8,2048,16"], metavar="B,T,H")
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    a = p.parse_args()
+    out = {}
+    if a.resources:
+        out["resources"] = _resources()
+        print(json.dumps(out["resources"]))
+    if a.check or a.time:
+        out["rows"] = _check_and_time([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.check, a.time)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
