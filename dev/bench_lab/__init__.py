@@ -4,6 +4,9 @@ Run from a clone, outside the repository root (its ``kernels/`` folder would sha
 ``kernels`` package): ``cd /tmp && python $REPO/dev/bench_lab [options]``. It takes every option of
 the installed `rewy-hf bench` and runs its op and model levels as that command does, and adds:
 
+``--context-parallel`` (``context_parallel``): one packed row split across the processes of a
+torchrun launch, rewy's op against FLA's on every slice.
+
 ``--from-json`` (``reports``, ``merge``): the tables of kept ``--json`` files, without running
 anything; several op-level files of one setup combine into one report, model-level runs of some
 ``--sides`` each into one table. ``--markdown``: the tables as Markdown, as docs/ publishes them.

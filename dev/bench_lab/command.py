@@ -10,7 +10,7 @@ import warnings
 from rewy_hf.cli import bench
 from rewy_hf.cli.options import HelpFormatter, JsonReport
 
-from . import reports
+from . import context_parallel, reports
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=f"{bench.HELP}; with the developer options below")
     bench.add_arguments(parser)
     lab = parser.add_argument_group("developer options (not in the installed rewy-hf bench)")
+    lab.add_argument("--context-parallel", action="store_true",
+                     help="launched as N processes (torchrun --nproc-per-node N $REPO/dev/bench_lab ...; one GPU "
+                          "each, gloo on CPU): each --shapes row (B = 1, T divisible by N) is split across them "
+                          "with FLA's cp_context, and rewy's op is timed against FLA's on every slice (gdn, kda, "
+                          "gdn2); a round's time is the slowest process's")
     lab.add_argument("--markdown", default=None, metavar="OUT.md",
                      help="also write the tables as Markdown (for docs/); works with --from-json")
     lab.add_argument("--from-json", nargs="+", default=None, metavar="RUN.json",
@@ -41,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         return reports.render(args)
-    report = KeptReport(args.json)
-    code = bench.run(args, report)
+    report, more = KeptReport(args.json), {}
+    if args.context_parallel:
+        if (reason := context_parallel.refusal(args)) is not None:
+            print(f"bench_lab: {reason}", file=sys.stderr)
+            return 2
+        more["level"] = context_parallel.run_cp
+    code = bench.run(args, report, **more)
     if args.markdown and code != 2 and report.data is not None:
         reports.write_markdown(args.markdown, report.data, sys.stderr if report.to_stdout else None)
     return code

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 
 from rewy_hf.bench.config import BOUND_CHECK, STRONG_CHECK
-from rewy_hf.bench.cp_bench import CPRow
 from rewy_hf.bench.rows import OpRow
 from rewy_hf.kernels.vocabulary import POLICIES
 from rewy_hf.op_inputs import BOUND_OPS, STRONG_OPS
+
+from .context_parallel import CPRow
 
 # Settings that must agree for rows of different files to be compared.
 # "check" is compared by _merged_check. The policies a run asked for are not among them:

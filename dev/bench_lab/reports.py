@@ -8,9 +8,10 @@ import sys
 
 from rewy_hf.bench.plots import plot_unavailable
 from rewy_hf.bench.runner import write_plot
-from rewy_hf.bench.tables import (format_compile_result, format_cp_rows, format_model_result, format_op_tables,
-                                  format_packed_result, op_base)
+from rewy_hf.bench.tables import (format_compile_result, format_model_result, format_op_tables, format_packed_result,
+                                  op_base)
 
+from .context_parallel import format_cp_rows
 from .merge import MergeError, as_report, merge_runs
 
 
@@ -78,12 +79,13 @@ def render(args) -> int:
         print(f"bench_lab: {exc}", file=sys.stderr)
         return 2
     print(report_text(data))
-    if args.plot and data["kind"] == "context_parallel":
-        print("note: --context-parallel runs have a table and no plot")
     if not data.get("complete", False):
         which = "one of these runs" if data.get("sources") else "that run"
         print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
     if args.markdown:
         write_markdown(args.markdown, data)
-    write_plot(args, data)
+    if data["kind"] != "context_parallel":
+        write_plot(args, data)
+    elif args.plot:
+        print("note: --context-parallel runs have a table and no plot")
     return int(data.get("exit_code", 1))

@@ -42,7 +42,7 @@ UNTRUSTED_TOL = 1e-2
 
 @dataclass
 class Settings:
-    """How an op-level run times and checks (a context-parallel process: ``device`` is its cuda:N)."""
+    """How an op-level run times and checks (``device`` may name one GPU, cuda:N)."""
     device: str
     backend: str
     reps: int

@@ -86,7 +86,7 @@ def plot_run(data: dict, path: str) -> list[str]:
     if kind == "ops":
         return _plot_op_run(data["rows"], st["boundaries"], path, op_base(data), device_name,
                             data.get("device", "cuda"))
-    if kind == "context_parallel" or (kind == "packed" and not data.get("sides")):
+    if kind == "packed" and not data.get("sides"):
         return []
     title = (f"{st['model']}, {st.get('batch_size', 1)}x{st.get('seq_len')} {'packed ' * (kind == 'packed')}tokens, "
              f"{st.get('dtype')}, {device_name}")

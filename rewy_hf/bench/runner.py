@@ -1,9 +1,8 @@
-"""Running `rewy-hf bench` from its parsed options: the op level, the model level (two-sided,
-``--compile``, ``--packed``) and ``--context-parallel``. Each prints its progress and
-tables, keeps the --json report up to date (``report.save`` as it goes, ``report.finish`` at the end,
-``report.human_output()`` around what it prints) and returns the exit status: 0 every check passed,
-1 a check failed. A run that cannot start, or stops before a result, raises ``CouldNotRun`` (exit
-status 2) with the reason and the fix.
+"""Running `rewy-hf bench` from its parsed options: the op level and the model level (two-sided,
+``--compile``, ``--packed``). Each prints its progress and tables, keeps the --json report up to date
+(``report.save`` as it goes, ``report.finish`` at the end, ``report.human_output()`` around what it
+prints) and returns the exit status: 0 every check passed, 1 a check failed. A run that cannot start,
+or stops before a result, raises ``CouldNotRun`` (exit status 2) with the reason and the fix.
 """
 
 from __future__ import annotations
@@ -68,17 +67,13 @@ def write_plot(args, data: dict) -> list[str]:
     return plot_run(data, args.plot) if args.plot and not data.get("error") else []
 
 
-def run_bench(args, device: str, report) -> int:
-    """A live run on ``device`` (the caller has checked that it is there)."""
+def run_bench(args, device: str, report, level=None) -> int:
+    """A live run on ``device`` (the caller has checked that it is there); ``level``: a run of the
+    caller's own in place of the op or model level, called as they are."""
     from .plots import plot_unavailable
 
     if args.plot and (reason := plot_unavailable()):
         raise CouldNotRun(reason)
-    if args.context_parallel:
-        from .cp_bench import refusal
-
-        if (reason := refusal(args, device)) is not None:
-            raise CouldNotRun(reason)
     if device == "cpu":
         from ..cpu_triton import enable_cpu_interpreter
 
@@ -91,18 +86,17 @@ def run_bench(args, device: str, report) -> int:
     with warnings.catch_warnings(), report.human_output():
         # Each row names the backend that served it; the once-per-op warning adds nothing here.
         warnings.filterwarnings("ignore", message=r"rewy-hf: .* runs on the torch backend on GPU")
-        if args.model:
-            return run_model(args, device, guard, report)
-        return (run_cp if args.context_parallel else run_ops)(args, device, guard, report)
+        if level is None:
+            level = run_model if args.model else run_ops
+        return level(args, device, guard, report)
 
 
-def _settings(args, device: str, guard: dict, runs_on: str | None = None, **more):
-    """The op-level settings from the options, with the defaults of ``device``; ``runs_on``: the device
-    the process times on where it names one (cuda:N)."""
+def op_settings(args, device: str, guard: dict, **more):
+    """The op-level settings from the options, with the defaults of ``device``."""
     from .op_bench import Settings
 
     cpu = on_cpu(device)
-    return Settings(device=runs_on or device, backend=args.backend, reps=args.reps or OP_REPS[cpu],
+    return Settings(device=device, backend=args.backend, reps=args.reps or OP_REPS[cpu],
                     warmup=OP_WARMUP[cpu] if args.warmup is None else args.warmup, rep_ms=args.rep_ms,
                     check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard, **more)
 
@@ -114,7 +108,7 @@ def run_ops(args, device: str, guard: dict, report) -> int:
 
     cuda = device == "cuda"
     shapes, origin = resolve_shapes(args.shapes, device)
-    s = _settings(args, device, guard, peers=tuple(expand(args.peers, PEERS, "all", ())),
+    s = op_settings(args, device, guard, peers=tuple(expand(args.peers, PEERS, "all", ())),
                   kernel_profile=args.kernel_profile)
     plan = OpRun(ops=expand(args.op, OPS, "all", OPS), policies=expand(args.policy, POLICIES, "both", POLICIES),
                  boundaries=expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), shapes=shapes,
@@ -143,51 +137,6 @@ def run_ops(args, device: str, guard: dict, report) -> int:
           + (f"; JSON: {args.json}" if args.json and not report.to_stdout else "")
           + (f"; plot: {', '.join(plots)}" if plots else ""))
     report.finish(as_json(data))
-    return 1 if failed else 0
-
-
-def run_cp(args, device: str, guard: dict, report) -> int:
-    """The --context-parallel bench on this process (every process of the launch runs it); the
-    first process prints the table and writes the --json report."""
-    import torch.distributed as dist
-
-    from .cp_bench import CP_OPS, INNER_RUNS, launched_world, run_row, start
-    from .tables import format_cp_rows
-
-    rank, world = launched_world()
-    lead = rank == 0
-    shapes, _ = resolve_shapes(args.shapes, device)
-    s = _settings(args, device, guard, runs_on=start(device))
-    data = {"kind": "context_parallel", **environment(device), "processes": world,
-            "settings": {"backend": args.backend, "reps": s.reps, "warmup": s.warmup, "seed": s.seed,
-                         "runs_per_round": INNER_RUNS["cpu" if device == "cpu" else "cuda"],
-                         "timing": "per round, the slowest process's time per run; the median round",
-                         "gdn_guard": guard}, "rows": []}
-    if lead:
-        print(f"rewy-hf bench --context-parallel on {world} processes ({data['device_name']}): rewy's ops against "
-              "FLA 0.6.0's, each process on its slice of one packed row")
-        if device == "cpu":
-            print("NOTE: CPU run (gloo): FLA's side needs CUDA, so only rewy's side runs; these times say nothing "
-                  "about a GPU.")
-    for shape in shapes:
-        for op in expand(args.op, CP_OPS, "all", CP_OPS):
-            for policy in expand(args.policy, POLICIES, "both", POLICIES):
-                row = run_row(op, policy, shape, expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), s)
-                data["rows"].append(row)
-                if lead:
-                    ms = ", ".join(f"{b}: " + " / ".join(f"{n} {v:.3f} ms" for n, v in t.items())
-                                   for b, t in row.ms.items())
-                    print(f"{op} {policy} {shape.label}: {ms}; err rewy {row.err.get('rewy', float('nan')):.1e}"
-                          f"{'' if row.passed else '  CHECK FAILED'}", flush=True)
-                    report.save(as_json(data))
-    failed = not all(row.passed for row in data["rows"])
-    data["complete"], data["exit_code"] = True, 1 if failed else 0
-    if lead:
-        print(format_cp_rows(data["rows"]))
-        report.finish(as_json(data))
-        write_plot(args, data)
-    dist.barrier()
-    dist.destroy_process_group()
     return 1 if failed else 0
 
 

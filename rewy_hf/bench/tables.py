@@ -1,6 +1,6 @@
 """The tables of `rewy-hf bench`, as plain text and as Markdown (for docs/performance.md): the op
 level's per (op, policy) with its peers and kernel profiles, the model level's, the four-sided and
-packed runs' sides, and the context-parallel table."""
+packed runs' sides."""
 
 from __future__ import annotations
 
@@ -13,16 +13,17 @@ from .rows import Check, OpRow
 TOP_KERNELS = 10
 
 
-def _f(x, fmt: str, suffix: str = "") -> str:
+def cell(x, fmt: str, suffix: str = "") -> str:
+    """A table cell: ``x`` formatted, or "-" where there is none."""
     return "-" if x is None else format(x, fmt) + suffix
 
 
-def _ms(x) -> str:
-    return _f(x, ".3f" if x is None or x < 10 else ".1f")
+def ms_cell(x) -> str:
+    return cell(x, ".3f" if x is None or x < 10 else ".1f")
 
 
-def _x(x) -> str:
-    return _f(x, ".2f", "x")
+def speedup_cell(x) -> str:
+    return cell(x, ".2f", "x")
 
 
 def table(header: list[str], rows: list[list[str]], markdown: bool = False, rule: bool = True) -> list[str]:
@@ -36,7 +37,7 @@ def table(header: list[str], rows: list[list[str]], markdown: bool = False, rule
     return [line(header), *(["  ".join("-" * w for w in widths)] if rule else []), *map(line, rows)]
 
 
-def _titled(title: str, lines: list[str], notes: list[str], markdown: bool, level: str = "####") -> str:
+def titled(title: str, lines: list[str], notes: list[str], markdown: bool, level: str = "####") -> str:
     """A table under its title, its notes below it (Markdown: a list after a blank line)."""
     head = [f"{level} {title}\n" if markdown else title, *lines]
     if markdown:
@@ -98,7 +99,7 @@ def _errors(r: OpRow) -> list[tuple[str, str]]:
 
 
 def _err_of(check: Check | None, side: str, timing_only: bool = False) -> str:
-    return "timing only" if timing_only else _f(getattr(check, f"err_{side}", None), ".1e")
+    return "timing only" if timing_only else cell(getattr(check, f"err_{side}", None), ".1e")
 
 
 # The second checks' columns and notes: (column name, OpRow field, marked timing only as the main check, note).
@@ -126,8 +127,8 @@ def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device:
     for r in rows:
         cells = [shape_label(r, kv=kv)]
         for bd in boundaries:
-            cells += [_ms(r.baseline.ms.get(bd)), _ms(r.rewy.ms.get(bd)), _x(r.speedup.get(bd))]
-        cells += [_f(r.baseline.peak_mb, ".0f"), _f(r.rewy.peak_mb, ".0f")] if cuda else []
+            cells += [ms_cell(r.baseline.ms.get(bd)), ms_cell(r.rewy.ms.get(bd)), speedup_cell(r.speedup.get(bd))]
+        cells += [cell(r.baseline.peak_mb, ".0f"), cell(r.rewy.peak_mb, ".0f")] if cuda else []
         for _, field, marked, _ in checks:
             c = getattr(r, field)
             cells += [_err_of(c, "baseline", marked and r.baseline_timing_only), _err_of(c, "rewy")]
@@ -137,7 +138,7 @@ def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device:
               lambda r, bd: r.speedup.get(bd))]
     means += [("geometric mean, fastest rounds", fastest_round_speedup)] if several else []
     for label, speedup in means:
-        gm = [label] + [c for bd in boundaries for c in ("", "", _x(geomean([speedup(r, bd) for r in rows])))]
+        gm = [label] + [c for bd in boundaries for c in ("", "", speedup_cell(geomean([speedup(r, bd) for r in rows])))]
         body.append(gm + [""] * (len(header) - len(gm)))
     backends = sorted({str(r.check.rewy_backend) for r in rows if r.check and r.check.rewy_backend})
     title = (f"{r0.op}, rewy policy {r0.policy} | {base}: {r0.baseline_policy or '-'} | "
@@ -152,7 +153,7 @@ def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device:
         notes.append("fastest rounds: each side's fastest of its alternating rounds, per shape; the median above "
                      "keeps rounds in which the host stalled either side, this line leaves them out")
     notes += [f"{shape_label(r)}: {what}: {why}" for r in rows for what, why in _errors(r)]
-    return _titled(title, table(header, body, markdown), notes, markdown)
+    return titled(title, table(header, body, markdown), notes, markdown)
 
 
 def format_op_tables(rows: list[OpRow], boundaries: list[str], base: str, device: str,
@@ -217,7 +218,7 @@ def format_kernel_table(r: OpRow, boundary: str, base: str, device: str, markdow
     title = f"{r.op}, rewy policy {r.policy}, {shape_label(r)}: {unit}s of {what} ({how})"
     notes = [f"{base if side == 'baseline' else side}: not profiled: {why}"
              for side, why in (r.kernel_profile_errors or {}).get(boundary, {}).items()]
-    text = _titled(title, table(header, body, markdown), notes, markdown, level="#####")
+    text = titled(title, table(header, body, markdown), notes, markdown, level="#####")
     return text + ("\n" if markdown and not notes else "")     # in Markdown a blank line follows, notes or not
 
 
@@ -242,9 +243,9 @@ def format_peer_table(rows: list[OpRow], boundaries: list[str], base: str, markd
                     notes.append(f"{n}: not timed: {p.skipped}")
                 continue
             for bd in boundaries:
-                cells += [_ms(p.timing.ms.get(bd)), _ms(r.rewy.ms.get(bd)), _x(p.speedup.get(bd))]
-            err = "timing only" if p.timing_only else _f(p.err, ".1e")
-            body.append(cells + [_f(p.timing.peak_mb, ".0f"), err, ", ".join(p.served_by or []) or
+                cells += [ms_cell(p.timing.ms.get(bd)), ms_cell(r.rewy.ms.get(bd)), speedup_cell(p.speedup.get(bd))]
+            err = "timing only" if p.timing_only else cell(p.err, ".1e")
+            body.append(cells + [cell(p.timing.peak_mb, ".0f"), err, ", ".join(p.served_by or []) or
                                  "its own kernels"])
             if p.timing.error:
                 notes.append(f"{shape_label(r)} {n}: {p.timing.error}")
@@ -253,29 +254,29 @@ def format_peer_table(rows: list[OpRow], boundaries: list[str], base: str, markd
         if timed:
             gm = ["geometric mean", n]
             for bd in boundaries:
-                gm += ["", "", _x(geomean([p.speedup.get(bd) for p in timed]))]
+                gm += ["", "", speedup_cell(geomean([p.speedup.get(bd) for p in timed]))]
             body.append(gm + [""] * (len(header) - len(gm)))
     served = sorted({x for r in rows for x in ((r.check and r.check.baseline_served_by) or [])})
     title = (f"{r0.op}, rewy policy {r0.policy}: peers beside {base} "
              f"({base} as installed was served by: {', '.join(served) or 'its own Triton kernels'})")
     notes += [f"{n}: {PEER_TEXT.get(n, n)}" for n in names]
-    return _titled(title, table(header, body, markdown), notes, markdown)   # notes: one per peer at least
+    return titled(title, table(header, body, markdown), notes, markdown)   # notes: one per peer at least
 
 
 def format_row_line(r: OpRow, boundaries: list[str], base: str) -> str:
     """The one line printed as each configuration finishes."""
     parts = [f"[{r.op} {r.policy}] {shape_label(r, kv=True)}"]
     for bd in boundaries:
-        parts.append(f"{bd} {base} {_ms(r.baseline.ms.get(bd))} / rewy {_ms(r.rewy.ms.get(bd))} ms "
-                     f"({_x(r.speedup.get(bd))})")
+        parts.append(f"{bd} {base} {ms_cell(r.baseline.ms.get(bd))} / rewy {ms_cell(r.rewy.ms.get(bd))} ms "
+                     f"({speedup_cell(r.speedup.get(bd))})")
     errs = f"err {base} {_err_of(r.check, 'baseline', r.baseline_timing_only)} rewy {_err_of(r.check, 'rewy')}"
     if r.bound:
-        errs += f"; bound err {base} {_f(r.bound.err_baseline, '.1e')} rewy {_f(r.bound.err_rewy, '.1e')}"
+        errs += f"; bound err {base} {cell(r.bound.err_baseline, '.1e')} rewy {cell(r.bound.err_rewy, '.1e')}"
     parts.append(f"{errs} -> {'PASS' if r.ok else 'FAIL'}")
     for name, p in (r.peers or {}).items():
         if p.skipped is None:
-            times = ", ".join(f"{bd} {_ms(p.timing.ms.get(bd))} ms ({_x(p.speedup.get(bd))})" for bd in boundaries)
-            parts.append(f"{name} {times}, err {'timing only' if p.timing_only else _f(p.err, '.1e')}")
+            times = ", ".join(f"{bd} {ms_cell(p.timing.ms.get(bd))} ms ({speedup_cell(p.speedup.get(bd))})" for bd in boundaries)
+            parts.append(f"{name} {times}, err {'timing only' if p.timing_only else cell(p.err, '.1e')}")
     return "; ".join(parts)
 
 
@@ -288,7 +289,7 @@ def format_model_result(res: dict, spec: str, settings: dict, markdown: bool = F
              f"{settings['device']}, median of {settings['steps']} step(s) after {settings['warmup']} warm-up",
              ""]
     header = ["side", "median step ms", "tokens/s", "peak MB", "loss (1st step)"]
-    rows = [[name, _ms(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", _f(d["peak_mb"], ".0f"),
+    rows = [[name, ms_cell(d["median_step_ms"]), f"{d['tokens_per_s']:.0f}", cell(d["peak_mb"], ".0f"),
              f"{d['loss'][0]:.5f}"] for name, d in (("unpatched", u), ("patched (rewy)", p))]
     lines += table(header, rows, markdown)
     lines.append(f"\nspeedup (unpatched / patched step time): {res['speedup']:.3f}x")
@@ -331,8 +332,8 @@ def format_compile_result(res: dict, spec: str, markdown: bool = False) -> str:
     base = res["sides"].get("unpatched eager")
     for side, r in res["sides"].items():
         x = r.get("speedup_vs_unpatched_eager") or (base["median_step_ms"] / r["median_step_ms"] if base else None)
-        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", _f(x, ".3f"),
-                     _f(r.get("peak_mb"), ".0f"), _f(r.get("compile_s"), ".1f"),
+        rows.append([side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", cell(x, ".3f"),
+                     cell(r.get("peak_mb"), ".0f"), cell(r.get("compile_s"), ".1f"),
                      str(r.get("graph_breaks", "-")), str(r.get("graphs", "-")), *_families(r)])
     st = res.get("settings", {})
     if markdown:
@@ -387,8 +388,8 @@ def format_packed_result(data: dict, markdown: bool = False) -> str:
         label = side if "stopped_after_steps" not in r else \
             f"{side} (stopped after {r['stopped_after_steps']} of {data.get('settings', {}).get('steps', '?')} steps)"
         rows.append([label, f"{r['median_step_ms']:.1f}", f"{r['p90_step_ms']:.1f}", f"{r['max_step_ms']:.1f}",
-                     _f(r.get("slowest_after_step_3_x_median"), ".2f"), f"{r['tokens_per_s']:.0f}",
-                     f"{vs[side]['speedup']:.2f}" if side in vs else "-", _f(r["peak_mb"], ".0f"),
+                     cell(r.get("slowest_after_step_3_x_median"), ".2f"), f"{r['tokens_per_s']:.0f}",
+                     f"{vs[side]['speedup']:.2f}" if side in vs else "-", cell(r["peak_mb"], ".0f"),
                      str(r.get("graphs", "-")), str(r.get("graph_breaks", "-")), *_families(r)])
     lines = table(head, rows, markdown, rule=False)
     if check := data.get("documents_check"):
@@ -399,28 +400,6 @@ def format_packed_result(data: dict, markdown: bool = False) -> str:
                          f"{c['packed']['grads_rel_err']:.3g}; documents alone logits {c['alone']['logits_rel_err']:.3g}, "
                          f"gradients {c['alone']['grads_rel_err']:.3g}")
     return "\n".join(lines + [f"{side}: {r['skipped']}" for side, r in sides.items() if "skipped" in r])
-
-
-def format_cp_rows(rows: list) -> str:
-    """The context-parallel table (Markdown, printed as it is): per configuration and boundary, each
-    side's ms, the row's tokens per second and the speed-up (FLA / rewy), peak MB per process and the check."""
-    head = ["op", "policy", "row", "processes", "boundary", "FLA ms", "rewy ms", "speed-up", "rewy tokens/s",
-            "peak MB FLA / rewy", "err FLA / rewy", "pass"]
-    body = []
-    for r in rows:
-        T = r.tokens_per_process * r.processes
-        for boundary, ms in r.ms.items():
-            fla, rewy = ms.get("FLA"), ms.get("rewy")
-            body.append([r.op, r.policy, r.shape, str(r.processes), boundary, _f(fla, ".3f"),
-                         _f(rewy, ".3f"), f"{fla / rewy:.2f}x" if fla and rewy else "-",
-                         f"{T / (rewy / 1e3):,.0f}" if rewy else "-",
-                         " / ".join(_f(r.peak_mb.get(n), ".0f") for n in ("FLA", "rewy")),
-                         " / ".join(_f(r.err.get(n), ".1e") for n in ("FLA", "rewy")),
-                         "yes" if r.passed else "NO"])
-    notes = sorted({f"{name}: {why}" for r in rows for name, why in r.errors.items()})
-    checks = sorted({f"check T {r.check_T} for {r.shape}" for r in rows
-                     if r.check_T != r.tokens_per_process * r.processes})
-    return "\n".join(table(head, body, markdown=True) + [f"- {n}" for n in notes + checks])
 
 
 def op_base(data: dict) -> str:

@@ -85,11 +85,6 @@ def add_op_arguments(ops) -> None:
                      help="after each side's timing, profile one more of its runs with torch.profiler and list "
                           "where its time goes: device time and launches per kernel on CUDA (per ATen operator, "
                           "self time, on CPU), beside the other sides', per configuration and boundary")
-    ops.add_argument("--context-parallel", action="store_true",
-                     help="launched as N processes (torchrun --nproc-per-node N -m rewy_hf bench ...; one GPU "
-                          "each, gloo on CPU): each --shapes row (B = 1, T divisible by N) is split across them "
-                          "with FLA's cp_context, and rewy's op is timed against FLA's on every slice (gdn, kda, "
-                          "gdn2); a round's time is the slowest process's")
     ops.add_argument("--rep-ms", type=float, default=50.0, help="CUDA: milliseconds of runs per round")
     ops.add_argument("--check-max-tokens", type=at_least(64), default=2**19, metavar="N",
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "

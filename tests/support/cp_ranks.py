@@ -464,13 +464,15 @@ def compiled_cuda_rank_main(rank: int, world: int, port: int, cases: list) -> No
 
 
 def bench_rank_main(rank: int, world: int, port: int, argv: list[str], codes: str) -> None:
-    """One process of a `rewy-hf bench --context-parallel` launch, as torchrun starts it (its
-    environment); its exit status goes to the file ``codes``.<rank>."""
+    """One process of a `dev/bench_lab --context-parallel` launch, as torchrun starts it (its
+    environment); ``argv``: ``bench`` and the options, as for `rewy-hf bench`, whose options the
+    developer bench extends. Its exit status goes to the file ``codes``.<rank>."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from rewy_hf.cli import main
+    from bench_cli import lab_main
 
-    code = main(argv)
+    assert argv[0] == "bench", argv
+    code = lab_main(argv[1:])
     with open(f"{codes}.{rank}", "w") as fh:
         fh.write(str(code))
 

@@ -1,4 +1,4 @@
-"""`rewy-hf bench --context-parallel` on CPU: two gloo processes time rewy's ops on their slices of
+"""dev/bench_lab --context-parallel on CPU: two gloo processes time rewy's ops on their slices of
 one packed row, each configuration checked against the whole row in one process; FLA's side is
 listed as needing CUDA. Runs that cannot start are refused with the launch or the fix."""
 
@@ -42,7 +42,7 @@ def test_two_processes_time_rewy_and_check_every_row(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,env,fragment", [
-    (["--shapes", "1,128,2"], {}, "launch them, e.g. `torchrun --nproc-per-node 2 -m rewy_hf bench --context-parallel"),
+    (["--shapes", "1,128,2"], {}, "launch them, e.g. `torchrun --nproc-per-node 2 $REPO/dev/bench_lab --context-parallel"),
     (["--shapes", "2,128,2"], {"WORLD_SIZE": "2", "RANK": "0"}, "give 1,T,H[,K,V][,packed=N] (B = 1"),
     (["--shapes", "1,129,2"], {"WORLD_SIZE": "2", "RANK": "0"}, "T = 129 does not split evenly over 2 processes"),
     (["--shapes", "1,128,2", "--op", "delta_rule"], {"WORLD_SIZE": "2", "RANK": "0"},
@@ -52,10 +52,10 @@ def test_two_processes_time_rewy_and_check_every_row(tmp_path, capsys):
      "with neither --kernel-profile, --plot; drop them"),
 ])
 def test_runs_that_cannot_start_are_refused(monkeypatch, capsys, argv, env, fragment):
-    from rewy_hf.cli import main
+    from bench_cli import lab_main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert main(["bench", "--device", "cpu", "--context-parallel", *argv]) == 2
+    assert lab_main(["--device", "cpu", "--context-parallel", *argv]) == 2
     assert fragment in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""`rewy-hf bench --context-parallel`: one packed row split across the processes of a launch
-(``torchrun --nproc-per-node N -m rewy_hf bench --context-parallel ...``), rewy's op against FLA's on
+"""``--context-parallel``: one packed row split across the processes of a launch
+(``torchrun --nproc-per-node N $REPO/dev/bench_lab --context-parallel ...``), rewy's op against FLA's on
 each process's slice with FLA's ``cp_context``. A round runs each side the same number of times on
 every process (their collectives pair up) and takes the slowest process's time; each configuration
 is first checked against rewy's float32 torch backend on the whole row. On the CPU (gloo) only rewy's
@@ -7,6 +7,7 @@ side runs: FLA's context-parallel kernels need CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -15,12 +16,16 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from ..op_inputs import DISPATCH_NAME, GRAD_NAMES, Shape, make_inputs
-from ..rel_error import rel_err
-from . import timing
-from .config import check_T, given
-from .op_bench import Settings, fla_impl, guard_lifted, rewy_impl
-from .timing import describe, free_memory, leaves, runner
+from rewy_hf.bench import timing
+from rewy_hf.bench.config import BOUNDARIES, check_T, environment, expand, given, resolve_shapes
+from rewy_hf.bench.op_bench import Settings, fla_impl, guard_lifted, rewy_impl
+from rewy_hf.bench.rows import as_json
+from rewy_hf.bench.runner import op_settings
+from rewy_hf.bench.tables import cell, table
+from rewy_hf.bench.timing import describe, free_memory, leaves, runner
+from rewy_hf.op_inputs import DISPATCH_NAME, GRAD_NAMES, REWY_OPS, Shape, make_inputs
+from rewy_hf.rel_error import rel_err
+from rewy_hf.validation import POLICIES
 
 CP_OPS = ("gdn", "kda", "gdn2")          # FLA 0.6.0 has context parallelism for these (not DeltaNet)
 INNER_RUNS = {"cuda": 10, "cpu": 1}       # runs per timed round, the same on every process
@@ -111,8 +116,6 @@ def _row(shape: Shape, device: str, dtype: torch.dtype, op: str, seed: int):
 def check_side(op: str, fn_of_ctx, shape: Shape, s: Settings, dtype: torch.dtype) -> float:
     """The worst relative error over the processes of a side's slice (output and input gradients)
     against rewy's float32 torch backend on the whole row in one process."""
-    from ..op_inputs import REWY_OPS
-
     inputs, do, cu, ctx, mine, do_mine = _row(shape, s.device, dtype, op, s.seed + 1)
     ref_in = leaves([x.float() for x in inputs])
     o_ref = REWY_OPS[op](*ref_in, cu_seqlens=cu, backend="torch")[0]
@@ -185,10 +188,10 @@ def run_row(op: str, policy: str, shape: Shape, boundaries: list[str], s: Settin
     return row
 
 
-LAUNCH = "torchrun --nproc-per-node 2 -m rewy_hf bench --context-parallel ..."
+LAUNCH = "torchrun --nproc-per-node 2 $REPO/dev/bench_lab --context-parallel ..."
 
 
-def refusal(args, device: str) -> str | None:
+def refusal(args) -> str | None:
     """Why a --context-parallel run cannot start, with the fix; None when it can."""
     if launched_world() is None:
         return (f"--context-parallel splits one row across 2 or more processes: launch them, e.g. `{LAUNCH}` "
@@ -210,3 +213,64 @@ def refusal(args, device: str) -> str | None:
     if not args.shapes:
         return "--context-parallel needs --shapes 1,T,H[,K,V][,packed=N] (one packed row per shape)"
     return None
+
+
+def run_cp(args, device: str, guard: dict, report) -> int:
+    """The --context-parallel bench on this process (every process of the launch runs it); the
+    first process prints the table and writes the --json report."""
+    rank, world = launched_world()
+    lead = rank == 0
+    shapes, _ = resolve_shapes(args.shapes, device)
+    s = dataclasses.replace(op_settings(args, device, guard), device=start(device))
+    data = {"kind": "context_parallel", **environment(device), "processes": world,
+            "settings": {"backend": args.backend, "reps": s.reps, "warmup": s.warmup, "seed": s.seed,
+                         "runs_per_round": INNER_RUNS["cpu" if device == "cpu" else "cuda"],
+                         "timing": "per round, the slowest process's time per run; the median round",
+                         "gdn_guard": guard}, "rows": []}
+    if lead:
+        print(f"bench_lab --context-parallel on {world} processes ({data['device_name']}): rewy's ops against "
+              "FLA 0.6.0's, each process on its slice of one packed row")
+        if device == "cpu":
+            print("NOTE: CPU run (gloo): FLA's side needs CUDA, so only rewy's side runs; these times say nothing "
+                  "about a GPU.")
+    for shape in shapes:
+        for op in expand(args.op, CP_OPS, "all", CP_OPS):
+            for policy in expand(args.policy, POLICIES, "both", POLICIES):
+                row = run_row(op, policy, shape, expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), s)
+                data["rows"].append(row)
+                if lead:
+                    ms = ", ".join(f"{b}: " + " / ".join(f"{n} {v:.3f} ms" for n, v in t.items())
+                                   for b, t in row.ms.items())
+                    print(f"{op} {policy} {shape.label}: {ms}; err rewy {row.err.get('rewy', float('nan')):.1e}"
+                          f"{'' if row.passed else '  CHECK FAILED'}", flush=True)
+                    report.save(as_json(data))
+    failed = not all(row.passed for row in data["rows"])
+    data["complete"], data["exit_code"] = True, 1 if failed else 0
+    if lead:
+        print(format_cp_rows(data["rows"]))
+        report.finish(as_json(data))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def format_cp_rows(rows: list) -> str:
+    """The context-parallel table (Markdown, printed as it is): per configuration and boundary, each
+    side's ms, the row's tokens per second and the speed-up (FLA / rewy), peak MB per process and the check."""
+    head = ["op", "policy", "row", "processes", "boundary", "FLA ms", "rewy ms", "speed-up", "rewy tokens/s",
+            "peak MB FLA / rewy", "err FLA / rewy", "pass"]
+    body = []
+    for r in rows:
+        T = r.tokens_per_process * r.processes
+        for boundary, ms in r.ms.items():
+            fla, rewy = ms.get("FLA"), ms.get("rewy")
+            body.append([r.op, r.policy, r.shape, str(r.processes), boundary, cell(fla, ".3f"),
+                         cell(rewy, ".3f"), f"{fla / rewy:.2f}x" if fla and rewy else "-",
+                         f"{T / (rewy / 1e3):,.0f}" if rewy else "-",
+                         " / ".join(cell(r.peak_mb.get(n), ".0f") for n in ("FLA", "rewy")),
+                         " / ".join(cell(r.err.get(n), ".1e") for n in ("FLA", "rewy")),
+                         "yes" if r.passed else "NO"])
+    notes = sorted({f"{name}: {why}" for r in rows for name, why in r.errors.items()})
+    checks = sorted({f"check T {r.check_T} for {r.shape}" for r in rows
+                     if r.check_T != r.tokens_per_process * r.processes})
+    return "\n".join(table(head, body, markdown=True) + [f"- {n}" for n in notes + checks])
