@@ -24,8 +24,8 @@ A profiler on the GPU has the final word.
     python $REPO/dev/kernel_registers.py --kernel kda-wy --packed    # as a packed-sequence call compiles it
     python $REPO/dev/kernel_registers.py --picks run.json            # the configs a GPU bench run picked
 
-``--picks`` reads the ``autotune_picks`` that `rewy-hf bench` records in each
-row on a GPU and compiles each of rewy's kernels at the config it ran with
+``--picks`` reads the ``autotune_picks`` that the developer bench (dev/bench_lab)
+records in each row on a GPU and compiles each of rewy's kernels at the config it ran with
 there, with the constants of the autotune key (heads, head dims, key block,
 gate kind); constants outside the key are taken as ``kernel_spec`` sets them.
 """
@@ -221,7 +221,7 @@ def main() -> int:
     p.add_argument("--opcodes", type=int, default=0, help="also print the N most frequent SASS opcodes")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--picks", default=None, metavar="RUN.json",
-                   help="compile each of rewy's kernels at the configs a GPU `rewy-hf bench --json` run picked")
+                   help="compile each of rewy's kernels at the configs a GPU dev/bench_lab --json run picked")
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("TRITON_INTERPRET=1 makes Triton's kernels Python functions, which cannot be compiled: unset it")
@@ -282,7 +282,7 @@ def _compile_picks(a, p: argparse.ArgumentParser) -> int:
         p.error(f"--picks {a.picks}: not a `rewy-hf bench --json` file ({type(e).__name__}: {e})")
     print(f"triton {triton.__version__}, sm_{a.arch}, the configs picked in {a.picks}", flush=True)
     if not picked:
-        p.error(f"--picks {a.picks}: no row records a pick of a kernel this tool builds (`rewy-hf bench` records "
+        p.error(f"--picks {a.picks}: no row records a pick of a kernel this tool builds (dev/bench_lab records "
                 "them on a GPU, in each row's autotune_picks)")
     rows = []
     for e in picked:

@@ -7,10 +7,13 @@ import argparse
 import sys
 import warnings
 
+from rewy_hf.bench.config import given
 from rewy_hf.cli import bench
 from rewy_hf.cli.options import HelpFormatter, JsonReport
 
 from . import context_parallel, reports
+from .op_level import run_lab_ops
+from .peers import PEERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +21,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=f"{bench.HELP}; with the developer options below")
     bench.add_arguments(parser)
     lab = parser.add_argument_group("developer options (not in the installed rewy-hf bench)")
+    lab.add_argument("--peers", nargs="+", action="extend", choices=(*PEERS, "all"), default=None,
+                     help="CUDA: also time these baselines beside FLA as installed, alternating with it and rewy "
+                          "on the same inputs, each gradient-checked: fla-triton (FLA with its backend dispatch "
+                          "off, so no FlashQLA or TileLang kernels: what FLA_DISABLE_BACKEND_DISPATCH=1 gives), "
+                          "flash-qla (FlashQLA's own entry, GDN only); all: both. A peer that does not apply here "
+                          "(not installed, another op) is listed with the reason")
+    lab.add_argument("--kernel-profile", action="store_true",
+                     help="after each side's timing, profile one more of its runs with torch.profiler and list "
+                          "where its time goes: device time and launches per kernel on CUDA (per ATen operator, "
+                          "self time, on CPU), beside the other sides', per configuration and boundary")
     lab.add_argument("--context-parallel", action="store_true",
                      help="launched as N processes (torchrun --nproc-per-node N $REPO/dev/bench_lab ...; one GPU "
                           "each, gloo on CPU): each --shapes row (B = 1, T divisible by N) is split across them "
@@ -33,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class KeptReport(JsonReport):
-    """The --json report, its final document also kept (for --markdown)."""
+    """The --json report, its final document also kept (for ``reports.write_outputs``)."""
     data: dict | None = None
 
     def finish(self, data: dict) -> None:
@@ -41,18 +54,26 @@ class KeptReport(JsonReport):
         super().finish(data)
 
 
+def refusal(args) -> str | None:
+    """Why a run with these options cannot start, with the fix; None when it can."""
+    if args.context_parallel:
+        return context_parallel.refusal(args)
+    if args.model and (taken := given(args, "--peers", "--kernel-profile")):
+        return f"{', '.join(taken)} apply to the op-level bench; drop them, or drop --model"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
     args = build_parser().parse_args(argv)
     if args.from_json:
         return reports.render(args)
-    report, more = KeptReport(args.json), {}
-    if args.context_parallel:
-        if (reason := context_parallel.refusal(args)) is not None:
-            print(f"bench_lab: {reason}", file=sys.stderr)
-            return 2
-        more["level"] = context_parallel.run_cp
-    code = bench.run(args, report, **more)
-    if args.markdown and code != 2 and report.data is not None:
-        reports.write_markdown(args.markdown, report.data, sys.stderr if report.to_stdout else None)
+    if (reason := refusal(args)) is not None:
+        print(f"bench_lab: {reason}", file=sys.stderr)
+        return 2
+    report = KeptReport(args.json)
+    level = context_parallel.run_cp if args.context_parallel else None if args.model else run_lab_ops
+    code = bench.run(args, report, level=level)
+    if code != 2 and report.data is not None:
+        reports.write_outputs(args, report.data, sys.stderr if report.to_stdout else None)
     return code

@@ -17,6 +17,7 @@ from rewy_hf.kernels.vocabulary import POLICIES
 from rewy_hf.op_inputs import BOUND_OPS, STRONG_OPS
 
 from .context_parallel import CPRow
+from .rows import op_row
 
 # Settings that must agree for rows of different files to be compared.
 # "check" is compared by _merged_check. The policies a run asked for are not among them:
@@ -60,8 +61,8 @@ def as_report(data, path: str) -> dict:
                                   "could not run)", ", or fix that field")
     if data["kind"] in _ROW_FIELDS and not data.get("error"):
         _check_rows(path, data)
-        row_type = OpRow if data["kind"] == "ops" else CPRow
-        data = {**data, "rows": [row_type.from_json(r) for r in data["rows"]]}
+        read = op_row if data["kind"] == "ops" else CPRow.from_json
+        data = {**data, "rows": [read(r) for r in data["rows"]]}
     return data
 
 
@@ -127,8 +128,6 @@ def merge_runs(paths: list[str]) -> dict:
               "sources": list(paths)}
     ops: list[str] = []
     for path, run in zip(paths, runs):
-        for r in run["rows"]:
-            r.source = path
         merged["rows"] += run["rows"]
         ops += [op for op in run["settings"]["ops"] if op not in ops and any(r.op == op for r in run["rows"])]
     merged["settings"]["ops"] = ops
@@ -136,7 +135,7 @@ def merge_runs(paths: list[str]) -> dict:
                                       if any(p in run["settings"]["policies"] for run in runs)]
     # each file's rewy-hf settings (rewy_hf.settings), since runs of one table may have been timed under different ones
     merged["rewy_env"] = {path: run.get("rewy_env", {}) for path, run in zip(paths, runs)}
-    _refuse_repeats(merged["rows"])
+    _refuse_repeats([(r, path) for path, run in zip(paths, runs) for r in run["rows"]])
     merged["ok"] = all(r.ok for r in merged["rows"])
     if all(r.get("complete", False) for r in runs):
         merged["complete"] = True
@@ -249,14 +248,15 @@ def _key(row: OpRow) -> tuple:
     return row.op, row.policy, s.B, s.T, s.H, s.K, s.V, s.N
 
 
-def _refuse_repeats(rows: list[OpRow]) -> None:
+def _refuse_repeats(rows: list[tuple[OpRow, str]]) -> None:
+    """MergeError where two of the (row, the file it came from) are one configuration."""
     seen: dict[tuple, str] = {}
-    for row in rows:
+    for row, source in rows:
         if _key(row) in seen:
             op, policy, *shape = _key(row)
             raise MergeError(f"--from-json: {op} (policy {policy}) at B,T,H,K,V = {','.join(map(str, shape))} is in "
-                             f"both {seen[_key(row)]} and {row.source}; pass only one run of each configuration")
-        seen[_key(row)] = row.source
+                             f"both {seen[_key(row)]} and {source}; pass only one run of each configuration")
+        seen[_key(row)] = source
 
 
 def _covers_requests(runs: list[dict], rows: list[OpRow]) -> bool:

@@ -1,6 +1,7 @@
 """Whole runs as text: ``--from-json`` prints the tables of kept --json files (``merge`` reads and
 combines them) and draws their --plot; ``--markdown`` writes the same tables as Markdown, as docs/
-publishes them, of a kept run or of the live run it was given to."""
+publishes them, of a kept run or of the live run it was given to. An op-level run's tables include
+those of this package's additions (``op_level``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from rewy_hf.bench.tables import (format_compile_result, format_model_result, fo
                                   op_base)
 
 from .context_parallel import format_cp_rows
+from .kernels import plot_kernels
 from .merge import MergeError, as_report, merge_runs
+from .op_level import lab_tables
 
 
 def body(data: dict, markdown: bool) -> str:
@@ -26,7 +29,7 @@ def body(data: dict, markdown: bool) -> str:
         return (format_compile_result(data, st.get("model", "?"), markdown) if "sides" in data else
                 format_model_result(data, st.get("model", "?"), st, markdown))
     return "\n\n".join(format_op_tables(data.get("rows", []), st.get("boundaries", []), op_base(data),
-                                        data.get("device", "cuda"), markdown))
+                                        data.get("device", "cuda"), markdown, more=lab_tables))
 
 
 def report_text(data: dict) -> str:
@@ -59,13 +62,18 @@ def markdown_text(data: dict) -> str:
     return "\n".join(head + [body(data, True)] + tail) + "\n"
 
 
-def write_markdown(path: str, data: dict, out=None) -> None:
-    """``markdown_text`` of a run (its --json document, or one ``merge`` read) to ``path``."""
+def write_outputs(args, data: dict, out=None) -> None:
+    """What this package adds to a finished run's outputs (its --json document, or runs ``merge``
+    read): --markdown, and beside --plot the kernel figure of an op-level run that profiled them."""
     if data["kind"] in ("ops", "context_parallel") and data.get("rows") and isinstance(data["rows"][0], dict):
         data = as_report(data, "this run")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(markdown_text(data))
-    print(f"Markdown: {path}", file=out or sys.stdout)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown_text(data))
+        print(f"Markdown: {args.markdown}", file=out or sys.stdout)
+    if args.plot and data["kind"] == "ops" and not data.get("error"):
+        for path in plot_kernels(data, args.plot):
+            print(f"kernel plot: {path}", file=out or sys.stdout)
 
 
 def render(args) -> int:
@@ -82,8 +90,7 @@ def render(args) -> int:
     if not data.get("complete", False):
         which = "one of these runs" if data.get("sources") else "that run"
         print(f"note: {which} did not finish (complete: false); these are the rows it wrote")
-    if args.markdown:
-        write_markdown(args.markdown, data)
+    write_outputs(args, data)
     if data["kind"] != "context_parallel":
         write_plot(args, data)
     elif args.plot:

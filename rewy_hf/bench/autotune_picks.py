@@ -1,9 +1,8 @@
-"""Forgetting Triton's autotune picks between the op bench's shapes, and reading them back.
+"""Forgetting Triton's autotune picks between the op bench's shapes.
 
 Many of FLA's autotune keys leave out B and T, so a pick made at one shape would be kept at another
 where a different config is faster; the bench forgets every pick before each shape, so each runs what
-a process training at that shape alone would (docs/bench.md). ``picks`` reads back what the autotuners
-chose, so that a row says which launch config each kernel ran with."""
+a process training at that shape alone would (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -51,28 +50,3 @@ def forget_picks(prefixes: tuple[str, ...] = BENCH_MODULES) -> int:
         tuner.cache.clear()
         tuner.cache_results = False
     return len(tuners)
-
-
-def _plain(value):
-    return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
-
-
-def picks(prefixes: tuple[str, ...] = BENCH_MODULES) -> dict[str, list[dict]]:
-    """What every autotuner under ``prefixes`` has chosen so far: ``module.kernel`` -> one entry per tuned
-    key, each with the key's values (named by the autotuner's key list, then the dtypes of the tensor
-    arguments, as Triton builds the key) and the chosen config. Autotuners that chose nothing (none
-    launched, or a single config, which Triton runs without timing) are left out."""
-    out: dict[str, list[dict]] = {}
-    for tuner in autotuners(prefixes):
-        if not tuner.cache:
-            continue
-        fn = tuner.base_fn
-        entries = []
-        for key, config in tuner.cache.items():
-            key = list(key) if isinstance(key, tuple) else [key]
-            entries.append({"key_names": list(tuner.keys), "key": [_plain(v) for v in key],
-                            "kwargs": {k: _plain(v) for k, v in config.kwargs.items()},
-                            "num_warps": config.num_warps, "num_stages": config.num_stages,
-                            **({"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {})})
-        out[f"{fn.__module__}.{fn.__name__}"] = entries
-    return dict(sorted(out.items()))

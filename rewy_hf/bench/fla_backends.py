@@ -1,9 +1,7 @@
-"""FLA's optional backends, as the bench sees them: which are on, which served a call, and FLA without
-them. FLA 0.6.0 routes some functions to FlashQLA or TileLang when they are installed, through
-registries of backends it asks before its own Triton code (``fla/backends.py``); ``dispatch_off``
-empties every registry while a call runs, which is what ``FLA_DISABLE_BACKEND_DISPATCH=1`` gives a
-process started with it. The registries are found by feature detection: an FLA without them has no
-dispatch to turn off, and ``registries()`` is then empty."""
+"""FLA's optional backends, as the bench sees them: which are on, and which served a call. FLA 0.6.0
+routes some functions to FlashQLA or TileLang when they are installed, through registries of backends
+it asks before its own Triton code (``fla/backends.py``). The registries are found by feature
+detection: an FLA without them has none, and ``registries()`` is then empty."""
 
 from __future__ import annotations
 
@@ -30,19 +28,6 @@ def active_backends() -> dict[str, list[str]]:
         if on:
             out.setdefault(reg.operation_name, []).extend(on)
     return out
-
-
-@contextlib.contextmanager
-def dispatch_off() -> Iterator[None]:
-    """FLA's Triton path: no registry offers a backend inside this block."""
-    saved = [(reg, reg._backends) for reg in registries()]
-    for reg, _ in saved:
-        reg._backends = {}
-    try:
-        yield
-    finally:
-        for reg, backends in saved:
-            reg._backends = backends
 
 
 @contextlib.contextmanager

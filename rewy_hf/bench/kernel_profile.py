@@ -1,7 +1,8 @@
-"""Where one call spends its time, kernel by kernel, from one run under torch.profiler (`rewy-hf bench
---kernel-profile`): each kernel's device time summed over its launches, with the launch count (memsets
-left out: they are the allocator's); on the CPU, ATen operators' self times, so that nothing counts
-twice. A model-level step's kernels are summed by family instead (KERNEL_GROUPS)."""
+"""Where one call spends its time, kernel by kernel, from one run under torch.profiler: each kernel's
+device time summed over its launches, with the launch count (memsets left out: they are the
+allocator's); on the CPU, ATen operators' self times, so that nothing counts twice. A model-level
+step's kernels are summed by family (KERNEL_GROUPS); dev/bench_lab's --kernel-profile lists an op's
+kernel by kernel."""
 
 from __future__ import annotations
 
@@ -76,11 +77,3 @@ def gpu_time_by_group(step) -> dict:
     per = {f: by_group[f]["ms"] if f in by_group else 0.0 for f in KERNEL_GROUPS}
     return {"gpu_ms": sum(per.values()), "gpu_ms_by_family": per,
             "launches": sum(v["launches"] for v in by_group.values())}
-
-
-def largest(times: dict[str, dict], top: int) -> tuple[list[tuple[str, float, int]], tuple[int, float, int]]:
-    """The ``top`` entries by time as (name, ms, launches), and the rest as (entries, ms, launches)."""
-    ranked = sorted(times.items(), key=lambda kv: -kv[1]["ms"])
-    head = [(name, v["ms"], v["launches"]) for name, v in ranked[:top]]
-    rest = [v for _, v in ranked[top:]]
-    return head, (len(rest), sum(v["ms"] for v in rest), sum(v["launches"] for v in rest))

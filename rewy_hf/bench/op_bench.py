@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import math
 import statistics
 import time
 import warnings
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,8 +25,7 @@ from ..patching.reference_cores import fla_reference
 from ..rel_error import rel_err
 from .config import check_T
 from . import fla_backends
-from .kernel_profile import kernel_times
-from .rows import Check, OpRow, Peer, Timing
+from .rows import Check, OpRow, Timing
 from .timing import Scope, describe, free_memory, leaves, measure, peak_mb, runner
 
 # Pass rule. rewy may be at most 10 % less accurate than the baseline, plus a
@@ -51,8 +49,7 @@ class Settings:
     check_max_tokens: int
     seed: int
     gdn_guard: dict          # {"requested": bool, "was_active": bool | None}
-    peers: tuple[str, ...] = ()     # further baselines timed beside FLA as installed (PEERS)
-    kernel_profile: bool = False    # also profile one run per side and boundary (kernel_profile.py)
+    extra: Extra = field(default_factory=lambda: Extra())     # what a caller adds to the run
 
     @property
     def qkv_dtype(self) -> torch.dtype:
@@ -67,6 +64,23 @@ class Impl:
     trusted: bool = True      # may its gradients be compared
     note: str = ""
     scope: Scope = contextlib.nullcontext     # the context its forward and backward run in
+
+
+class Extra:
+    """What a caller adds to an op-level run (dev/bench_lab: further baselines, kernel profiles); this
+    one adds nothing. ``settings``: entries for the run's settings."""
+    settings: dict = {}
+
+    def add_sides(self, ctx: ShapeContext, row: OpRow, sides: dict[str, tuple[Impl, Timing]]) -> None:
+        """Before a checked row's timing: further sides into ``sides``, timed in the same rounds."""
+
+    def after_row(self, row: OpRow, boundaries: list[str]) -> str:
+        """After each row (timed, or stopped by its check): what the line printed for it adds."""
+        return ""
+
+    def tables(self, rows: list[OpRow], boundaries: list[str], base: str, device: str, markdown: bool) -> list[str]:
+        """The tables that follow those of one (op, policy)."""
+        return []
 
 
 def baseline_label(device: str, versions: dict | None = None) -> str:
@@ -132,8 +146,12 @@ def load_kernel_modules(ops) -> None:
         pass
 
 
-def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False, dispatch: bool = True) -> Impl:
-    """FLA's op; ``dispatch`` False: its Triton path (fla_backends.dispatch_off)."""
+GUARD_NOTE = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue #640), so its "
+              "gradients are not compared")
+
+
+def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False) -> Impl:
+    """FLA's op, as installed."""
     f = fla_function(op)
     # FLA 0.6.0 has `disable_recompute` on chunk_kda and chunk_gdn2 only; its GDN
     # and DeltaNet ops always recompute, so that is what "full" times against there.
@@ -144,13 +162,9 @@ def fla_impl(op: str, policy: str, gdn_guard: dict, safe_gate: bool = False, dis
     if safe_gate:
         kw["safe_gate"] = True
     impl = Impl(lambda *x, **packing: f(*x, **kw, **packing)[0], fla_policy)
-    if not dispatch:
-        impl.scope = fla_backends.dispatch_off
-    # with the dispatch on, FlashQLA or TileLang may serve the guarded kernel (gdn_guard_bypassed)
-    if guard_lifted(op, gdn_guard) and not (dispatch and gdn_guard_bypassed()):
-        impl.trusted = False
-        impl.note = ("timing only: FLA's GDN backward guard was lifted (Hopper with triton < 3.7.1, FLA issue "
-                     "#640), so its gradients are not compared")
+    # FlashQLA or TileLang may serve the guarded kernel (gdn_guard_bypassed)
+    if guard_lifted(op, gdn_guard) and not gdn_guard_bypassed():
+        impl.trusted, impl.note = False, GUARD_NOTE
     return impl
 
 
@@ -165,31 +179,6 @@ def gdn_guard_bypassed() -> bool:
     triton >= 3.4 precisely for #640)."""
     on = fla_backends.active_backends()
     return "flash_qla" in on.get("gated_delta_rule", []) or "tilelang" in on.get("common", [])
-
-
-# --- peers: the other baselines a run can time beside FLA as installed ----------------------------
-
-PEERS = ("fla-triton", "flash-qla")
-PEER_TEXT = {"fla-triton": "FLA's Triton path (its backend dispatch off: FlashQLA and TileLang not used)",
-             "flash-qla": "FlashQLA's own entry (flash_qla.chunk_gated_delta_rule)"}
-
-
-def peer_impl(op: str, name: str, policy: str, gdn_guard: dict) -> Impl | str:
-    """The peer side ``name`` of ``op``, or why it does not apply on this machine."""
-    if name == "fla-triton":
-        if not fla_backends.active_backends():
-            return "no FLA backend is on here: FLA as installed already is its Triton path"
-        return fla_impl(op, policy, gdn_guard, dispatch=False)
-    if name == "flash-qla":
-        if op != "gdn":
-            return "FlashQLA has Gated DeltaNet only"
-        if importlib.util.find_spec("flash_qla") is None:
-            return "flash-qla is not installed"
-        import flash_qla
-
-        return Impl(lambda *x, **packing: flash_qla.chunk_gated_delta_rule(*x, **packing)[0],
-                    "saves A and the gate cumsum, recomputes states")
-    raise ValueError(f"unknown peer {name!r}; expected one of {PEERS}")
 
 
 def packed(impl: Impl | None, packing: dict) -> Impl | None:
@@ -313,32 +302,8 @@ class ShapeContext:
         return make_inputs(self.op, self.shape, self.s.device, self.s.qkv_dtype, self.s.seed + 1)
 
 
-def check_peers(ctx: ShapeContext, row: OpRow) -> dict[str, Impl]:
-    """Each asked-for peer's gradient check, in ``row.peers``; the peers that will be timed."""
-    timed: dict[str, Impl] = {}
-    row.peers = {}
-    for name in ctx.s.peers:
-        made = peer_impl(ctx.op, name, row.policy, ctx.s.gdn_guard) if ctx.s.device == "cuda" else \
-            "peers are FLA's and FlashQLA's GPU kernels; a CPU run has none"
-        if isinstance(made, str):
-            row.peers[name] = Peer(skipped=made)
-            continue
-        peer = row.peers[name] = Peer(policy=made.policy, timing_only=not made.trusted, note=made.note)
-        try:
-            got, peer.served_by = served_grads(packed(made, ctx.check_packing), ctx.check_inputs, ctx.check_do)
-            if made.trusted:
-                per = grad_errors(ctx.op, got, ctx.ref)
-                peer.err, peer.err_per_grad = max(per.values()), per
-        except Exception as exc:
-            peer.timing.fail(describe(exc))
-            continue
-        timed[name] = made
-    return timed
-
-
-def time_sides(sides: dict[str, tuple[Impl, Timing]], boundary: str, inputs, do, s: Settings) -> dict[str, str]:
-    """Each side's rounds at ``boundary`` into its Timing (None and no rounds where it failed), and
-    with --kernel-profile its kernels over one more run; returns why a side has no profile."""
+def time_sides(sides: dict[str, tuple[Impl, Timing]], boundary: str, inputs, do, s: Settings) -> None:
+    """Each side's rounds at ``boundary`` into its Timing (None and no rounds where it failed)."""
     runners = {}
     for name, (impl, timing) in sides.items():
         try:
@@ -346,19 +311,11 @@ def time_sides(sides: dict[str, tuple[Impl, Timing]], boundary: str, inputs, do,
         except Exception as exc:
             timing.fail(describe(exc))
     samples, errors = measure(runners, s.device, s.warmup, s.reps, s.rep_ms)
-    unprofiled = {}
     for name, (_, timing) in sides.items():
         ms = samples.get(name)
         timing.ms[boundary], timing.rounds[boundary] = (statistics.median(ms) if ms else None), ms or []
         if name in errors:
             timing.fail(errors[name])
-        if s.kernel_profile and ms:
-            # one more run, warm after the timing rounds; the side's timing stands if it fails
-            try:
-                timing.kernels[boundary] = kernel_times(runners[name], s.device)
-            except Exception as exc:
-                unprofiled[name] = describe(exc)
-    return unprofiled
 
 
 def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> OpRow:
@@ -383,21 +340,16 @@ def run_config(ctx: ShapeContext, policy: str, boundaries: list[str]) -> OpRow:
     if row.rewy.error:
         row.seconds = round(time.perf_counter() - t_start, 2)
         return row
-    peers = check_peers(ctx, row) if s.peers else {}
-    inputs, do = ctx.timed_inputs()
     timed_packing = shape.packing(s.device)
     sides = {name: (packed(impl, timed_packing), timing) for name, impl, timing in
-             [("baseline", base, row.baseline), ("rewy", rewy, row.rewy),
-              *((f"peer:{n}", impl, row.peers[n].timing) for n, impl in peers.items())] if impl is not None}
+             [("baseline", base, row.baseline), ("rewy", rewy, row.rewy)] if impl is not None}
+    s.extra.add_sides(ctx, row, sides)
+    inputs, do = ctx.timed_inputs()
     for boundary in boundaries:
-        if unprofiled := time_sides(sides, boundary, inputs, do, s):
-            row.kernel_profile_errors = {**(row.kernel_profile_errors or {}), boundary: unprofiled}
+        time_sides(sides, boundary, inputs, do, s)
         b, r = row.baseline.ms.setdefault(boundary, None), row.rewy.ms[boundary]
         row.baseline.rounds.setdefault(boundary, [])
         row.speedup[boundary] = b / r if b and r else None
-        for peer in (row.peers[n] for n in peers):
-            ms = peer.timing.ms[boundary]
-            peer.speedup[boundary] = ms / r if ms and r else None
         free_memory(s.device)
     if s.device == "cuda":
         # After the timing: first calls at a new shape autotune, and Triton's

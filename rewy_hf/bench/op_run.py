@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..op_inputs import Shape
 from . import fla_backends
-from .autotune_picks import forget_picks, picks
+from .autotune_picks import forget_picks
 from .config import BOUND_CHECK, STRONG_CHECK, environment
 from .op_bench import Settings, ShapeContext, baseline_description, load_kernel_modules, run_config
 from .rows import OpRow, Timing
@@ -51,7 +51,7 @@ def describe_run(run: OpRun) -> dict:
         "reps": s.reps, "warmup": s.warmup, "rep_ms": s.rep_ms if cuda else None, "timing": timing,
         "autotune": autotune if cuda else None,
         "check": check, "check_max_tokens": s.check_max_tokens, "gdn_guard": s.gdn_guard, "seed": s.seed,
-        "peers": list(s.peers), "kernel_profile": s.kernel_profile},
+        **s.extra.settings},
         "fla_backends_on": fla_backends.active_backends() if cuda else {},
         "rows": [], "complete": False}
 
@@ -59,7 +59,8 @@ def describe_run(run: OpRun) -> dict:
 def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Callable[[OpRow], None],
              step: Callable[[str], None]) -> None:
     """Append one row per configuration to ``data["rows"]``, calling ``save(data)`` after each, so a
-    run killed half way still leaves its rows; ``on_row(row)`` and ``step(label)`` report progress."""
+    run killed half way still leaves its rows; ``on_row(row)`` (before that save) and ``step(label)``
+    report progress."""
     rows = data["rows"]
     tune_per_shape = run.cuda and not run.keep_autotune_picks
     if tune_per_shape:
@@ -79,11 +80,6 @@ def run_rows(run: OpRun, data: dict, *, save: Callable[[dict], None], on_row: Ca
                 continue
             for policy in run.policies:
                 row = run_config(ctx, policy, run.boundaries)
-                if tune_per_shape:
-                    # the configs FLA's and rewy's kernels ran at this shape (picks are kept across the
-                    # policies of one shape, so a later policy's row holds the earlier ones' too; a run
-                    # that keeps them across shapes records none, as they would mix shapes)
-                    row.autotune_picks = picks()
                 rows.append(row)
                 on_row(row)
                 step(f"{op} {shape.label} {policy}")

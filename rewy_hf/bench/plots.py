@@ -1,15 +1,12 @@
 """The charts of `rewy-hf bench --plot` (PNG files, drawn with matplotlib, imported only here and only
-when a chart is drawn): the op level's speedups and, with --kernel-profile, where each side's time goes;
-the model level's step times; the four-sided run's GPU time by kernel family and loss curves; the packed
-run's step times and throughput."""
+when a chart is drawn): the op level's speedups; the model level's step times; the four-sided run's GPU
+time by kernel family and loss curves; the packed run's step times and throughput."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .kernel_profile import KERNEL_GROUPS, largest
+from .kernel_profile import KERNEL_GROUPS
 from .rows import OpRow
-from .tables import op_base, profiled_sides, shape_label
+from .tables import op_base
 
 
 def plot_unavailable() -> str | None:
@@ -69,23 +66,13 @@ def plot_op_speedups(rows: list[OpRow], boundaries: list[str], path: str, title:
     save(plt, fig, path)
 
 
-# A figure of more panels than this would be too tall to read; the tables carry every profile.
-MAX_KERNEL_PANELS = 16
-
-
-def kernel_plot_path(path: str) -> str:
-    """Where the kernel-profile figure of a run plotted to ``path`` goes: beside it, ``-kernels`` added."""
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}-kernels{p.suffix or '.png'}"))
-
-
 def plot_run(data: dict, path: str) -> list[str]:
-    """A run's figure at ``path`` (a live run's data or a --json file's) and, where an op-level run profiled
-    its kernels (--kernel-profile), the kernel figure beside it (``kernel_plot_path``); the paths written."""
+    """A run's figure at ``path`` (a live run's data or a --json file's); the paths written."""
     st, kind, device_name = data["settings"], data["kind"], data["device_name"]
     if kind == "ops":
-        return _plot_op_run(data["rows"], st["boundaries"], path, op_base(data), device_name,
-                            data.get("device", "cuda"))
+        plot_op_speedups(data["rows"], st["boundaries"], path,
+                         f"speedup = {op_base(data)} time / rewy time ({device_name}; >1: rewy faster)")
+        return [path]
     if kind == "packed" and not data.get("sides"):
         return []
     title = (f"{st['model']}, {st.get('batch_size', 1)}x{st.get('seq_len')} {'packed ' * (kind == 'packed')}tokens, "
@@ -97,59 +84,6 @@ def plot_run(data: dict, path: str) -> list[str]:
     else:
         plot_model_steps(data, path, title)
     return [path]
-
-
-def _plot_op_run(rows: list[OpRow], boundaries: list[str], path: str, base: str, device_name: str,
-                 device: str) -> list[str]:
-    plot_op_speedups(rows, boundaries, path, f"speedup = {base} time / rewy time ({device_name}; >1: rewy faster)")
-    panels = [(r, bd) for r in rows for bd in boundaries if profiled_sides(r, bd, base)]
-    if not panels:
-        return [path]
-    title = f"where the time goes ({device_name})"
-    if len(panels) > MAX_KERNEL_PANELS:
-        title += f"; the first {MAX_KERNEL_PANELS} of {len(panels)} profiled runs (the tables list all)"
-    plot_kernel_profiles(panels[:MAX_KERNEL_PANELS], kernel_plot_path(path), base, device, title)
-    return [path, kernel_plot_path(path)]
-
-
-def plot_kernel_profiles(panels: list[tuple[OpRow, str]], path: str, base: str, device: str, title: str) -> None:
-    """One panel per profiled (row, boundary): a horizontal bar per side, stacked by its largest kernels
-    (one colour per kernel name across all panels, the rest grey), so the sides' stages line up."""
-    plt = pyplot()
-    top = 6
-    panel_sides = [profiled_sides(r, bd, base) for r, bd in panels]
-    names: list[str] = []
-    for sides in panel_sides:
-        for _, kernels in sides:
-            names += [n for n, _, _ in largest(kernels, top)[0] if n not in names]
-    cmap = plt.get_cmap("tab20")
-    colour = {n: cmap(i % 20) for i, n in enumerate(names)}
-    # The legend takes a fixed height in inches, whatever the number of panels: as a fraction of a tall
-    # figure it would leave a gap above itself, and the title would sit over the first panel.
-    legend_in = 0.25 + 0.17 * ((len(names) + 1) // 2)
-    height = legend_in + 0.6 + 0.5 * len(panels) + 0.45 * sum(len(sides) for sides in panel_sides)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, height), squeeze=False)
-    for ax, (r, bd), sides in zip(axes[:, 0], panels, panel_sides):
-        for y, (label, kernels) in enumerate(sides):
-            left = 0.0
-            head, (_, ms_rest, _) = largest(kernels, top)
-            for name, ms, _ in head:
-                ax.barh(y, ms, left=left, color=colour[name], edgecolor="white", linewidth=0.5)
-                left += ms
-            ax.barh(y, ms_rest, left=left, color="#bbbbbb", edgecolor="white", linewidth=0.5)
-            ax.text(left + ms_rest, y, f" {left + ms_rest:.3f} ms", va="center", fontsize=8)
-        ax.set_yticks(range(len(sides)))
-        ax.set_yticklabels([label for label, _ in sides], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlim(0, max(sum(v["ms"] for v in k.values()) for _, k in sides) * 1.25)
-        what = "backward" if bd == "B" else "forward + backward"
-        ax.set_title(f"{r.op} {r.policy}, {shape_label(r)}: {what}", fontsize=9)
-    unit = "kernel" if device == "cuda" else "operator"
-    axes[-1, 0].set_xlabel(f"ms per {unit}, summed over launches (grey: the other {unit}s)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[n]) for n in names]
-    fig.legend(handles, [n[:60] for n in names], fontsize=7, loc="lower center", ncol=2, frameon=False)
-    fig.suptitle(title, fontsize=10, y=1 - 0.12 / height, va="top")
-    save(plt, fig, path, rect=(0, legend_in / height, 1, 1))    # tight_layout makes room for the suptitle itself
 
 
 def plot_model_steps(res: dict, path: str, title: str) -> None:

@@ -101,15 +101,15 @@ def op_settings(args, device: str, guard: dict, **more):
                     check_max_tokens=args.check_max_tokens, seed=args.seed, gdn_guard=guard, **more)
 
 
-def run_ops(args, device: str, guard: dict, report) -> int:
-    from .op_bench import PEERS, baseline_label
+def run_ops(args, device: str, guard: dict, report, extra=None) -> int:
+    """The op level; ``extra``: what a caller adds to it (an ``op_bench.Extra``)."""
+    from .op_bench import Extra, baseline_label
     from .op_run import OpRun, conclude, describe_run, run_rows
     from .tables import format_op_tables, format_row_line, shape_label
 
     cuda = device == "cuda"
     shapes, origin = resolve_shapes(args.shapes, device)
-    s = op_settings(args, device, guard, peers=tuple(expand(args.peers, PEERS, "all", ())),
-                  kernel_profile=args.kernel_profile)
+    s = op_settings(args, device, guard, extra=extra or Extra())
     plan = OpRun(ops=expand(args.op, OPS, "all", OPS), policies=expand(args.policy, POLICIES, "both", POLICIES),
                  boundaries=expand(args.boundary, BOUNDARIES, "both", BOUNDARIES), shapes=shapes,
                  shapes_origin=origin, settings=s, keep_autotune_picks=args.keep_autotune_picks)
@@ -124,10 +124,11 @@ def run_ops(args, device: str, guard: dict, report) -> int:
           + f"\ncheck: {st['check']}\n", flush=True)
     with Progress(len(plan.ops) * len(shapes) * len(plan.policies), "rewy-hf bench") as bar:
         run_rows(plan, data, save=lambda d: report.save(as_json(d)), step=bar.step,
-                 on_row=lambda row: bar.write(format_row_line(row, plan.boundaries, base)))
+                 on_row=lambda row: bar.write(format_row_line(row, plan.boundaries, base)
+                                              + s.extra.after_row(row, plan.boundaries)))
     rows = data["rows"]
     print()
-    for table in format_op_tables(rows, plan.boundaries, base, device):
+    for table in format_op_tables(rows, plan.boundaries, base, device, more=s.extra.tables):
         print(table + "\n")
     failed = conclude(data)
     report.save(as_json(data))
@@ -148,7 +149,7 @@ class ModelRun:
     def __init__(self, args, device: str, guard: dict, report):
         self.args, self.report = args, report
         cpu = on_cpu(device)
-        if op_only := given(args, "--op", "--shapes", "--boundary", "--reps", "--peers", "--kernel-profile"):
+        if op_only := given(args, "--op", "--shapes", "--boundary", "--reps"):
             raise CouldNotRun(f"{', '.join(op_only)} apply to the op-level bench; drop them, or drop --model "
                               "(the model level times --steps training steps)")
         policies = expand(args.policy, POLICIES, "both", ("recompute",))

@@ -1,16 +1,13 @@
 """The tables of `rewy-hf bench`, as plain text and as Markdown (for docs/performance.md): the op
-level's per (op, policy) with its peers and kernel profiles, the model level's, the four-sided and
-packed runs' sides."""
+level's per (op, policy), the model level's, and the four-sided and packed runs' sides."""
 
 from __future__ import annotations
 
 import math
 
-from .kernel_profile import KERNEL_GROUPS, largest
-from .op_bench import PEER_TEXT, baseline_label
+from .kernel_profile import KERNEL_GROUPS
+from .op_bench import baseline_label
 from .rows import Check, OpRow
-
-TOP_KERNELS = 10
 
 
 def cell(x, fmt: str, suffix: str = "") -> str:
@@ -157,110 +154,15 @@ def format_op_table(rows: list[OpRow], boundaries: list[str], base: str, device:
 
 
 def format_op_tables(rows: list[OpRow], boundaries: list[str], base: str, device: str,
-                     markdown: bool = False) -> list[str]:
-    """One table per (op, policy), in the order the rows first name them, each followed by its peers'
-    table where the run timed peers (--peers) and its kernel tables where it profiled (--kernel-profile)."""
+                     markdown: bool = False, more=None) -> list[str]:
+    """One table per (op, policy), in the order the rows first name them, each followed by what
+    ``more`` (an ``op_bench.Extra``'s ``tables``) makes of its rows."""
     shapes = list(dict.fromkeys(r.shape for r in rows))
     out = []
     for group in _groups(rows).values():
         out.append(format_op_table(group, boundaries, base, device, markdown=markdown, report_shapes=shapes))
-        if any(r.peers for r in group):
-            out.append(format_peer_table(group, boundaries, base, markdown=markdown))
-        out += [format_kernel_table(r, bd, base, device, markdown=markdown) for r in group for bd in boundaries
-                if profiled_sides(r, bd, base)]
+        out += more(group, boundaries, base, device, markdown) if more else []
     return out
-
-
-def profiled_sides(r: OpRow, boundary: str, base: str) -> list[tuple[str, dict]]:
-    """(side label, its kernels) of one row and boundary, baseline first, then rewy, then the peers."""
-    sides = [(base, r.baseline.kernels.get(boundary)), ("rewy", r.rewy.kernels.get(boundary))]
-    sides += [(f"peer {n}", p.timing.kernels.get(boundary)) for n, p in (r.peers or {}).items()]
-    return [(label, k) for label, k in sides if k]
-
-
-def _picked_config(r: OpRow, kernel: str) -> str:
-    """The launch config(s) the row's autotune picks hold for a kernel (by its function name), e.g.
-    "BV=64 w4 s1"; "" where the row has no pick of it (a kernel that is not autotuned, or a run made
-    before rows recorded their picks)."""
-    configs = []
-    for qualified, entries in (r.autotune_picks or {}).items():
-        if qualified.rsplit(".", 1)[-1] == kernel:
-            for e in entries:
-                text = " ".join([*(f"{k}={v}" for k, v in e["kwargs"].items()), f"w{e['num_warps']}",
-                                 f"s{e['num_stages']}", *([f"maxnreg={e['maxnreg']}"] if e.get("maxnreg") else [])])
-                if text not in configs:
-                    configs.append(text)
-    return "; ".join(configs)
-
-
-def format_kernel_table(r: OpRow, boundary: str, base: str, device: str, markdown: bool = False) -> str:
-    """Where each side's time goes in one row's profiled ``boundary`` run (--kernel-profile): its
-    TOP_KERNELS largest kernels (on CPU: ATen operators, self time) with launches, summed ms and
-    share of the side's total; where the row recorded its autotune picks, the config each autotuned
-    kernel ran with (warps w, pipeline stages s, and its tile sizes)."""
-    unit = "kernel" if device == "cuda" else "operator"
-    body = []
-    for label, kernels in profiled_sides(r, boundary, base):
-        total = sum(v["ms"] for v in kernels.values())
-        head, (n_rest, ms_rest, launches_rest) = largest(kernels, TOP_KERNELS)
-        share = lambda ms: f"{100 * ms / total:.0f} %" if total > 0 else "-"  # noqa: E731
-        body += [[label, name, str(n), f"{ms:.3f}", share(ms)] for name, ms, n in head]
-        if n_rest:
-            body.append([label, f"({n_rest} other {unit}s)", str(launches_rest), f"{ms_rest:.3f}", share(ms_rest)])
-        body.append([label, f"all {unit}s", str(sum(v["launches"] for v in kernels.values())), f"{total:.3f}",
-                     "100 %" if total > 0 else "-"])
-    header = ["side", unit, "launches", "ms", "share"]
-    if r.autotune_picks:
-        header.append("config")
-        body = [[*cells, _picked_config(r, cells[1])] for cells in body]
-    what = {"B": "one backward", "FB": "one forward + backward"}.get(boundary, boundary)
-    how = "device time" if device == "cuda" else "self CPU time"
-    title = f"{r.op}, rewy policy {r.policy}, {shape_label(r)}: {unit}s of {what} ({how})"
-    notes = [f"{base if side == 'baseline' else side}: not profiled: {why}"
-             for side, why in (r.kernel_profile_errors or {}).get(boundary, {}).items()]
-    text = titled(title, table(header, body, markdown), notes, markdown, level="#####")
-    return text + ("\n" if markdown and not notes else "")     # in Markdown a blank line follows, notes or not
-
-
-def format_peer_table(rows: list[OpRow], boundaries: list[str], base: str, markdown: bool = False) -> str:
-    """The peers of one (op, policy) beside FLA as installed and rewy: per shape and peer its time, rewy's
-    speedup over it, its peak memory, its gradient error and the FLA backends that served it."""
-    r0 = rows[0]
-    names = list(dict.fromkeys(n for r in rows for n in (r.peers or {})))
-    header = ["B,T,H", "peer"] + [c for bd in boundaries for c in (f"{bd}: peer ms", f"{bd}: rewy ms",
-                                                                     f"{bd}: rewy speedup")]
-    header += ["peak MB peer", "err peer", "served by"]
-    body, notes = [], []
-    for r in rows:
-        for n in names:
-            p = (r.peers or {}).get(n)
-            if p is None:
-                continue
-            cells = [shape_label(r), n]
-            if p.skipped is not None:
-                body.append(cells + ["-"] * (len(header) - 2))
-                if p.skipped not in notes:
-                    notes.append(f"{n}: not timed: {p.skipped}")
-                continue
-            for bd in boundaries:
-                cells += [ms_cell(p.timing.ms.get(bd)), ms_cell(r.rewy.ms.get(bd)), speedup_cell(p.speedup.get(bd))]
-            err = "timing only" if p.timing_only else cell(p.err, ".1e")
-            body.append(cells + [cell(p.timing.peak_mb, ".0f"), err, ", ".join(p.served_by or []) or
-                                 "its own kernels"])
-            if p.timing.error:
-                notes.append(f"{shape_label(r)} {n}: {p.timing.error}")
-    for n in names:
-        timed = [r.peers[n] for r in rows if n in (r.peers or {}) and r.peers[n].skipped is None]
-        if timed:
-            gm = ["geometric mean", n]
-            for bd in boundaries:
-                gm += ["", "", speedup_cell(geomean([p.speedup.get(bd) for p in timed]))]
-            body.append(gm + [""] * (len(header) - len(gm)))
-    served = sorted({x for r in rows for x in ((r.check and r.check.baseline_served_by) or [])})
-    title = (f"{r0.op}, rewy policy {r0.policy}: peers beside {base} "
-             f"({base} as installed was served by: {', '.join(served) or 'its own Triton kernels'})")
-    notes += [f"{n}: {PEER_TEXT.get(n, n)}" for n in names]
-    return titled(title, table(header, body, markdown), notes, markdown)   # notes: one per peer at least
 
 
 def format_row_line(r: OpRow, boundaries: list[str], base: str) -> str:
@@ -273,10 +175,6 @@ def format_row_line(r: OpRow, boundaries: list[str], base: str) -> str:
     if r.bound:
         errs += f"; bound err {base} {cell(r.bound.err_baseline, '.1e')} rewy {cell(r.bound.err_rewy, '.1e')}"
     parts.append(f"{errs} -> {'PASS' if r.ok else 'FAIL'}")
-    for name, p in (r.peers or {}).items():
-        if p.skipped is None:
-            times = ", ".join(f"{bd} {ms_cell(p.timing.ms.get(bd))} ms ({speedup_cell(p.speedup.get(bd))})" for bd in boundaries)
-            parts.append(f"{name} {times}, err {'timing only' if p.timing_only else cell(p.err, '.1e')}")
     return "; ".join(parts)
 
 

@@ -51,8 +51,7 @@ def add_common_arguments(parser) -> None:
                              "never compared")
     add_json(parser, "settings, versions and every row")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="bar chart of the speedups (needs matplotlib); with --kernel-profile also "
-                             "OUT-kernels.png, each side's time stacked by kernel")
+                        help="bar chart of the speedups, or of the model level's step times (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and the model's weights)")
 
 
@@ -75,16 +74,6 @@ def add_op_arguments(ops) -> None:
                      help="CUDA: keep Triton's autotune picks from one shape to the next (default: forget them "
                           "before each shape, so each is timed with the configs tuned at it, as a run at that "
                           "shape alone would be; FLA's keys leave out B and T)")
-    ops.add_argument("--peers", nargs="+", action="extend", choices=("fla-triton", "flash-qla", "all"), default=None,
-                     help="CUDA: also time these baselines beside FLA as installed, alternating with it and rewy "
-                          "on the same inputs, each gradient-checked: fla-triton (FLA with its backend dispatch "
-                          "off, so no FlashQLA or TileLang kernels: what FLA_DISABLE_BACKEND_DISPATCH=1 gives), "
-                          "flash-qla (FlashQLA's own entry, GDN only); all: both. A peer that does not apply here "
-                          "(not installed, another op) is listed with the reason")
-    ops.add_argument("--kernel-profile", action="store_true",
-                     help="after each side's timing, profile one more of its runs with torch.profiler and list "
-                          "where its time goes: device time and launches per kernel on CUDA (per ATen operator, "
-                          "self time, on CPU), beside the other sides', per configuration and boundary")
     ops.add_argument("--rep-ms", type=float, default=50.0, help="CUDA: milliseconds of runs per round")
     ops.add_argument("--check-max-tokens", type=at_least(64), default=2**19, metavar="N",
                      help="shapes with B*T*H above N are gradient-checked at a reduced T (same B, H; said in the "

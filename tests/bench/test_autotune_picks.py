@@ -1,12 +1,16 @@
-"""The op bench forgets Triton's autotune picks before each shape and records the picks each row ran with
-(rewy_hf/bench/autotune_picks.py)."""
+"""The op bench forgets Triton's autotune picks before each shape (rewy_hf/bench/autotune_picks.py), and
+the developer bench records the picks each row ran with (dev/bench_lab/kernels.py)."""
 
 from __future__ import annotations
 
 import triton
 
-from rewy_hf.bench.autotune_picks import autotuner_of, autotuners, forget_picks, picks
+from dev_scripts import load_dev_module
+
+from rewy_hf.bench.autotune_picks import autotuner_of, autotuners, forget_picks
 from rewy_hf.cli import build_parser
+
+picks = load_dev_module("bench_lab", "kernels").picks
 
 
 def _fla_dhu_tuner():

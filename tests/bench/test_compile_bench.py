@@ -161,7 +161,8 @@ def test_split_runs_join_into_the_four_sided_result(result, tmp_path):
 
 
 def test_a_run_of_some_sides_says_which_were_left_out(result, tmp_path):
-    data = load_dev_module("bench_lab", "merge").load_run(_run_file(tmp_path, "a.json", result, ["unpatched eager", "patched compiled"]))
+    path = _run_file(tmp_path, "a.json", result, ["unpatched eager", "patched compiled"])
+    data = load_dev_module("bench_lab", "merge").load_run(path)
     text = format_compile_result(data, "tiny")
     assert "not asked for (--sides): patched eager, unpatched compiled" in text and "not measured" not in text
 

@@ -1,13 +1,18 @@
-"""FLA's backend dispatch as the bench sees it (rewy_hf/bench/fla_backends.py), on FLA's own
-registry machinery: a registry with one backend that serves a function, as FlashQLA or TileLang
-serve FLA's functions where they are installed."""
+"""FLA's backend dispatch as the bench sees it (rewy_hf/bench/fla_backends.py), and turned off for
+dev/bench_lab's fla-triton peer (dev/bench_lab/peers.py), on FLA's own registry machinery: a registry
+with one backend that serves a function, as FlashQLA or TileLang serve FLA's functions where they are
+installed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dev_scripts import load_dev_module
+
 from rewy_hf.bench import fla_backends
+
+dispatch_off = load_dev_module("bench_lab", "peers").dispatch_off
 
 
 @pytest.fixture
@@ -44,7 +49,7 @@ def test_fla_as_installed_runs_the_backend_and_says_so(served_function):
 
 def test_dispatch_off_runs_flas_own_code_and_restores_the_registries(served_function):
     before = {id(r): dict(r._backends) for r in fla_backends.registries()}
-    with fla_backends.recording_served() as served, fla_backends.dispatch_off():
+    with fla_backends.recording_served() as served, dispatch_off():
         assert served_function(torch.ones(1)).item() == 2
         assert not fla_backends.active_backends()
     assert served == set()
@@ -53,6 +58,6 @@ def test_dispatch_off_runs_flas_own_code_and_restores_the_registries(served_func
 
 
 def test_dispatch_off_restores_after_an_error(served_function):
-    with pytest.raises(RuntimeError, match="boom"), fla_backends.dispatch_off():
+    with pytest.raises(RuntimeError, match="boom"), dispatch_off():
         raise RuntimeError("boom")
     assert served_function(torch.ones(1)).item() == 3

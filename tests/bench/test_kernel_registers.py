@@ -76,7 +76,7 @@ def _pick(names, key, kwargs, warps, stages):
 
 
 def _picks_runs(d, rows) -> dict:
-    """A bench file whose rows record the picks of a dense KDA row, a packed GDN row (as `rewy-hf bench`
+    """A bench file whose rows record the picks of a dense KDA row, a packed GDN row (as dev/bench_lab
     writes them on a GPU; the picks match configs the other runs compile directly), a GDN2 row, and a
     file without picks."""
     intra = "rewy_hf.kernels.triton_backend.vector_gate.intra_backward.rewy_kda_bwd_intra_kernel"

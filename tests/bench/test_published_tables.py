@@ -3,12 +3,12 @@
 docs/per-shape.md's tables, the FlashQLA forward + backward tables of docs/studies.md, and the
 generated tables of docs/performance.md (what serves a patched GDN call with flash-qla installed, the
 end-to-end compile steps, packed fine-tuning) and of docs/studies.md (further lengths, two further
-presets) are what the developer bench's `--from-json` (dev/bench_lab) makes of their files. The tables and figures computed
-from several files or from a file's raw rows (performance.md's summary and its GDN note, FlashQLA's
-backward, KDA against TileLang, the model-level step, the notes under the per-shape tables, GDN2's
-packed row in studies.md) are recomputed here. So an edited number, a table left behind after a rerun,
-or a summary that no longer follows its tables fails here. README.md and the guides copy none of these
-figures: they link to them.
+presets) are what the developer bench's `--from-json` (dev/bench_lab) makes of their files. The
+tables and figures computed from several files or from a file's raw rows (performance.md's summary and
+its GDN note, FlashQLA's backward, KDA against TileLang, the model-level step, the notes under the
+per-shape tables, GDN2's packed row in studies.md) are recomputed here. So an edited number, a table
+left behind after a rerun, or a summary that no longer follows its tables fails here. README.md and the
+guides copy none of these figures: they link to them.
 
 A section may add prose, "Source:" lines and notes between the generated tables, and it picks its
 own heading levels; every generated table line and note (and, where the section carries it, the

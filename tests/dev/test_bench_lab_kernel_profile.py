@@ -1,4 +1,4 @@
-"""`rewy-hf bench --kernel-profile`: where each side's time goes, kernel by kernel (on the CPU: ATen
+"""dev/bench_lab --kernel-profile: where each side's time goes, kernel by kernel (on the CPU: ATen
 operator by operator), recorded per configuration and boundary and printed beside the other sides'."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench_cli import run_bench, run_lab
+from bench_cli import lab_main, run_lab
+from dev_scripts import load_dev_module
 
-from rewy_hf import cli
-from rewy_hf.bench.kernel_profile import largest, summed
-from rewy_hf.bench.rows import OpRow
-from rewy_hf.bench.tables import TOP_KERNELS, format_kernel_table
+from rewy_hf.bench.kernel_profile import summed
+
+lab_kernels = load_dev_module("bench_lab", "kernels")
+op_row = load_dev_module("bench_lab", "rows").op_row
 
 # T = 128: two chunks for rewy's chunked backward, 128 token steps for the reference recurrence.
 PROFILED = ["--device", "cpu", "--shapes", "1,128,1,16,16", "--reps", "1", "--warmup", "1", "--op", "gdn",
@@ -24,7 +25,7 @@ PROFILED = ["--device", "cpu", "--shapes", "1,128,1,16,16", "--reps", "1", "--wa
 def profiled_run(tmp_path_factory):
     """The JSON of one profiled CPU run of GDN, both boundaries, and what it printed."""
     path = tmp_path_factory.mktemp("kernel_profile") / "run.json"
-    assert cli.main(["bench", *PROFILED, "--json", str(path)]) == 0
+    assert lab_main([*PROFILED, "--json", str(path)]) == 0
     return json.loads(path.read_text()), path
 
 
@@ -75,14 +76,14 @@ def test_the_tables_print_live_and_again_from_the_json(profiled_run, tmp_path, c
 def test_a_run_without_the_option_records_and_prints_no_profile(tmp_path, capsys):
     path = tmp_path / "run.json"
     argv = [a for a in PROFILED if a != "--kernel-profile"] + ["--boundary", "B", "--json", str(path)]
-    code, out, _ = run_bench(argv, capsys)
+    code, out, _ = run_lab(argv, capsys)
     assert code == 0 and "operators of one" not in out
     (row,) = json.loads(path.read_text())["rows"]
     assert not any("kernels" in k for k in row)
 
 
 def test_the_option_is_refused_at_model_level(capsys):
-    code, _, err = run_bench(["--model", "tiny-qwen3.5", "--device", "cpu", "--kernel-profile"], capsys)
+    code, _, err = run_lab(["--model", "tiny-qwen3.5", "--device", "cpu", "--kernel-profile"], capsys)
     assert code == 2 and "--kernel-profile" in err and "op-level" in err
 
 
@@ -101,13 +102,13 @@ def test_gpu_profiles_sum_kernels_and_leave_memsets_and_host_operators_out():
 
 
 def test_the_table_keeps_the_largest_kernels_and_sums_the_rest():
-    kernels = {f"k{i}": {"ms": float(i), "launches": 2} for i in range(1, TOP_KERNELS + 4)}
-    head, (n_rest, ms_rest, launches_rest) = largest(kernels, TOP_KERNELS)
-    assert [h[0] for h in head] == [f"k{i}" for i in range(TOP_KERNELS + 3, 3, -1)]
+    kernels = {f"k{i}": {"ms": float(i), "launches": 2} for i in range(1, lab_kernels.TOP_KERNELS + 4)}
+    head, (n_rest, ms_rest, launches_rest) = lab_kernels.largest(kernels, lab_kernels.TOP_KERNELS)
+    assert [h[0] for h in head] == [f"k{i}" for i in range(lab_kernels.TOP_KERNELS + 3, 3, -1)]
     assert (n_rest, ms_rest, launches_rest) == (3, 1.0 + 2.0 + 3.0, 6)
     row = {"op": "gdn", "policy": "recompute", "B": 1, "T": 64, "H": 2, "K": 128, "V": 128,
            "rewy_kernels_B": kernels, "peers": {"flash-qla": {"kernels_B": {"fused": {"ms": 2.0, "launches": 1}}}}}
-    text = format_kernel_table(OpRow.from_json(row), "B", "FLA", "cuda", markdown=True)
+    text = lab_kernels.format_kernel_table(op_row(row), "B", "FLA", "cuda", markdown=True)
     total = sum(v["ms"] for v in kernels.values())
     assert "kernels of one backward (device time)" in text
     assert f"| rewy | (3 other kernels) | 6 | 6.000 | {100 * 6 / total:.0f} % |" in text
@@ -131,13 +132,13 @@ def test_the_table_names_the_config_each_autotuned_kernel_ran_with():
                    pick({"BV": 64}, 4, 1)],
                "fla.ops.common.chunk_delta_h.chunk_bwd_kernel_dhu": [
                    pick({"BV": 32}, 4, 2), pick({"BV": 64}, 8, 3), pick({"BV": 32}, 4, 2)]}}
-    text = format_kernel_table(OpRow.from_json(row), "B", "FLA", "cuda", markdown=True)
+    text = lab_kernels.format_kernel_table(op_row(row), "B", "FLA", "cuda", markdown=True)
     assert "| side | kernel | launches | ms | share | config |" in text
     assert "| rewy | rewy_kda_bwd_wy_kernel | 1 | 0.600 | 74 % | BV=64 w4 s1 |" in text
     assert "| FLA | chunk_bwd_kernel_dhu | 1 | 0.200 | 100 % | BV=32 w4 s2; BV=64 w8 s3 |" in text
     assert "| rewy | vectorized_elementwise_kernel | 2 | 0.010 | 1 % |   |" in text   # an empty cell
     del row["autotune_picks"]              # a run from before rows recorded picks: the table as it was
-    assert "config" not in format_kernel_table(OpRow.from_json(row), "B", "FLA", "cuda", markdown=True)
+    assert "config" not in lab_kernels.format_kernel_table(op_row(row), "B", "FLA", "cuda", markdown=True)
 
 
 def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_path, capsys):
@@ -151,15 +152,13 @@ def test_a_profiled_run_plots_its_kernels_beside_the_speedups(profiled_run, tmp_
     # an unprofiled run draws the speedups alone
     plain = tmp_path / "plain.json"
     argv = [a for a in PROFILED if a != "--kernel-profile"] + ["--boundary", "B", "--json", str(plain)]
-    assert run_bench(argv, capsys)[0] == 0
+    assert run_lab(argv, capsys)[0] == 0
     code, out, _ = run_lab(["--from-json", str(plain), "--plot", str(tmp_path / "plain.png")], capsys)
     assert code == 0 and (tmp_path / "plain.png").exists() and not (tmp_path / "plain-kernels.png").exists()
 
 
 def test_a_side_that_cannot_be_profiled_keeps_its_timing_and_says_why(tmp_path, capsys, monkeypatch):
-    import rewy_hf.bench.op_bench as op_bench
-
-    real = op_bench.kernel_times
+    real = lab_kernels.kernel_times
 
     def fails_for_the_reference(run, device):
         out = real(run, device)
@@ -167,9 +166,9 @@ def test_a_side_that_cannot_be_profiled_keeps_its_timing_and_says_why(tmp_path, 
             raise RuntimeError("profiler unavailable")
         return out
 
-    monkeypatch.setattr(op_bench, "kernel_times", fails_for_the_reference)
+    monkeypatch.setattr(lab_kernels, "kernel_times", fails_for_the_reference)
     path = tmp_path / "run.json"
-    code, out, _ = run_bench([*PROFILED, "--boundary", "B", "--json", str(path)], capsys)
+    code, out, _ = run_lab([*PROFILED, "--boundary", "B", "--json", str(path)], capsys)
     assert code == 0, out
     (row,) = json.loads(path.read_text())["rows"]
     assert row["baseline_B_ms"] > 0 and "baseline_kernels_B" not in row and row["rewy_kernels_B"]
