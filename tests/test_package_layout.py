@@ -1,6 +1,7 @@
 """The import graph of rewy_hf (rewy_hf.kernels and rewy_hf.adapters included) has no cycle, no
 module imports another rewy_hf module's private (underscore) name, the folders import one way
-down their layers, and no function outside a Triton kernel is too long to read.
+down their layers, no function outside a Triton kernel is too long to read, nothing installed
+imports the developer tools of dev/, and rewy_hf/bench/ stays a bounded share of the library.
 
 Imports are read with ``ast``, at module level and inside functions alike (an
 import deferred into a function still ties the two modules together). An edge
@@ -269,6 +270,56 @@ def test_no_function_outside_a_triton_kernel_is_longer_than_the_limit(modules):
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+# --- the developer tools stay out of the installed package ------------------------------------------
+
+# rewy_hf/bench/ holds what a user of `rewy-hf bench` runs; the developer measurements and reports live in
+# dev/bench_lab/ (not installed), so the bench is at most this share of the installed library's lines.
+MAX_BENCH_SHARE = 0.15
+DEV = Path(__file__).resolve().parents[1] / "dev"
+
+
+def lines_of(folder: Path) -> int:
+    """Lines of every .py file under ``folder``, as ``find folder -name '*.py' | xargs cat | wc -l``."""
+    return sum(path.read_bytes().count(b"\n") for path in folder.rglob("*.py"))
+
+
+def test_the_bench_is_at_most_its_share_of_the_installed_library():
+    """The installed library is every .py under the folders the installation maps into rewy_hf
+    (rewy_hf/, kernels/, adapters/)."""
+    dirs = package_dirs()
+    library = sum(lines_of(folder) for folder in dirs.values())
+    bench = lines_of(dirs["rewy_hf"] / "bench")
+    assert bench <= MAX_BENCH_SHARE * library, (
+        f"rewy_hf/bench/ has {bench} of the installed library's {library} lines ({bench / library:.1%}, at most "
+        f"{MAX_BENCH_SHARE:.0%}): developer measurements belong in dev/bench_lab/")
+
+
+def dev_imports(modules: dict[str, Path], dev_names: set[str]) -> list[str]:
+    """Imports of a module named by dev/ (a script or package there, or ``dev`` itself)."""
+    out = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            out += [f"{path}:{node.lineno}: {name} imports {t}" for t in targets if t.split(".")[0] in dev_names]
+    return out
+
+
+def test_nothing_installed_imports_from_dev(modules):
+    names = {"dev"} | {p.stem for p in DEV.glob("*.py")}
+    names |= {p.name for p in DEV.iterdir() if (p / "__init__.py").is_file()}
+    assert {"bench_lab", "kernel_registers"} <= names
+    found = dev_imports(modules, names)
+    assert not found, "installed modules that import the developer tools (dev/, not installed):\n" + "\n".join(found)
+
+
+def test_the_dev_import_check_finds_a_planted_import(tmp_path):
+    pkg = _planted(tmp_path, {"__init__.py": "", "a.py": "import os\nfrom bench_lab.merge import merge_runs\n",
+                              "b.py": "def f():\n    import dev.first_calls\n"})
+    found = dev_imports(walk_modules({"pkg": pkg}), {"dev", "bench_lab"})
+    assert [f.rpartition(": ")[2] for f in found] == ["pkg.a imports bench_lab.merge", "pkg.b imports dev.first_calls"]
 
 
 # --- one vocabulary ------------------------------------------------------------------------------

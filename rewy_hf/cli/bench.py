@@ -10,6 +10,10 @@ recurrence instead of FLA, and the output says so.
 Model level (``--model``): one whole training step (forward + loss backward +
 AdamW step + zero_grad), the same model instance unpatched and patched.
 
+The developer measurements (further baselines, kernel profiles, context
+parallelism, the tables of kept runs) are the repository's dev/bench_lab, which
+builds this parser and adds its own options.
+
 Exit codes: 0 every check passed; 1 a check failed (a gradient error over its
 bound or a rewy crash; at model level: no layer patched, no optimized backward
 ran, or a non-finite loss); 2 could not run (bad options, no CUDA, --plot
