@@ -126,8 +126,8 @@ def test_the_link_pattern_finds_the_docs_links():
 def test_the_path_pattern_finds_paths_and_leaves_out_outputs():
     # the same guard for the backticked paths, and the allowances at work on spans the pages write
     assert sum(len(path_tokens(s)) for p in PATH_PAGES for s in spans(p)) > 100
-    assert path_tokens("rewy-hf bench --from-json docs/bench/ops/*.json --markdown ops.md --plot docs/img/x.png") == \
-        ["docs/bench/ops/*.json"]
+    assert path_tokens("python $REPO/dev/bench_lab --from-json docs/bench/ops/*.json --markdown ops.md "
+                       "--plot docs/img/x.png") == ["docs/bench/ops/*.json"]
     assert path_tokens("python $REPO/dev/compare_runs.py --png /tmp/loss.png") == ["dev/compare_runs.py"]
     assert path_tokens("eee31eb:kernels/triton_backend/split_reverse.py") == []
     assert expand("docs/bench/{ops,walk}/") == ["docs/bench/ops/", "docs/bench/walk/"]

@@ -14,6 +14,14 @@ from .kernels import format_kernel_table, picks, profile_row, profiled_sides
 from .peers import PEERS, check_peers, format_peer_table, peer_line, peers_of
 
 
+def lab_tables(rows: list[OpRow], boundaries: list[str], base: str, device: str, markdown: bool = False) -> list[str]:
+    """After one (op, policy)'s table: its peers' table where the run timed peers, and its kernel
+    tables where it profiled them."""
+    out = [format_peer_table(rows, boundaries, base, markdown=markdown)] if any(peers_of(r) for r in rows) else []
+    return out + [format_kernel_table(r, bd, base, device, markdown=markdown) for r in rows for bd in boundaries
+                  if profiled_sides(r, bd, base)]
+
+
 class LabExtra(Extra):
     """--peers, --kernel-profile and the recorded autotune picks of one op-level run."""
 
@@ -49,17 +57,7 @@ class LabExtra(Extra):
             row.more["autotune_picks"] = picks()
         return peer_line(row, boundaries)
 
-    def tables(self, rows: list[OpRow], boundaries: list[str], base: str, device: str,
-               markdown: bool = False) -> list[str]:
-        return lab_tables(rows, boundaries, base, device, markdown)
-
-
-def lab_tables(rows: list[OpRow], boundaries: list[str], base: str, device: str, markdown: bool = False) -> list[str]:
-    """After one (op, policy)'s table: its peers' table where the run timed peers, and its kernel
-    tables where it profiled them."""
-    out = [format_peer_table(rows, boundaries, base, markdown=markdown)] if any(peers_of(r) for r in rows) else []
-    return out + [format_kernel_table(r, bd, base, device, markdown=markdown) for r in rows for bd in boundaries
-                  if profiled_sides(r, bd, base)]
+    tables = staticmethod(lab_tables)
 
 
 def run_lab_ops(args, device: str, guard: dict, report) -> int:
