@@ -1,5 +1,6 @@
-"""`rewy-hf bench --context-parallel` on two GPUs (NCCL, one GPU per process): rewy's and FLA's
-context-parallel ops on the same slices, every row gradient-checked, both sides timed."""
+"""The developer bench's `--context-parallel` (`python $REPO/dev/bench_lab --context-parallel`) on two GPUs
+(NCCL, one GPU per process): rewy's and FLA's context-parallel ops on the same slices, every row
+gradient-checked, both sides timed."""
 
 from __future__ import annotations
 
