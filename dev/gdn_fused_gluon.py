@@ -3,9 +3,9 @@
 One program per (sequence, value head) walks the chunks from last to first, as FlashQLA's fused
 backward does. The state gradient dh [K, V] stays on chip for the whole walk (fp32 in registers, a
 16-bit copy in shared memory as the operand of its products); dv2, dh and the local value gradient
-are never written to memory. Every product is a Hopper warpgroup MMA on shared-memory operands
-(Triton's ``tl`` language could not keep dh on chip: docs/studies.md, "A fused GDN backward in
-Triton: does it fit?"). Per chunk, with G the chunk-local log2 cumulative gate and G_C its last row:
+are never written to memory. Every product is a Hopper warpgroup MMA (its second operand in shared
+memory, its first in shared memory or registers). Triton's ``tl`` language could not keep dh on chip
+(docs/studies.md, "A fused GDN backward in Triton: does it fit?"). Per chunk, with G the chunk-local log2 cumulative gate and G_C its last row:
 
     dV_loc = (Aqk)^T dO                        Aqk: the causal, gated, scaled q-k products
     dV2    = dV_loc + diag(2^(G_C - G)) K dh
@@ -36,7 +36,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma)
 
 NUM_WARPS = 8
 C = 64
