@@ -5,7 +5,8 @@ backward does. The state gradient dh [K, V] stays on chip for the whole walk (fp
 16-bit copy in shared memory as the operand of its products); dv2, dh and the local value gradient
 are never written to memory. Every product is a Hopper warpgroup MMA (its second operand in shared
 memory, its first in shared memory or registers). Triton's ``tl`` language could not keep dh on chip
-(docs/studies.md, "A fused GDN backward in Triton: does it fit?"). Per chunk, with G the chunk-local log2 cumulative gate and G_C its last row:
+(docs/studies.md, "A fused GDN backward in Triton: does it fit?"). Per chunk, with G the chunk-local
+log2 cumulative gate and G_C its last row:
 
     dV_loc = (Aqk)^T dO                        Aqk: the causal, gated, scaled q-k products
     dV2    = dV_loc + diag(2^(G_C - G)) K dh
