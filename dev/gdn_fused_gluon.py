@@ -322,8 +322,8 @@ def split_backward_inputs(B, T, H, seed=0):
 
     def capture(t, do_, dh, dv2, call, pk):
         out = original(t, do_, dh, dv2, call, pk)
-        seen.update(w=t.w, q=t.q, k=t.k, v=t.v, v_new=t.v_new, g=t.g2, beta=t.beta, A=t.A, h=t.h, do=do_, dh=dh,
-                    dv2=dv2, scale=call.scale, out=out)
+        seen.update(w=t.w, q=t.q, k=t.k, v=t.v, v_new=t.v_new, g=t.g2, beta=t.beta, A=t.A, h=t.h, do=do_,
+                    scale=call.scale, out=out)
         return out
 
     stages.ScalarGate.local_backward = staticmethod(capture)
