@@ -232,13 +232,319 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc, do
         gl.store(dh0 + _offsets(i_nh.to(gl.int64) * K, K, V, V, MH), b_dh)
 
 
+# --- warp-specialised variant --------------------------------------------------------------------------
+
+# input tiles, in the order the loader issues them (the order the consumers free them)
+TA, TQ, TDO, TH, TK, TVN = (gl.constexpr(i) for i in range(6))
+# consumer-to-consumer hand-offs (ready, free pairs)
+ST_RDY, ST_FREE, QX_RDY, QX_FREE, DY_RDY, DY_FREE, DH_RDY, DH_FREE = (gl.constexpr(i) for i in range(8))
+
+
+@gluon.jit
+def _signal(bar):
+    # every warp of the partition has stored (or read) and its stores reach the async proxy, then one arrive
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _load_tile(desc, c0, c1, dst, rdy, free, phase, nbytes: gl.constexpr):
+    mbarrier.wait(free, phase)
+    fence_async_shared()
+    mbarrier.expect(rdy, nbytes)
+    _tma_load(desc, [c0, c1], rdy, dst)
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, q_s, k_s, do_s, vn_s, a_s, h_s, rdy, free, T,
+               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    BT: gl.constexpr = 64
+    i_nh = gl.program_id(0)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    NT = T // BT
+    row0 = i_n * T
+    h_row0 = (i_n * NT * HV + i_hv) * K
+    for j in range(NT):
+        i_t = NT - 1 - j
+        r = row0 + i_t * BT
+        ph = (j & 1) ^ 1
+        _load_tile(a_desc, r, i_hv * BT, a_s, rdy.index(TA), free.index(TA), ph, 2 * BT * BT)
+        _load_tile(q_desc, r, i_h * K, q_s, rdy.index(TQ), free.index(TQ), ph, 2 * BT * K)
+        _load_tile(do_desc, r, i_hv * V, do_s, rdy.index(TDO), free.index(TDO), ph, 2 * BT * V)
+        _load_tile(h_desc, h_row0 + i_t * (HV * K), 0, h_s, rdy.index(TH), free.index(TH), ph, 2 * K * V)
+        _load_tile(k_desc, r, i_h * K, k_s, rdy.index(TK), free.index(TK), ph, 2 * BT * K)
+        _load_tile(vn_desc, r, i_hv * V, vn_s, rdy.index(TVN), free.index(TVN), ph, 2 * BT * V)
+
+
+@gluon.jit
+def _ws_state(k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+              v, g, beta, dv, dht, dh0, T,
+              H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+              USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
+    # One warpgroup: dh [K, V] in fp32 registers, the chain dh -> K dh -> dV2 -> dY -> dh.
+    BT: gl.constexpr = 64
+    f32: gl.constexpr = gl.float32
+    lp: gl.constexpr = gl.bfloat16
+    M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    ROW: gl.constexpr = gl.SliceLayout(1, M)
+
+    i_nh = gl.program_id(0)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    NT = T // BT
+    bos = i_n.to(gl.int64) * T
+    v += (bos * HV + i_hv) * V
+    dv += (bos * HV + i_hv) * V
+    g += bos * HV + i_hv
+    beta += bos * HV + i_hv
+    rows = gl.arange(0, BT, layout=ROW)
+
+    if USE_DHT:
+        b_dh = gl.load(dht + i_nh.to(gl.int64) * K * V + _offsets(0, K, V, V, M))
+    else:
+        b_dh = gl.zeros([K, V], f32, M)
+    dh_s.store(b_dh.to(lp))
+    _signal(hand.index(DH_RDY))
+
+    for j in range(NT):
+        i_t = NT - 1 - j
+        tok = i_t.to(gl.int64) * BT
+        ph = j & 1
+        g_w = gl.load(g + (tok + rows) * HV)
+        g_last = gl.load(g + (tok + BT - 1) * HV)
+        b_w = gl.load(beta + (tok + rows) * HV).to(f32)
+        b_rev = gl.exp2(g_last - g_w)
+
+        # dV2 = 2^(G_C - G) K dh + S^T dO
+        mbarrier.wait(rdy.index(TK), ph)
+        b_dv2 = warpgroup_mma(k_s, dh_s, gl.zeros([BT, V], f32, M), use_acc=False)
+        _signal(free.index(TK))
+        mbarrier.wait(rdy.index(TDO), ph)
+        mbarrier.wait(hand.index(ST_RDY), ph)
+        b_dv2 = warpgroup_mma(st_s, do_s, b_dv2 * gl.expand_dims(b_rev, 1))
+        _signal(hand.index(ST_FREE))
+        dv2_s.store(b_dv2.to(lp))
+        fence_async_shared()
+        _barrier()
+
+        # dY = A^T dV2 -> dv, beta's share from v
+        mbarrier.wait(rdy.index(TA), ph)
+        b_dy = warpgroup_mma(a_s.permute((1, 0)), dv2_s, gl.zeros([BT, V], f32, M), use_acc=False)
+        _signal(free.index(TA))
+        o_v = _offsets(i_t * BT, BT, V, HV * V, M)
+        gl.store(dv + o_v, (b_dy * gl.expand_dims(b_w, 1)).to(dv.dtype.element_ty))
+        b_dbp = gl.sum(b_dy * gl.load(v + o_v).to(f32), axis=1)
+        mbarrier.wait(hand.index(DY_FREE), ph ^ 1)
+        dy_s.store(b_dy.to(lp))
+        dbp_s.store(b_dbp)
+
+        # the decay term of the carried state: sum(h * dh), dh the gradient leaving this chunk
+        mbarrier.wait(rdy.index(TH), ph)
+        b_dgc = gl.sum(gl.sum(h_s.load(M).to(f32) * b_dh, axis=1), axis=0)
+        _signal(free.index(TH))
+        dgc_s.store(gl.zeros([BT], f32, ROW) + b_dgc * gl.exp2(g_last))
+        _signal(hand.index(DY_RDY))
+
+        # dh <- 2^G_C dh + (scale Q diag(2^G))^T dO + (-diag(beta 2^G) K)^T dY
+        mbarrier.wait(hand.index(QX_RDY), ph)
+        b_dh = warpgroup_mma(qg_s.permute((1, 0)), do_s, b_dh * gl.exp2(g_last))
+        _signal(free.index(TDO))
+        b_dh = warpgroup_mma(x3_s.permute((1, 0)), dy_s, b_dh)
+        _signal(hand.index(QX_FREE))
+        mbarrier.wait(hand.index(DH_FREE), ph)
+        dh_s.store(b_dh.to(lp))
+        _signal(hand.index(DH_RDY))
+
+    if USE_DH0:
+        gl.store(dh0 + _offsets(i_nh.to(gl.int64) * K, K, V, V, M), b_dh)
+
+
+@gluon.jit
+def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+              g, beta, dq, dk, dg, db, scale, T,
+              H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    # One warpgroup: the local gradients of each chunk, the state's only through dY and dh_s.
+    BT: gl.constexpr = 64
+    f32: gl.constexpr = gl.float32
+    lp: gl.constexpr = gl.bfloat16
+    M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    ROW: gl.constexpr = gl.SliceLayout(1, M)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
+    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
+
+    i_nh = gl.program_id(0)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    NT = T // BT
+    bos = i_n.to(gl.int64) * T
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    g += bos * HV + i_hv
+    beta += bos * HV + i_hv
+    dg += bos * HV + i_hv
+    db += bos * HV + i_hv
+    rows_w = gl.arange(0, BT, layout=ROW)
+    rows_s = gl.arange(0, BT, layout=ROW_S)
+    cols_s = gl.arange(0, BT, layout=COL_S)
+    r_s = gl.expand_dims(rows_s, 1)
+    c_s = gl.expand_dims(cols_s, 0)
+    causal = c_s >= r_s
+    below = c_s < r_s
+
+    for j in range(NT):
+        i_t = NT - 1 - j
+        tok = i_t.to(gl.int64) * BT
+        ph = j & 1
+        g_w = gl.load(g + (tok + rows_w) * HV)
+        g_r = gl.load(g + (tok + rows_s) * HV)
+        g_c = gl.load(g + (tok + cols_s) * HV)
+        g_last = gl.load(g + (tok + BT - 1) * HV)
+        b_w = gl.load(beta + (tok + rows_w) * HV).to(f32)
+        b_r = gl.load(beta + (tok + rows_s) * HV).to(f32)
+        b_eg = gl.exp2(g_w)
+
+        # S^T[j, i] = scale k_j . q_i 2^(G_i - G_j), i >= j: the state chain's first operand
+        mbarrier.wait(rdy.index(TK), ph)
+        mbarrier.wait(rdy.index(TQ), ph)
+        b_kq = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
+        b_st = b_kq * gl.exp2(gl.where(causal, gl.expand_dims(g_c, 0) - gl.expand_dims(g_r, 1), float("-inf")))
+        b_kqd = gl.convert_layout(gl.sum(gl.where(c_s == r_s, b_kq, 0.0), axis=1), ROW)
+        mbarrier.wait(hand.index(ST_FREE), ph ^ 1)
+        st_s.store((b_st * scale).to(lp))
+        _signal(hand.index(ST_RDY))
+
+        # the update's gated operands
+        mbarrier.wait(hand.index(QX_FREE), ph ^ 1)
+        qg_s.store((q_s.load(M).to(f32) * gl.expand_dims(scale * b_eg, 1)).to(lp))
+        x3_s.store((k_s.load(M).to(f32) * gl.expand_dims(-b_w * b_eg, 1)).to(lp))
+        _signal(hand.index(QX_RDY))
+
+        # Output side: P2 = dAqk * Gamma -> dq and q's share of dk
+        mbarrier.wait(rdy.index(TDO), ph)
+        mbarrier.wait(rdy.index(TVN), ph)
+        b_daqk = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
+        gam = gl.exp2(gl.where(below, gl.expand_dims(g_r, 1) - gl.expand_dims(g_c, 0), float("-inf")))
+        b_diag = gl.convert_layout(scale * gl.sum(gl.where(c_s == r_s, b_daqk, 0.0), axis=1), ROW)
+        p_s.store((b_daqk * gam * scale).to(lp))
+        mbarrier.wait(rdy.index(TH), ph)
+        b_dq = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([BT, K], f32, M), use_acc=False)
+        _signal(free.index(TDO))          # its fence and barrier also publish p_s to the MMA below
+        b_dq = warpgroup_mma(p_s, k_s, b_dq * gl.expand_dims(scale * b_eg, 1))
+        b_dG = gl.sum(q_s.load(M).to(f32) * b_dq, axis=1)
+        b_dq += gl.expand_dims(b_diag, 1) * k_s.load(M).to(f32)
+        gl.store(dq + _offsets(i_t * BT, BT, K, HV * K, M), b_dq.to(dq.dtype.element_ty))
+        # the accumulator starts at diag * q; k . (diag q) = diag (k . q) is taken out of dG below
+        b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, gl.expand_dims(b_diag, 1) * q_s.load(M).to(f32))
+        _signal(free.index(TQ))
+
+        # Key side: dX = -dY h^T, P = -(dY Vn^T) * Gamma, Gram Elimination as the local kernel
+        mbarrier.wait(hand.index(DY_RDY), ph)
+        b_dyvn = warpgroup_mma(dy_s, vn_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
+        # Gamma again, written so that it is not kept from above through the output side
+        b_pm = gl.where(below, -b_dyvn * gl.exp2(gl.expand_dims(g_r, 1) - gl.expand_dims(g_c, 0)), 0.0)
+        # st_s is free: the chain read it before it produced dY
+        st_s.store(b_pm.to(lp))
+        p_s.store((b_pm * gl.expand_dims(b_r, 1)).to(lp))
+        fence_async_shared()
+        _barrier()
+        b_da = warpgroup_mma(dy_s, h_s.permute((1, 0)), gl.zeros([BT, K], f32, M), use_acc=False)
+        _signal(free.index(TH))
+        b_da = warpgroup_mma(st_s, k_s, -b_da * gl.expand_dims(b_eg, 1))
+        b_dk = warpgroup_mma(p_s.permute((1, 0)), k_s, b_dk)
+        b_k = k_s.load(M).to(f32)
+        b_dbeta = dbp_s.load(ROW) + gl.sum(b_da * b_k, axis=1)
+        b_dgc = dgc_s.load(ROW_S)
+        _signal(hand.index(DY_FREE))
+        gl.store(db + (tok + rows_w) * HV, b_dbeta)
+        b_dG += gl.sum(b_k * (gl.expand_dims(b_w, 1) * b_da - b_dk), axis=1) + b_diag * b_kqd
+        b_dk += b_da * gl.expand_dims(b_w, 1)
+
+        # the key-state term: 2^(G_C - G) Vn dh^T, and kc = k . that
+        mbarrier.wait(hand.index(DH_RDY), ph)
+        b_ks = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([BT, K], f32, M), use_acc=False)
+        _signal(hand.index(DH_FREE))
+        _signal(free.index(TVN))
+        b_ks = b_ks * gl.expand_dims(gl.exp2(g_last - g_w), 1)
+        b_kc = gl.sum(b_ks * k_s.load(M).to(f32), axis=1)
+        _signal(free.index(TK))
+        b_dk += b_ks
+        gl.store(dk + _offsets(i_t * BT, BT, K, HV * K, M), b_dk.to(dk.dtype.element_ty))
+
+        b_kc = gl.convert_layout(b_kc, COL_S)
+        b_dGc = gl.convert_layout(b_dG, COL_S)
+        b_before = gl.sum(gl.where(below, gl.expand_dims(b_kc, 0), 0.0), axis=1)
+        b_after = gl.sum(gl.where(causal, gl.expand_dims(b_dGc, 0), 0.0), axis=1)
+        gl.store(dg + (tok + rows_s) * HV, b_after + b_before + b_dgc)
+
+
+@gluon.jit
+def gdn_fused_bwd_ws_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk, dv, dg, db,
+                            dh0, scale, T,
+                            H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                            USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
+    BT: gl.constexpr = 64
+    lp: gl.constexpr = gl.bfloat16
+    SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_s = gl.allocate_shared_memory(lp, [BT, K], SW)
+    k_s = gl.allocate_shared_memory(lp, [BT, K], SW)
+    do_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    vn_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    a_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
+    h_s = gl.allocate_shared_memory(lp, [K, V], SW)
+    dh_s = gl.allocate_shared_memory(lp, [K, V], SW)
+    st_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
+    p_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
+    dv2_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    dy_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    qg_s = gl.allocate_shared_memory(lp, [BT, K], SW)
+    x3_s = gl.allocate_shared_memory(lp, [BT, K], SW)
+    dbp_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
+    dgc_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
+    rdy = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    hand = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(6):
+        mbarrier.init(rdy.index(i), count=1)
+    # how many partitions read each input tile: a, q, do, h, k, vn
+    mbarrier.init(free.index(TA), count=1)
+    mbarrier.init(free.index(TQ), count=1)
+    mbarrier.init(free.index(TDO), count=2)
+    mbarrier.init(free.index(TH), count=2)
+    mbarrier.init(free.index(TK), count=2)
+    mbarrier.init(free.index(TVN), count=1)
+    for i in gl.static_range(8):
+        mbarrier.init(hand.index(i), count=1)
+
+    gl.warp_specialize([
+        (_ws_state, (k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+                     v, g, beta, dv, dht, dh0, T, H, HV, K, V, USE_DHT, USE_DH0)),
+        (_ws_local, (q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+                     g, beta, dq, dk, dg, db, scale, T, H, HV, K, V)),
+        (_ws_loader, (q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, q_s, k_s, do_s, vn_s, a_s, h_s, rdy, free,
+                      T, H, HV, K, V)),
+    ], [4, 1], [240, 24])
+
+
 def shared_layout():
     """The 128-byte swizzled layout of every 16-bit tile (rows of 64 or 128 elements)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
-def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: float = 1.0):
-    """(dq, dk per value head in fp32, dv, dg share, db, dh0) from the inputs of rewy's local kernel."""
+# The warp-specialised kernel: a 4-warp state partition (the default one), a 4-warp local partition and a
+# 1-warp loader; registers per thread 240 / 240 / 24 out of MAXNREG x 12 warps.
+WS_WARPS, WS_MAXNREG = 4, 168
+KERNELS = ("ws", "sync")
+
+
+def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: float = 1.0, kernel: str = "ws"):
+    """(dq, dk per value head in fp32, dv, dg share, db, dh0) from the inputs of rewy's local kernel.
+
+    ``kernel`` picks the warp-specialised kernel (``"ws"``) or the one-partition kernel (``"sync"``)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -247,6 +553,8 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     if (K, V) != (128, 128) or T % C or q.dtype != torch.bfloat16:
         raise ValueError(f"this kernel takes bf16, K = V = 128 and T a multiple of {C}: got {q.dtype}, "
                          f"K = {K}, V = {V}, T = {T}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(v)
@@ -259,21 +567,24 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     def desc(x, rows, block):
         return TensorDescriptor.from_tensor(x.reshape(rows, -1), block, lay)
 
-    gdn_fused_bwd_kernel[(B * HV,)](
+    fn, launch = (gdn_fused_bwd_ws_kernel, dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG)) if kernel == "ws" else \
+        (gdn_fused_bwd_kernel, dict(num_warps=NUM_WARPS))
+    fn[(B * HV,)](
         desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), v, desc(v_new, B * T, [C, V]), g, beta,
         desc(A, B * T, [C, C]), desc(h, B * NT * HV * K, [K, V]), desc(do, B * T, [C, V]),
         dht if dht is not None else dg, dq, dk, dv, dg, db,
         dh0 if dh0 is not None else dg, scale, T, H=H, HV=HV, K=K, V=V, USE_DHT=dht is not None,
-        USE_DH0=dh0 is not None, num_warps=NUM_WARPS)
+        USE_DH0=dh0 is not None, **launch)
     return dq, dk, dv, dg, db, dh0
 
 
-def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90):
+def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90, kernel: str = "ws"):
     """The kernel compiled for sm_<arch> without a GPU (bf16 inputs, fp32 gate and outputs)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = gdn_fused_bwd_kernel
+    fn = gdn_fused_bwd_ws_kernel if kernel == "ws" else gdn_fused_bwd_kernel
+    options = dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG) if kernel == "ws" else dict(num_warps=NUM_WARPS)
     bf16 = {"v", "beta", "dv"}
     blocks = {"q_desc": (C, 128), "k_desc": (C, 128), "vn_desc": (C, 128), "do_desc": (C, 128), "a_desc": (C, C),
               "h_desc": (128, 128)}
@@ -286,16 +597,17 @@ def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=NUM_WARPS))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _resources() -> dict:
+def _resources(kernel: str) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_registers import opcode_counts, resource_usage
 
-    compiled = compile_sm90()
-    row = {"kernel": "gdn_fused_bwd_kernel (Gluon)", "triton": triton.__version__, "warps": NUM_WARPS,
-           **resource_usage(compiled)}
+    compiled = compile_sm90(kernel=kernel)
+    name = "gdn_fused_bwd_ws_kernel" if kernel == "ws" else "gdn_fused_bwd_kernel"
+    row = {"kernel": f"{name} (Gluon)", "triton": triton.__version__,
+           "warps": compiled.metadata.num_warps, **resource_usage(compiled)}
     ops = opcode_counts(compiled)
     row["instructions"] = sum(ops.values())
     row["wgmma"] = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
@@ -335,7 +647,7 @@ def split_backward_inputs(B, T, H, seed=0):
     return seen
 
 
-def _check_and_time(shapes, check: bool, time: bool) -> list[dict]:
+def _check_and_time(shapes, check: bool, time: bool, kernels=KERNELS) -> list[dict]:
     import torch
     from triton.testing import do_bench
     from rewy_hf.kernels.triton_backend.scalar_gate import reverse_walk
@@ -347,16 +659,20 @@ def _check_and_time(shapes, check: bool, time: bool) -> list[dict]:
         s = split_backward_inputs(B, T, H)
         args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
         row = {"B": B, "T": T, "H": H}
-        if check:
-            got = fused_backward(*args, scale=s["scale"])
-            torch.cuda.synchronize()
-            names = ("dq", "dk", "dv", "dg", "db")
-            for name, a, b in zip(names, got, s["out"]):
-                a, b = a.float(), b.float()
-                row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-                row[f"finite_{name}"] = bool(torch.isfinite(a).all())
+        for kern in kernels:
+            tag = "" if kern == "ws" else f"_{kern}"
+            if check:
+                got = fused_backward(*args, scale=s["scale"], kernel=kern)
+                torch.cuda.synchronize()
+                names = ("dq", "dk", "dv", "dg", "db")
+                for name, a, b in zip(names, got, s["out"]):
+                    a, b = a.float(), b.float()
+                    row[f"err_{name}{tag}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+                    row[f"finite_{name}{tag}"] = bool(torch.isfinite(a).all())
+            if time:
+                row[f"fused{tag}_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"], kernel=kern),
+                                                 return_mode="median")
         if time:
-            row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
 
             def split():
                 dvl = fla_stages.dv_local(q=s["q"], k=s["k"], do=s["do"], g=s["g"], scale=s["scale"], chunk_size=64)
@@ -376,14 +692,18 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="GPU: gradients against rewy's split kernels")
     p.add_argument("--time", action="store_true", help="GPU: the fused kernel against the split kernels it replaces")
     p.add_argument("--shapes", nargs="+", default=["8,2048,16"], metavar="B,T,H")
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
+                   help="ws: warp-specialised; sync: one partition (default: both)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     a = p.parse_args()
     out = {}
     if a.resources:
-        out["resources"] = _resources()
-        print(json.dumps(out["resources"]))
+        out["resources"] = [_resources(kern) for kern in a.kernels]
+        for row in out["resources"]:
+            print(json.dumps(row))
     if a.check or a.time:
-        out["rows"] = _check_and_time([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.check, a.time)
+        out["rows"] = _check_and_time([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.check, a.time,
+                                      a.kernels)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
