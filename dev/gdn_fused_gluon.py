@@ -241,6 +241,17 @@ ST_RDY, ST_FREE, QX_RDY, QX_FREE, DY_RDY, DY_FREE, DH_RDY, DH_FREE = (gl.constex
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _opaque(x):
+    # a copy the compiler cannot see through, so nothing computed from it is hoisted out of a loop
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _signal(bar):
     # every warp of the partition has stored (or read) and its stores reach the async proxy, then one arrive
     fence_async_shared()
@@ -375,6 +386,7 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
     ROW: gl.constexpr = gl.SliceLayout(1, M)
     ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
     COL_S: gl.constexpr = gl.SliceLayout(0, MS)
+    VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
     i_nh = gl.program_id(0)
     i_n = i_nh // HV
@@ -388,17 +400,20 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
     dg += bos * HV + i_hv
     db += bos * HV + i_hv
     rows_w = gl.arange(0, BT, layout=ROW)
-    rows_s = gl.arange(0, BT, layout=ROW_S)
-    cols_s = gl.arange(0, BT, layout=COL_S)
-    r_s = gl.expand_dims(rows_s, 1)
-    c_s = gl.expand_dims(cols_s, 0)
-    causal = c_s >= r_s
-    below = c_s < r_s
+    rows_v = gl.arange(0, BT, layout=VEC)
 
     for j in range(NT):
         i_t = NT - 1 - j
         tok = i_t.to(gl.int64) * BT
         ph = j & 1
+        # The [BT, BT] masks are formed anew in every chunk: hoisted out of the loop they would hold about
+        # 100 registers through it. The opaque copy of the indices is what keeps them in.
+        rows_s = _opaque(gl.arange(0, BT, layout=ROW_S))
+        cols_s = _opaque(gl.arange(0, BT, layout=COL_S))
+        r_s = gl.expand_dims(rows_s, 1)
+        c_s = gl.expand_dims(cols_s, 0)
+        causal = c_s >= r_s
+        below = c_s < r_s
         g_w = gl.load(g + (tok + rows_w) * HV)
         g_r = gl.load(g + (tok + rows_s) * HV)
         g_c = gl.load(g + (tok + cols_s) * HV)
@@ -457,7 +472,7 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         b_dk = warpgroup_mma(p_s.permute((1, 0)), k_s, b_dk)
         b_k = k_s.load(M).to(f32)
         b_dbeta = dbp_s.load(ROW) + gl.sum(b_da * b_k, axis=1)
-        b_dgc = dgc_s.load(ROW_S)
+        b_dgc = dgc_s.load(VEC)
         _signal(hand.index(DY_FREE))
         gl.store(db + (tok + rows_w) * HV, b_dbeta)
         b_dG += gl.sum(b_k * (gl.expand_dims(b_w, 1) * b_da - b_dk), axis=1) + b_diag * b_kqd
@@ -474,11 +489,11 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         b_dk += b_ks
         gl.store(dk + _offsets(i_t * BT, BT, K, HV * K, M), b_dk.to(dk.dtype.element_ty))
 
-        b_kc = gl.convert_layout(b_kc, COL_S)
-        b_dGc = gl.convert_layout(b_dG, COL_S)
-        b_before = gl.sum(gl.where(below, gl.expand_dims(b_kc, 0), 0.0), axis=1)
-        b_after = gl.sum(gl.where(causal, gl.expand_dims(b_dGc, 0), 0.0), axis=1)
-        gl.store(dg + (tok + rows_s) * HV, b_after + b_before + b_dgc)
+        # dg = (the suffix sum of dG) + (the prefix sum of kc before the row) + the carried state's term
+        b_kc = gl.convert_layout(b_kc, VEC)
+        b_before = gl.associative_scan(b_kc, 0, _add) - b_kc
+        b_after = gl.associative_scan(gl.convert_layout(b_dG, VEC), 0, _add, reverse=True)
+        gl.store(dg + (tok + rows_v) * HV, b_after + b_before + b_dgc)
 
 
 @gluon.jit
