@@ -32,15 +32,19 @@ def test_it_compiles_for_hopper_and_fits_one_block(tmp_path):
     run = subprocess.run([sys.executable, "-P", str(DEV / "gdn_fused_gluon.py"), "--resources"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    row = json.loads(run.stdout.strip().splitlines()[-1])
-    assert row["triton"] == __import__("triton").__version__
-    assert 0 < row["shared_bytes"] <= HOPPER_BLOCK_SHARED, row
-    assert 0 < row["registers"] <= 255, row
-    # the fifteen products of a chunk, each one or more warpgroup MMA instructions
-    assert row["wgmma"] >= 15, row
+    rows = {r["kernel"].split()[0]: r for r in map(json.loads, run.stdout.strip().splitlines())}
+    assert set(rows) == {"gdn_fused_bwd_ws_kernel", "gdn_fused_bwd_kernel"}, rows
+    for row in rows.values():
+        assert row["triton"] == __import__("triton").__version__
+        assert 0 < row["shared_bytes"] <= HOPPER_BLOCK_SHARED, row
+        assert 0 < row["registers"] <= 255, row
+        # the fifteen products of a chunk, each one or more warpgroup MMA instructions
+        assert row["wgmma"] >= 15, row
+    # warp specialised: two 4-warp consumer partitions and a 1-warp loader, counted in whole warpgroups
+    assert rows["gdn_fused_bwd_ws_kernel"]["warps"] == 12, rows
 
 
-@pytest.mark.parametrize("bad", ["K", "T", "dtype"])
+@pytest.mark.parametrize("bad", ["K", "T", "dtype", "kernel"])
 def test_it_refuses_what_it_was_not_built_for(fused, bad):
     B, T, H, K, V = 1, 128, 1, 128, 128
     if bad == "K":
@@ -50,6 +54,10 @@ def test_it_refuses_what_it_was_not_built_for(fused, bad):
     dtype = torch.float32 if bad == "dtype" else torch.bfloat16
     q = torch.zeros(B, T, H, K, dtype=dtype)
     v = torch.zeros(B, T, H, V, dtype=dtype)
+    if bad == "kernel":
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            fused.fused_backward(q, q, v, v, None, None, None, None, v, kernel="fast")
+        return
     with pytest.raises(ValueError, match="bf16, K = V = 128 and T a multiple of 64"):
         fused.fused_backward(q, q, v, v, None, None, None, None, v)
 
@@ -57,11 +65,12 @@ def test_it_refuses_what_it_was_not_built_for(fused, bad):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the kernel is built for Hopper (sm_90)")
+@pytest.mark.parametrize("kernel", ["ws", "sync"])
 @pytest.mark.parametrize("shape", [(2, 512, 4), (1, 1024, 2)])
-def test_gradients_are_the_split_kernels(fused, shape):
+def test_gradients_are_the_split_kernels(fused, shape, kernel):
     s = fused.split_backward_inputs(*shape)
     got = fused.fused_backward(s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"],
-                               scale=s["scale"])
+                               scale=s["scale"], kernel=kernel)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, s["out"]):
         a, b = a.float(), b.float()
         assert torch.isfinite(a).all(), name
