@@ -46,6 +46,7 @@ C = 64
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # and the TMA load tma.async_copy_global_to_shared, later tma.async_load (same arguments).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -235,7 +236,7 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc, do
 # --- warp-specialised variant --------------------------------------------------------------------------
 
 # input tiles, in the order the loader issues them (the order the consumers free them)
-TA, TQ, TDO, TH, TK, TVN = (gl.constexpr(i) for i in range(6))
+TA, TQ, TDO, TH, TK, TVN, TV = (gl.constexpr(i) for i in range(7))
 # consumer-to-consumer hand-offs (ready, free pairs)
 ST_RDY, ST_FREE, QX_RDY, QX_FREE, DY_RDY, DY_FREE, DH_RDY, DH_FREE = (gl.constexpr(i) for i in range(8))
 
@@ -268,8 +269,8 @@ def _load_tile(desc, c0, c1, dst, rdy, free, phase, nbytes: gl.constexpr):
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, q_s, k_s, do_s, vn_s, a_s, h_s, rdy, free, T,
-               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_s, do_s, vn_s, a_s, h_s, v_s,
+               rdy, free, T, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
     BT: gl.constexpr = 64
     i_nh = gl.program_id(0)
     i_n = i_nh // HV
@@ -288,11 +289,12 @@ def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, q_s, k_s, do_s,
         _load_tile(h_desc, h_row0 + i_t * (HV * K), 0, h_s, rdy.index(TH), free.index(TH), ph, 2 * K * V)
         _load_tile(k_desc, r, i_h * K, k_s, rdy.index(TK), free.index(TK), ph, 2 * BT * K)
         _load_tile(vn_desc, r, i_hv * V, vn_s, rdy.index(TVN), free.index(TVN), ph, 2 * BT * V)
+        _load_tile(v_desc, r, i_hv * V, v_s, rdy.index(TV), free.index(TV), ph, 2 * BT * V)
 
 
 @gluon.jit
-def _ws_state(k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
-              v, g, beta, dv, dht, dh0, T,
+def _ws_state(k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+              dv_desc, g, beta, dht, dh0, T,
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
               USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
     # One warpgroup: dh [K, V] in fp32 registers, the chain dh -> K dh -> dV2 -> dY -> dh.
@@ -306,9 +308,8 @@ def _ws_state(k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, d
     i_n = i_nh // HV
     i_hv = i_nh % HV
     NT = T // BT
+    row0 = i_n * T
     bos = i_n.to(gl.int64) * T
-    v += (bos * HV + i_hv) * V
-    dv += (bos * HV + i_hv) * V
     g += bos * HV + i_hv
     beta += bos * HV + i_hv
     rows = gl.arange(0, BT, layout=ROW)
@@ -337,20 +338,24 @@ def _ws_state(k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, d
         mbarrier.wait(hand.index(ST_RDY), ph)
         b_dv2 = warpgroup_mma(st_s, do_s, b_dv2 * gl.expand_dims(b_rev, 1))
         _signal(hand.index(ST_FREE))
-        dv2_s.store(b_dv2.to(lp))
+        # dV2 is staged in dy_s, which then takes dY: both wait for the local partition to be done with it
+        mbarrier.wait(hand.index(DY_FREE), ph ^ 1)
+        dy_s.store(b_dv2.to(lp))
         fence_async_shared()
         _barrier()
 
-        # dY = A^T dV2 -> dv, beta's share from v
+        # dY = A^T dV2 -> dv, beta's share from v; dv leaves by TMA from v's tile
         mbarrier.wait(rdy.index(TA), ph)
-        b_dy = warpgroup_mma(a_s.permute((1, 0)), dv2_s, gl.zeros([BT, V], f32, M), use_acc=False)
-        _signal(free.index(TA))
-        o_v = _offsets(i_t * BT, BT, V, HV * V, M)
-        gl.store(dv + o_v, (b_dy * gl.expand_dims(b_w, 1)).to(dv.dtype.element_ty))
-        b_dbp = gl.sum(b_dy * gl.load(v + o_v).to(f32), axis=1)
-        mbarrier.wait(hand.index(DY_FREE), ph ^ 1)
+        b_dy = warpgroup_mma(a_s.permute((1, 0)), dy_s, gl.zeros([BT, V], f32, M), use_acc=False)
+        _signal(free.index(TA))         # also: every warp's MMA has read dV2 before dY overwrites it
         dy_s.store(b_dy.to(lp))
-        dbp_s.store(b_dbp)
+        mbarrier.wait(rdy.index(TV), ph)
+        dbp_s.store(gl.sum(b_dy * v_s.load(M).to(f32), axis=1))
+        _barrier()
+        v_s.store((b_dy * gl.expand_dims(b_w, 1)).to(lp))
+        fence_async_shared()
+        _barrier()
+        _tma_store(dv_desc, [row0 + i_t * BT, i_hv * V], v_s)
 
         # the decay term of the carried state: sum(h * dh), dh the gradient leaving this chunk
         mbarrier.wait(rdy.index(TH), ph)
@@ -368,6 +373,8 @@ def _ws_state(k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, d
         mbarrier.wait(hand.index(DH_FREE), ph)
         dh_s.store(b_dh.to(lp))
         _signal(hand.index(DH_RDY))
+        tma.store_wait(0)
+        _signal(free.index(TV))
 
     if USE_DH0:
         gl.store(dh0 + _offsets(i_nh.to(gl.int64) * K, K, V, V, M), b_dh)
@@ -497,8 +504,8 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
 
 
 @gluon.jit
-def gdn_fused_bwd_ws_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk, dv, dg, db,
-                            dh0, scale, T,
+def gdn_fused_bwd_ws_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk,
+                            dv_desc, dg, db, dh0, scale, T,
                             H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                             USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
     BT: gl.constexpr = 64
@@ -514,34 +521,35 @@ def gdn_fused_bwd_ws_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc,
     dh_s = gl.allocate_shared_memory(lp, [K, V], SW)
     st_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
     p_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
-    dv2_s = gl.allocate_shared_memory(lp, [BT, V], SW)
+    v_s = gl.allocate_shared_memory(lp, [BT, V], SW)
     dy_s = gl.allocate_shared_memory(lp, [BT, V], SW)
     qg_s = gl.allocate_shared_memory(lp, [BT, K], SW)
     x3_s = gl.allocate_shared_memory(lp, [BT, K], SW)
     dbp_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
     dgc_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
-    rdy = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    rdy = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(6):
+    for i in gl.static_range(7):
         mbarrier.init(rdy.index(i), count=1)
-    # how many partitions read each input tile: a, q, do, h, k, vn
+    # how many partitions read each input tile: a, q, do, h, k, vn, v
     mbarrier.init(free.index(TA), count=1)
     mbarrier.init(free.index(TQ), count=1)
     mbarrier.init(free.index(TDO), count=2)
     mbarrier.init(free.index(TH), count=2)
     mbarrier.init(free.index(TK), count=2)
     mbarrier.init(free.index(TVN), count=1)
+    mbarrier.init(free.index(TV), count=1)
     for i in gl.static_range(8):
         mbarrier.init(hand.index(i), count=1)
 
     gl.warp_specialize([
-        (_ws_state, (k_s, do_s, a_s, h_s, st_s, dv2_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
-                     v, g, beta, dv, dht, dh0, T, H, HV, K, V, USE_DHT, USE_DH0)),
+        (_ws_state, (k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+                     dv_desc, g, beta, dht, dh0, T, H, HV, K, V, USE_DHT, USE_DH0)),
         (_ws_local, (q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
                      g, beta, dq, dk, dg, db, scale, T, H, HV, K, V)),
-        (_ws_loader, (q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, q_s, k_s, do_s, vn_s, a_s, h_s, rdy, free,
-                      T, H, HV, K, V)),
+        (_ws_loader, (q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_s, do_s, vn_s, a_s, h_s,
+                      v_s, rdy, free, T, H, HV, K, V)),
     ], [4, 1], [240, 24])
 
 
@@ -582,12 +590,15 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     def desc(x, rows, block):
         return TensorDescriptor.from_tensor(x.reshape(rows, -1), block, lay)
 
-    fn, launch = (gdn_fused_bwd_ws_kernel, dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG)) if kernel == "ws" else \
-        (gdn_fused_bwd_kernel, dict(num_warps=NUM_WARPS))
+    if kernel == "ws":
+        fn, launch = gdn_fused_bwd_ws_kernel, dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
+        v_arg, dv_arg = desc(v, B * T, [C, V]), desc(dv, B * T, [C, V])
+    else:
+        fn, launch, v_arg, dv_arg = gdn_fused_bwd_kernel, dict(num_warps=NUM_WARPS), v, dv
     fn[(B * HV,)](
-        desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), v, desc(v_new, B * T, [C, V]), g, beta,
+        desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), v_arg, desc(v_new, B * T, [C, V]), g, beta,
         desc(A, B * T, [C, C]), desc(h, B * NT * HV * K, [K, V]), desc(do, B * T, [C, V]),
-        dht if dht is not None else dg, dq, dk, dv, dg, db,
+        dht if dht is not None else dg, dq, dk, dv_arg, dg, db,
         dh0 if dh0 is not None else dg, scale, T, H=H, HV=HV, K=K, V=V, USE_DHT=dht is not None,
         USE_DH0=dh0 is not None, **launch)
     return dq, dk, dv, dg, db, dh0
@@ -602,7 +613,7 @@ def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90, kernel: str = "ws"):
     options = dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG) if kernel == "ws" else dict(num_warps=NUM_WARPS)
     bf16 = {"v", "beta", "dv"}
     blocks = {"q_desc": (C, 128), "k_desc": (C, 128), "vn_desc": (C, 128), "do_desc": (C, 128), "a_desc": (C, C),
-              "h_desc": (128, 128)}
+              "h_desc": (128, 128), "v_desc": (C, 128), "dv_desc": (C, 128)}
     const = dict(H=H, HV=HV, K=128, V=128, USE_DHT=False, USE_DH0=False)
     sig = {}
     for n in fn.arg_names:
