@@ -673,6 +673,55 @@ def split_backward_inputs(B, T, H, seed=0):
     return seen
 
 
+def synthetic_inputs(B, T, H, seed=0):
+    """Inputs shaped and scaled as the fused kernels' (bf16, chunk-local log2 gate cumsum, a lower-triangular A,
+    per-chunk states), made directly: comparing the two fused kernels needs no forward and no autotuning."""
+    import torch
+
+    g_ = torch.Generator(device="cuda").manual_seed(seed)
+    K = V = 128
+    NT = T // C
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g_) * scale).bfloat16()
+
+    q = torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16()
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda", generator=g_) + 4) * 1.4426950408889634
+    g = gate.view(B, NT, C, H).cumsum(2).view(B, T, H).contiguous()
+    tri = torch.tril(torch.randn(B, NT, H, C, C, device="cuda", generator=g_) * 0.1, -1)
+    A = (tri + torch.eye(C, device="cuda")).permute(0, 1, 3, 2, 4).reshape(B, T, H, C)
+    return dict(q=q, k=k, v=rnd(B, T, H, V), v_new=rnd(B, T, H, V), g=g,
+                beta=torch.rand(B, T, H, device="cuda", generator=g_).bfloat16(), A=A.bfloat16().contiguous(),
+                h=rnd(B, NT, H, K, V, scale=0.3), do=rnd(B, T, H, V), scale=K ** -0.5)
+
+
+def _against_sync(shapes, time: bool) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    rows = []
+    names = ("dq", "dk", "dv", "dg", "db")
+    for B, T, H in shapes:
+        s = synthetic_inputs(B, T, H)
+        args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+        ref = fused_backward(*args, scale=s["scale"], kernel="sync")
+        got = fused_backward(*args, scale=s["scale"], kernel="ws")
+        torch.cuda.synchronize()
+        row = {"B": B, "T": T, "H": H, "inputs": "synthetic", "reference": "sync"}
+        for name, a, b in zip(names, got, ref):
+            a, b = a.float(), b.float()
+            row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            row[f"finite_{name}"] = bool(torch.isfinite(a).all())
+        if time:
+            for kern in KERNELS:
+                row[f"{kern}_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"], kernel=kern),
+                                             return_mode="median")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def _check_and_time(shapes, check: bool, time: bool, kernels=KERNELS) -> list[dict]:
     import torch
     from triton.testing import do_bench
@@ -718,6 +767,9 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="GPU: gradients against rewy's split kernels")
     p.add_argument("--time", action="store_true", help="GPU: the fused kernel against the split kernels it replaces")
     p.add_argument("--shapes", nargs="+", default=["8,2048,16"], metavar="B,T,H")
+    p.add_argument("--against-sync", action="store_true",
+                   help="GPU: the warp-specialised kernel against the one-partition kernel on synthetic inputs "
+                        "(no forward, no autotuning); with --time, both timed")
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="ws: warp-specialised; sync: one partition (default: both)")
     p.add_argument("--json", default=None, metavar="OUT.json")
@@ -727,7 +779,9 @@ def main() -> int:
         out["resources"] = [_resources(kern) for kern in a.kernels]
         for row in out["resources"]:
             print(json.dumps(row))
-    if a.check or a.time:
+    if a.against_sync:
+        out["against_sync"] = _against_sync([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.time)
+    elif a.check or a.time:
         out["rows"] = _check_and_time([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.check, a.time,
                                       a.kernels)
     if a.json:
