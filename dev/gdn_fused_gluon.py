@@ -44,9 +44,10 @@ NUM_WARPS = 8
 C = 64
 # The block-wide barrier is gl.thread_barrier in triton 3.6 (the GPU machines' version), gl.barrier later.
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-# and the TMA load tma.async_copy_global_to_shared, later tma.async_load (same arguments).
+# and the TMA load tma.async_copy_global_to_shared, later tma.async_load (same arguments); the TMA store
+# tma.async_copy_shared_to_global, later tma.async_store.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-_tma_store = tma.async_copy_shared_to_global
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 
 @gluon.jit
