@@ -40,7 +40,6 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma)
 
-NUM_WARPS = 8
 C = 64
 # The block-wide barrier is gl.thread_barrier in triton 3.6 (the GPU machines' version), gl.barrier later.
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -58,183 +57,6 @@ def _offsets(row0, R: gl.constexpr, N: gl.constexpr, row_stride, layout: gl.cons
     cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
     return gl.expand_dims((row0 + rows) * row_stride, 1) + gl.expand_dims(cols, 0)
 
-
-@gluon.jit
-def _sync():
-    # Threads' shared-memory stores must reach the async proxy the MMAs read through, in every warp.
-    fence_async_shared()
-    _barrier()
-
-
-@gluon.jit
-def gdn_fused_bwd_kernel(q_desc, k_desc, v, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk, dv, dg, db,
-                         dh0, scale, T,
-                         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-                         USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
-    BT: gl.constexpr = 64
-    f32: gl.constexpr = gl.float32
-    lp: gl.constexpr = gl.bfloat16
-    # 8 warps: [64, 128] products split their columns over the two warpgroups, the [128, 128] state
-    # gradient its rows. The tiles come in by TMA, straight into shared memory.
-    MW: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
-    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    MH: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 128, 16])
-    AW: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MW, k_width=2)
-    AS: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
-    SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ROW_W: gl.constexpr = gl.SliceLayout(1, MW)
-    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
-    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
-
-    q_s = gl.allocate_shared_memory(lp, [BT, K], SW)
-    k_s = gl.allocate_shared_memory(lp, [BT, K], SW)
-    do_s = gl.allocate_shared_memory(lp, [BT, V], SW)
-    vn_s = gl.allocate_shared_memory(lp, [BT, V], SW)
-    a_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
-    p_s = gl.allocate_shared_memory(lp, [BT, BT], SW)
-    h_s = gl.allocate_shared_memory(lp, [K, V], SW)
-    dh_s = gl.allocate_shared_memory(lp, [K, V], SW)
-    x1_s = gl.allocate_shared_memory(lp, [BT, V], SW)     # dV2, then the gated queries
-    x2_s = gl.allocate_shared_memory(lp, [BT, V], SW)     # dY
-    x3_s = gl.allocate_shared_memory(lp, [BT, K], SW)     # -(beta 2^G) K
-
-    i_nh = gl.program_id(0)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    NT = T // BT
-    bos = i_n.to(gl.int64) * T
-    v += (bos * HV + i_hv) * V
-    dv += (bos * HV + i_hv) * V
-    dq += (bos * HV + i_hv) * K
-    dk += (bos * HV + i_hv) * K
-    g += bos * HV + i_hv
-    beta += bos * HV + i_hv
-    dg += bos * HV + i_hv
-    db += bos * HV + i_hv
-    row0 = i_n * T                       # the sequence's first row in the [B T, heads x dim] views
-    h_row0 = (i_n * NT * HV + i_hv) * K  # its first state's first row in the [B NT HV K, V] view
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=1)
-    nbytes: gl.constexpr = 2 * (2 * BT * K + 2 * BT * V + BT * BT + K * V)
-
-    rows_w = gl.arange(0, BT, layout=ROW_W)
-    rows_s = gl.arange(0, BT, layout=ROW_S)
-    cols_s = gl.arange(0, BT, layout=COL_S)
-    r_s = gl.expand_dims(rows_s, 1)
-    c_s = gl.expand_dims(cols_s, 0)
-
-    if USE_DHT:
-        b_dh = gl.load(dht + i_nh.to(gl.int64) * K * V + _offsets(0, K, V, V, MH))
-    else:
-        b_dh = gl.zeros([K, V], f32, MH)
-    dh_s.store(b_dh.to(lp))
-
-    for j in range(NT):
-        i_t = NT - 1 - j
-        tok = i_t.to(gl.int64) * BT
-        _barrier()              # every warp is done with the previous chunk's tiles
-        fence_async_shared()             # the generic reads of those tiles are ordered before the TMA writes
-        mbarrier.expect(bar, nbytes)
-        r = row0 + i_t * BT
-        _tma_load(q_desc, [r, i_h * K], bar, q_s)
-        _tma_load(k_desc, [r, i_h * K], bar, k_s)
-        _tma_load(do_desc, [r, i_hv * V], bar, do_s)
-        _tma_load(vn_desc, [r, i_hv * V], bar, vn_s)
-        _tma_load(a_desc, [r, i_hv * BT], bar, a_s)
-        _tma_load(h_desc, [h_row0 + i_t * (HV * K), 0], bar, h_s)
-        g_w = gl.load(g + (tok + rows_w) * HV)
-        g_r = gl.load(g + (tok + rows_s) * HV)
-        g_c = gl.load(g + (tok + cols_s) * HV)
-        g_last = gl.load(g + (tok + BT - 1) * HV)
-        b_w = gl.load(beta + (tok + rows_w) * HV).to(f32)
-        b_r = gl.load(beta + (tok + rows_s) * HV).to(f32)
-        mbarrier.wait(bar, j & 1)
-
-        # the decay term of the carried state: sum(h * dh), dh the gradient leaving this chunk
-        b_dgc = gl.sum(gl.sum(h_s.load(MH).to(f32) * b_dh, axis=1), axis=0)
-
-        # dV_loc = Aqk^T dO, from S^T[j, i] = scale k_j . q_i 2^(G_i - G_j), i >= j (masked before exp2)
-        b_kq = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
-        causal = c_s >= r_s
-        b_st = b_kq * gl.exp2(gl.where(causal, gl.expand_dims(g_c, 0) - gl.expand_dims(g_r, 1), float("-inf")))
-        b_st = (b_st * scale).to(lp)
-        b_dv2 = warpgroup_mma(gl.convert_layout(b_st, AW), do_s, gl.zeros([BT, V], f32, MW), use_acc=False)
-        b_kdh = warpgroup_mma(k_s, dh_s, gl.zeros([BT, V], f32, MW), use_acc=False)
-        b_rev = gl.exp2(g_last - g_w)
-        b_dv2 += b_kdh * gl.expand_dims(b_rev, 1)
-        x1_s.store(b_dv2.to(lp))
-        _sync()
-
-        # dY = A^T dV2 -> dv, beta's gradient
-        b_dy = warpgroup_mma(a_s.permute((1, 0)), x1_s, gl.zeros([BT, V], f32, MW), use_acc=False)
-        gl.store(dv + _offsets(tok, BT, V, HV * V, MW), (b_dy * gl.expand_dims(b_w, 1)).to(dv.dtype.element_ty))
-        b_dbeta = gl.sum(b_dy * gl.load(v + _offsets(tok, BT, V, HV * V, MW)).to(f32), axis=1)
-        b_dy_lp = b_dy.to(lp)
-        x2_s.store(b_dy_lp)
-
-        # dk is built in one accumulator, key-state term first: Vn dh^T gated to the chunk's end
-        b_dk = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([BT, K], f32, MW), use_acc=False)
-        b_dk = b_dk * gl.expand_dims(b_rev, 1)
-        b_kc = gl.sum(b_dk * k_s.load(MW).to(f32), axis=1)
-
-        # Output side: P2 = dAqk * Gamma -> dq and q's share of dk
-        b_daqk = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
-        below = c_s < r_s
-        gam = gl.exp2(gl.where(below, gl.expand_dims(g_r, 1) - gl.expand_dims(g_c, 0), float("-inf")))
-        b_diag = gl.convert_layout(scale * gl.sum(gl.where(c_s == r_s, b_daqk, 0.0), axis=1), ROW_W)
-        b_p2 = (b_daqk * gam * scale).to(lp)
-        b_eg = gl.exp2(g_w)
-        b_dq = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([BT, K], f32, MW), use_acc=False)
-        b_dq = warpgroup_mma(gl.convert_layout(b_p2, AW), k_s, b_dq * gl.expand_dims(scale * b_eg, 1))
-        b_dG = gl.sum(q_s.load(MW).to(f32) * b_dq, axis=1)
-        b_dq += gl.expand_dims(b_diag, 1) * k_s.load(MW).to(f32)
-        gl.store(dq + _offsets(tok, BT, K, HV * K, MW), b_dq.to(dq.dtype.element_ty))
-        p_s.store(b_p2)
-        _sync()
-        b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, b_dk)
-
-        # Key side: dX = -dY h^T, P = -(dY Vn^T) * Gamma, Gram Elimination as the local kernel
-        b_dyvn = warpgroup_mma(gl.convert_layout(b_dy_lp, AS), vn_s.permute((1, 0)),
-                               gl.zeros([BT, BT], f32, MS), use_acc=False)
-        b_pm = -b_dyvn * gam
-        b_da = warpgroup_mma(gl.convert_layout(b_dy_lp, AW), h_s.permute((1, 0)),
-                             gl.zeros([BT, K], f32, MW), use_acc=False)
-        b_da = warpgroup_mma(gl.convert_layout(b_pm.to(lp), AW), k_s, -b_da * gl.expand_dims(b_eg, 1))
-        _barrier()              # p_s is read by every warp's MMA above before it is rewritten
-        p_s.store((b_pm * gl.expand_dims(b_r, 1)).to(lp))
-        _sync()
-        b_dk = warpgroup_mma(p_s.permute((1, 0)), k_s, b_dk)
-        b_k = k_s.load(MW).to(f32)
-        b_dbeta += gl.sum(b_da * b_k, axis=1)
-        gl.store(db + (tok + rows_w) * HV, b_dbeta)
-        # the accumulator holds dkc + dkg, and k . dkc is kc
-        b_dG += gl.sum(b_k * (gl.expand_dims(b_w, 1) * b_da - b_dk), axis=1) + b_kc
-        b_kc = gl.convert_layout(b_kc, COL_S)
-        b_dGc = gl.convert_layout(b_dG, COL_S)
-        b_before = gl.sum(gl.where(below, gl.expand_dims(b_kc, 0), 0.0), axis=1)
-        b_after = gl.sum(gl.where(c_s >= r_s, gl.expand_dims(b_dGc, 0), 0.0), axis=1)
-        gl.store(dg + (tok + rows_s) * HV, b_after + b_before + b_dgc * gl.exp2(g_last))
-        b_q = q_s.load(MW).to(f32)
-        b_dk += gl.expand_dims(b_diag, 1) * b_q + b_da * gl.expand_dims(b_w, 1)
-        gl.store(dk + _offsets(tok, BT, K, HV * K, MW), b_dk.to(dk.dtype.element_ty))
-
-        # dh <- 2^G_C dh + scale (Q diag(2^G))^T dO - (diag(beta 2^G) K)^T dY
-        x1_s.store((b_q * gl.expand_dims(scale * b_eg, 1)).to(lp))
-        x3_s.store((b_k * gl.expand_dims(-b_w * b_eg, 1)).to(lp))
-        _sync()
-        b_dh = b_dh * gl.exp2(g_last)
-        b_dh = warpgroup_mma(x1_s.permute((1, 0)), do_s, b_dh)
-        b_dh = warpgroup_mma(x3_s.permute((1, 0)), x2_s, b_dh)
-        _barrier()              # every warp's reads of dh_s are done
-        dh_s.store(b_dh.to(lp))
-
-    mbarrier.invalidate(bar)
-    if USE_DH0:
-        gl.store(dh0 + _offsets(i_nh.to(gl.int64) * K, K, V, V, MH), b_dh)
-
-
-# --- warp-specialised variant --------------------------------------------------------------------------
 
 # input tiles, in the order the loader issues them (the order the consumers free them)
 TA, TQ, TDO, TH, TK, TVN, TV = (gl.constexpr(i) for i in range(7))
@@ -505,7 +327,7 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
 
 
 @gluon.jit
-def gdn_fused_bwd_ws_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk,
+def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk,
                             dv_desc, dg, db, dh0, scale, T,
                             H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                             USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
@@ -559,16 +381,13 @@ def shared_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
-# The warp-specialised kernel: a 4-warp state partition (the default one), a 4-warp local partition and a
-# 1-warp loader; registers per thread 240 / 240 / 24 out of MAXNREG x 12 warps.
-WS_WARPS, WS_MAXNREG = 4, 168
-KERNELS = ("ws", "sync")
+# A 4-warp state partition (the default one), a 4-warp local partition and a 1-warp loader: registers per
+# thread 240 / 240 / 24 out of MAXNREG x 12 warps (the loader's warpgroup counts whole).
+WARPS, MAXNREG = 4, 168
 
 
-def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: float = 1.0, kernel: str = "ws"):
-    """(dq, dk per value head in fp32, dv, dg share, db, dh0) from the inputs of rewy's local kernel.
-
-    ``kernel`` picks the warp-specialised kernel (``"ws"``) or the one-partition kernel (``"sync"``)."""
+def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: float = 1.0):
+    """(dq, dk per value head in fp32, dv, dg share, db, dh0) from the inputs of rewy's local kernel."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -577,8 +396,6 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     if (K, V) != (128, 128) or T % C or q.dtype != torch.bfloat16:
         raise ValueError(f"this kernel takes bf16, K = V = 128 and T a multiple of {C}: got {q.dtype}, "
                          f"K = {K}, V = {V}, T = {T}")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(v)
@@ -591,28 +408,23 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     def desc(x, rows, block):
         return TensorDescriptor.from_tensor(x.reshape(rows, -1), block, lay)
 
-    if kernel == "ws":
-        fn, launch = gdn_fused_bwd_ws_kernel, dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
-        v_arg, dv_arg = desc(v, B * T, [C, V]), desc(dv, B * T, [C, V])
-    else:
-        fn, launch, v_arg, dv_arg = gdn_fused_bwd_kernel, dict(num_warps=NUM_WARPS), v, dv
-    fn[(B * HV,)](
-        desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), v_arg, desc(v_new, B * T, [C, V]), g, beta,
+    gdn_fused_bwd_kernel[(B * HV,)](
+        desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), desc(v, B * T, [C, V]), desc(v_new, B * T, [C, V]), g, beta,
         desc(A, B * T, [C, C]), desc(h, B * NT * HV * K, [K, V]), desc(do, B * T, [C, V]),
-        dht if dht is not None else dg, dq, dk, dv_arg, dg, db,
+        dht if dht is not None else dg, dq, dk, desc(dv, B * T, [C, V]), dg, db,
         dh0 if dh0 is not None else dg, scale, T, H=H, HV=HV, K=K, V=V, USE_DHT=dht is not None,
-        USE_DH0=dh0 is not None, **launch)
+        USE_DH0=dh0 is not None, num_warps=WARPS, maxnreg=MAXNREG)
     return dq, dk, dv, dg, db, dh0
 
 
-def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90, kernel: str = "ws"):
+def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90):
     """The kernel compiled for sm_<arch> without a GPU (bf16 inputs, fp32 gate and outputs)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = gdn_fused_bwd_ws_kernel if kernel == "ws" else gdn_fused_bwd_kernel
-    options = dict(num_warps=WS_WARPS, maxnreg=WS_MAXNREG) if kernel == "ws" else dict(num_warps=NUM_WARPS)
-    bf16 = {"v", "beta", "dv"}
+    fn = gdn_fused_bwd_kernel
+    options = dict(num_warps=WARPS, maxnreg=MAXNREG)
+    bf16 = {"beta"}
     blocks = {"q_desc": (C, 128), "k_desc": (C, 128), "vn_desc": (C, 128), "do_desc": (C, 128), "a_desc": (C, C),
               "h_desc": (128, 128), "v_desc": (C, 128), "dv_desc": (C, 128)}
     const = dict(H=H, HV=HV, K=128, V=128, USE_DHT=False, USE_DH0=False)
@@ -627,13 +439,12 @@ def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90, kernel: str = "ws"):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _resources(kernel: str) -> dict:
+def _resources() -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_registers import opcode_counts, resource_usage
 
-    compiled = compile_sm90(kernel=kernel)
-    name = "gdn_fused_bwd_ws_kernel" if kernel == "ws" else "gdn_fused_bwd_kernel"
-    row = {"kernel": f"{name} (Gluon)", "triton": triton.__version__,
+    compiled = compile_sm90()
+    row = {"kernel": "gdn_fused_bwd_kernel (Gluon)", "triton": triton.__version__,
            "warps": compiled.metadata.num_warps, **resource_usage(compiled)}
     ops = opcode_counts(compiled)
     row["instructions"] = sum(ops.values())
@@ -674,56 +485,105 @@ def split_backward_inputs(B, T, H, seed=0):
     return seen
 
 
-def synthetic_inputs(B, T, H, seed=0):
+def synthetic_inputs(B, T, H, seed=0, device="cuda"):
     """Inputs shaped and scaled as the fused kernels' (bf16, chunk-local log2 gate cumsum, a lower-triangular A,
-    per-chunk states), made directly: comparing the two fused kernels needs no forward and no autotuning."""
+    per-chunk states), made directly: checking the kernel against the reference needs no forward and no
+    autotuning."""
     import torch
 
-    g_ = torch.Generator(device="cuda").manual_seed(seed)
+    g_ = torch.Generator(device=device).manual_seed(seed)
     K = V = 128
     NT = T // C
 
     def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g_) * scale).bfloat16()
+        return (torch.randn(*shape, device=device, generator=g_) * scale).bfloat16()
 
     q = torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16()
     k = torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16()
-    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda", generator=g_) + 4) * 1.4426950408889634
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=device, generator=g_) + 4) * 1.4426950408889634
     g = gate.view(B, NT, C, H).cumsum(2).view(B, T, H).contiguous()
-    tri = torch.tril(torch.randn(B, NT, H, C, C, device="cuda", generator=g_) * 0.1, -1)
-    A = (tri + torch.eye(C, device="cuda")).permute(0, 1, 3, 2, 4).reshape(B, T, H, C)
+    tri = torch.tril(torch.randn(B, NT, H, C, C, device=device, generator=g_) * 0.1, -1)
+    A = (tri + torch.eye(C, device=device)).permute(0, 1, 3, 2, 4).reshape(B, T, H, C)
     return dict(q=q, k=k, v=rnd(B, T, H, V), v_new=rnd(B, T, H, V), g=g,
-                beta=torch.rand(B, T, H, device="cuda", generator=g_).bfloat16(), A=A.bfloat16().contiguous(),
+                beta=torch.rand(B, T, H, device=device, generator=g_).bfloat16(), A=A.bfloat16().contiguous(),
                 h=rnd(B, NT, H, K, V, scale=0.3), do=rnd(B, T, H, V), scale=K ** -0.5)
 
 
-def _against_sync(shapes, time: bool) -> list[dict]:
+def reference_backward(q, k, v, v_new, g, beta, A, h, do, scale: float, dht=None, dtype=None):
+    """The kernel's outputs computed chunk by chunk in torch (float32 unless ``dtype``), as the module
+    docstring writes them; q and k may have fewer heads than v (each value head reads its group's)."""
+    import torch
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = T // C
+    dtype = dtype or torch.float32
+    q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
+    f = lambda x: x.to(dtype).transpose(1, 2).reshape(B, HV, NT, C, *x.shape[3:])  # noqa: E731  [B, HV, NT, C, ...]
+    q_, k_, v_, vn, do_ = f(q), f(k), f(v), f(v_new), f(do)
+    g_, b_, A_ = f(g), f(beta), f(A)
+    h_ = h.to(dtype).transpose(1, 2)                                          # [B, HV, NT, K, V]
+    i = torch.arange(C, device=q.device)
+    after, below = i[None, :] >= i[:, None], i[None, :] < i[:, None]          # [row, col]
+    dh = torch.zeros(B, HV, K, V, device=q.device, dtype=dtype) if dht is None else dht.to(dtype)
+    outs = {n: [] for n in ("dq", "dk", "dv", "dg", "db")}
+    mm = torch.matmul
+    for t in reversed(range(NT)):
+        Q, Kc, Vc, Vn, dO, G, b, Ac, Hc = (x[:, :, t] for x in (q_, k_, v_, vn, do_, g_, b_, A_, h_))
+        Gc = G[..., -1:]
+        eg, rev = torch.exp2(G), torch.exp2(Gc - G)
+        decay = torch.exp2(G[..., :, None] - G[..., None, :])                # 2^(G_row - G_col)
+        St = torch.where(after, mm(Kc, Q.transpose(-1, -2)) * decay.transpose(-1, -2), 0) * scale
+        dY = mm(Ac.transpose(-1, -2), mm(St, dO) + rev[..., None] * mm(Kc, dh))
+        daqk = mm(dO, Vn.transpose(-1, -2))
+        diag = scale * torch.diagonal(daqk, dim1=-2, dim2=-1)
+        P2 = torch.where(below, daqk * decay, 0) * scale
+        dq = mm(dO, Hc.transpose(-1, -2)) * (scale * eg)[..., None] + mm(P2, Kc)
+        dG = (Q * dq).sum(-1)
+        dq = dq + diag[..., None] * Kc
+        ks = rev[..., None] * mm(Vn, dh.transpose(-1, -2))
+        Pm = -torch.where(below, mm(dY, Vn.transpose(-1, -2)) * decay, 0)
+        da = -mm(dY, Hc.transpose(-1, -2)) * eg[..., None] + mm(Pm, Kc)
+        dk = ks + mm(P2.transpose(-1, -2), Q) + mm((Pm * b[..., None]).transpose(-1, -2), Kc)
+        dG = dG + (Kc * (b[..., None] * da - dk)).sum(-1) + (Kc * ks).sum(-1)
+        kc = (Kc * ks).sum(-1)
+        dgc = (Hc * dh).sum((-1, -2))[..., None] * torch.exp2(Gc)
+        outs["dq"].append(dq)
+        outs["dk"].append(dk + diag[..., None] * Q + da * b[..., None])
+        outs["dv"].append(dY * b[..., None])
+        outs["db"].append((dY * Vc).sum(-1) + (da * Kc).sum(-1))
+        outs["dg"].append(dG.flip(-1).cumsum(-1).flip(-1) + kc.cumsum(-1) - kc + dgc)
+        dh = Gc.exp2()[..., None] * dh + mm((Q * (scale * eg)[..., None]).transpose(-1, -2), dO) \
+            + mm((Kc * (-b * eg)[..., None]).transpose(-1, -2), dY)
+    # chunks were appended last first; back to [B, T, HV, ...]
+    return tuple(torch.stack(outs[n][::-1], 2).reshape(B, HV, T, *outs[n][0].shape[3:]).transpose(1, 2)
+                 for n in ("dq", "dk", "dv", "dg", "db"))
+
+
+def _against_reference(shapes, time: bool) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
     rows = []
-    names = ("dq", "dk", "dv", "dg", "db")
     for B, T, H in shapes:
         s = synthetic_inputs(B, T, H)
         args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
-        ref = fused_backward(*args, scale=s["scale"], kernel="sync")
-        got = fused_backward(*args, scale=s["scale"], kernel="ws")
+        ref = reference_backward(*args, scale=s["scale"])
+        got = fused_backward(*args, scale=s["scale"])
         torch.cuda.synchronize()
-        row = {"B": B, "T": T, "H": H, "inputs": "synthetic", "reference": "sync"}
-        for name, a, b in zip(names, got, ref):
+        row = {"B": B, "T": T, "H": H, "inputs": "synthetic", "reference": "float32 torch"}
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, ref):
             a, b = a.float(), b.float()
             row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
             row[f"finite_{name}"] = bool(torch.isfinite(a).all())
         if time:
-            for kern in KERNELS:
-                row[f"{kern}_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"], kernel=kern),
-                                             return_mode="median")
+            row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-def _check_and_time(shapes, check: bool, time: bool, kernels=KERNELS) -> list[dict]:
+def _check_and_time(shapes, check: bool, time: bool) -> list[dict]:
     import torch
     from triton.testing import do_bench
     from rewy_hf.kernels.triton_backend.scalar_gate import reverse_walk
@@ -735,20 +595,15 @@ def _check_and_time(shapes, check: bool, time: bool, kernels=KERNELS) -> list[di
         s = split_backward_inputs(B, T, H)
         args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
         row = {"B": B, "T": T, "H": H}
-        for kern in kernels:
-            tag = "" if kern == "ws" else f"_{kern}"
-            if check:
-                got = fused_backward(*args, scale=s["scale"], kernel=kern)
-                torch.cuda.synchronize()
-                names = ("dq", "dk", "dv", "dg", "db")
-                for name, a, b in zip(names, got, s["out"]):
-                    a, b = a.float(), b.float()
-                    row[f"err_{name}{tag}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-                    row[f"finite_{name}{tag}"] = bool(torch.isfinite(a).all())
-            if time:
-                row[f"fused{tag}_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"], kernel=kern),
-                                                 return_mode="median")
+        if check:
+            got = fused_backward(*args, scale=s["scale"])
+            torch.cuda.synchronize()
+            for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, s["out"]):
+                a, b = a.float(), b.float()
+                row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+                row[f"finite_{name}"] = bool(torch.isfinite(a).all())
         if time:
+            row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
 
             def split():
                 dvl = fla_stages.dv_local(q=s["q"], k=s["k"], do=s["do"], g=s["g"], scale=s["scale"], chunk_size=64)
@@ -768,23 +623,20 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="GPU: gradients against rewy's split kernels")
     p.add_argument("--time", action="store_true", help="GPU: the fused kernel against the split kernels it replaces")
     p.add_argument("--shapes", nargs="+", default=["8,2048,16"], metavar="B,T,H")
-    p.add_argument("--against-sync", action="store_true",
-                   help="GPU: the warp-specialised kernel against the one-partition kernel on synthetic inputs "
-                        "(no forward, no autotuning); with --time, both timed")
-    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
-                   help="ws: warp-specialised; sync: one partition (default: both)")
+    p.add_argument("--against-reference", action="store_true",
+                   help="GPU: gradients against a float32 torch reference on synthetic inputs (no forward, no "
+                        "autotuning); with --time, the kernel timed")
     p.add_argument("--json", default=None, metavar="OUT.json")
     a = p.parse_args()
     out = {}
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes]
     if a.resources:
-        out["resources"] = [_resources(kern) for kern in a.kernels]
-        for row in out["resources"]:
-            print(json.dumps(row))
-    if a.against_sync:
-        out["against_sync"] = _against_sync([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.time)
+        out["resources"] = _resources()
+        print(json.dumps(out["resources"]))
+    if a.against_reference:
+        out["against_reference"] = _against_reference(shapes, a.time)
     elif a.check or a.time:
-        out["rows"] = _check_and_time([tuple(int(x) for x in s.split(",")) for s in a.shapes], a.check, a.time,
-                                      a.kernels)
+        out["rows"] = _check_and_time(shapes, a.check, a.time)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -12,45 +12,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rewy_hf.kernels.constants import CHUNK as C
-from rewy_hf.kernels.torch_backend.chunk_backward import local_backward, reverse_state_pass
-from rewy_hf.kernels.torch_backend.chunk_forward import ChunkInputs
-from rewy_hf.kernels.torch_backend.function import forward_pass
-from rewy_hf.kernels.torch_backend.layout import ChunkLayout
 from rewy_hf.kernels.triton_backend.scalar_gate.local_backward import rewy_gdn_bwd_local
 from rewy_hf.rel_error import rel_err
-
-
-def _to_fla(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[NT, N, H, C, D] -> [N, T, H, D] (dropping padded rows past T), as the op's layout maps back."""
-    return ChunkLayout(x.shape[1], T, C, None, x.device).from_chunks(x).contiguous()
-
-
-def _stages(kind: str, N: int, H: int, HV: int, NT: int, K: int, V: int, T: int, seed: int,
-            log_gate: float | None = None, dtype=torch.float32):
-    """The torch backend's stages; ``log_gate``: per-token log-gates near this value (strong decay)
-    instead of logsigmoid of a normal draw; ``dtype``: the stages' precision."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (NT, N, HV, C)
-    r = lambda d: torch.randn(*shape, d, generator=gen)
-    valid = (torch.arange(NT * C) < T).view(NT, 1, 1, C, 1).float()      # zero padding past T, as the layout does
-    qk = lambda: F.normalize(torch.randn(NT, N, H, C, K, generator=gen), dim=-1).repeat_interleave(HV // H, dim=2)
-    q, k = qk() * valid, qk() * valid
-    v = r(V) * valid
-    gate = F.logsigmoid(r(1)) if log_gate is None else log_gate + 0.1 * r(1).clamp(-1, 1)
-    g = gate * valid if kind == "gdn" else torch.zeros(*shape, 1)
-    b = torch.rand(*shape, 1, generator=gen) * valid
-    cast = lambda t: t.to(dtype)  # noqa: E731
-    x = ChunkInputs(cast(q), cast(k), cast(v), cast(g), cast(b), None, scale=K ** -0.5)
-    h0 = cast(torch.randn(N, HV, K, V, generator=gen) * 0.3)
-    gt, s, _ = forward_pass(x, h0)
-    do = cast(r(V) * valid)
-    dht = cast(torch.randn(N, HV, K, V, generator=gen) * 0.3)
-    dVn, dHnext, _ = reverse_state_pass(x, gt, s, do, dht)
-    ref = local_backward(x, gt, s, do, dVn, dHnext)
-    return x, gt, s, do, dVn, dHnext, ref
+from scalar_gate_stages import as_float32, kernel_inputs, stages, to_fla
 
 
 def _nan_filled_buffers(monkeypatch):
@@ -69,10 +35,10 @@ def test_kernel_matches_torch_stage(kind, T, K, V, monkeypatch):
     N, H, HV = 2, 1, 2
     NT = math.ceil(T / C)
     # the stages and their gradients in float64 (the ground truth), the kernel fed their float32 copies
-    x, gt, s, do, dVn, dHnext, ref = _stages(kind, N, H, HV, NT, K, V, T, seed=T + V, dtype=torch.float64)
-    fla = lambda t: _to_fla(t, T)
+    x, gt, s, do, dVn, dHnext, ref = stages(kind, N, H, HV, NT, K, V, T, seed=T + V, dtype=torch.float64)
+    fla = lambda t: to_fla(t, T)
     _nan_filled_buffers(monkeypatch)
-    dq, dk, dv, dg, db = rewy_gdn_bwd_local(**_float32(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV)),
+    dq, dk, dv, dg, db = rewy_gdn_bwd_local(**as_float32(kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV)),
                                             scale=x.scale)
     rq, rk, rv, rg, rb, _ = ref
     errors = {"dq": rel_err(dq, fla(rq)), "dk": rel_err(dk, fla(rk)), "dv": rel_err(dv, fla(rv)),
@@ -80,21 +46,6 @@ def test_kernel_matches_torch_stage(kind, T, K, V, monkeypatch):
     if kind == "gdn":
         errors["dg"] = rel_err(dg, fla(rg)[..., 0])
     assert max(errors.values()) < 1e-5, errors
-
-
-def _float32(inputs: dict) -> dict:
-    return {n: None if t is None else t.float() for n, t in inputs.items()}
-
-
-def _kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV):
-    """The kernel's arguments in FLA's layout (q and k: key heads only; the kernel maps each value head
-    to its key head)."""
-    fla = lambda t: _to_fla(t, T)
-    return dict(
-        q=fla(x.q)[:, :, ::HV // H].contiguous(), k=fla(x.k)[:, :, ::HV // H].contiguous(), v=fla(x.v),
-        v_new=fla(s.Vn), g=fla(gt.G)[..., 0] / math.log(2) if kind == "gdn" else None, beta=fla(x.b)[..., 0],
-        A=fla(s.A), h=s.Hs.permute(1, 0, 2, 3, 4).contiguous(), dh=dHnext.permute(1, 0, 2, 3, 4).contiguous(),
-        do=fla(do), dv2=fla(dVn))
 
 
 @pytest.mark.parametrize("kind", ["gdn", "delta_rule"])
@@ -105,10 +56,10 @@ def test_kernel_packed_sequences(kind, monkeypatch):
     lengths = [70, 130, 20]
     parts, refs = [], []
     for i, T in enumerate(lengths):
-        x, gt, s, do, dVn, dHnext, ref = _stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=50 + i,
+        x, gt, s, do, dVn, dHnext, ref = stages(kind, 1, H, HV, math.ceil(T / C), K, V, T, seed=50 + i,
                                                    dtype=torch.float64)
-        parts.append(_float32(_kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV)))
-        refs.append([_to_fla(r, T) for r in ref[:5]])
+        parts.append(as_float32(kernel_inputs(kind, x, gt, s, do, dVn, dHnext, T, H, HV)))
+        refs.append([to_fla(r, T) for r in ref[:5]])
     packed = {name: (None if parts[0][name] is None else
                      torch.cat([p[name] for p in parts], dim=1)) for name in parts[0] if name not in ("h", "dh")}
     packed["h"] = torch.cat([p["h"] for p in parts], dim=1)
@@ -134,13 +85,13 @@ def test_gate_gradient_under_strong_decay(log_gate, monkeypatch):
     decay added and taken away) loses them to rounding: so formed, dg was 3.5e-2 off at -10 and
     8e2 at -20."""
     T, K, V, N, H, HV = 2 * C, 64, 32, 1, 1, 2
-    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, 2, K, V, T, seed=11, log_gate=log_gate,
+    x, gt, s, do, dVn, dHnext, ref = stages("gdn", N, H, HV, 2, K, V, T, seed=11, log_gate=log_gate,
                                                dtype=torch.float64)
-    inputs = _float32(_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV))
+    inputs = as_float32(kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV))
     _nan_filled_buffers(monkeypatch)
     out = rewy_gdn_bwd_local(**inputs, scale=x.scale)
     errors = {}
-    for name, o, r in zip(("dq", "dk", "dv", "dg", "db"), out, [_to_fla(t, T) for t in ref[:5]]):
+    for name, o, r in zip(("dq", "dk", "dv", "dg", "db"), out, [to_fla(t, T) for t in ref[:5]]):
         errors[name] = rel_err(o, r[..., 0] if o.dim() == 3 else r)
     assert errors["dg"] < 1e-4 and max(v for n, v in errors.items() if n != "dg") < 1e-6, errors
 
@@ -149,12 +100,12 @@ def test_kernel_with_one_key_block_of_128(monkeypatch):
     """block_k=128: one program per chunk covers K (the wrapper's other allowed width); stages in
     float64, the kernel fed their float32 copies."""
     T, K, V, N, H, HV = 100, 128, 32, 1, 1, 1
-    x, gt, s, do, dVn, dHnext, ref = _stages("gdn", N, H, HV, math.ceil(T / C), K, V, T, seed=7,
+    x, gt, s, do, dVn, dHnext, ref = stages("gdn", N, H, HV, math.ceil(T / C), K, V, T, seed=7,
                                                dtype=torch.float64)
-    inputs = _float32(_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV))
+    inputs = as_float32(kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, H, HV))
     _nan_filled_buffers(monkeypatch)
     out = rewy_gdn_bwd_local(**inputs, scale=x.scale, block_k=128)
-    for o, r in zip(out, [_to_fla(t, T) for t in ref[:5]]):
+    for o, r in zip(out, [to_fla(t, T) for t in ref[:5]]):
         r = r[..., 0] if o.dim() == 3 else r
         assert rel_err(o, r) < 1e-5
 
@@ -163,6 +114,6 @@ def test_narrow_key_blocks_are_refused():
     """Key blocks under 64 channels changed with the launch config on the H200 (triton 3.6.0):
     the wrapper refuses them with the fix, instead of running them."""
     T, K, V = 64, 32, 32
-    x, gt, s, do, dVn, dHnext, _ = _stages("gdn", 1, 1, 1, 1, K, V, T, seed=3)
+    x, gt, s, do, dVn, dHnext, _ = stages("gdn", 1, 1, 1, 1, K, V, T, seed=3)
     with pytest.raises(ValueError, match="narrower than 64.*use 64"):
-        rewy_gdn_bwd_local(**_kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, 1, 1), scale=x.scale, block_k=32)
+        rewy_gdn_bwd_local(**kernel_inputs("gdn", x, gt, s, do, dVn, dHnext, T, 1, 1), scale=x.scale, block_k=32)
