@@ -61,7 +61,7 @@ def _offsets(row0, R: gl.constexpr, N: gl.constexpr, row_stride, layout: gl.cons
 # input tiles, in the order the loader issues them (the order the consumers free them)
 TA, TQ, TDO, TH, TK, TVN, TV = (gl.constexpr(i) for i in range(7))
 # consumer-to-consumer hand-offs (ready, free pairs)
-ST_RDY, ST_FREE, QX_RDY, QX_FREE, DY_RDY, DY_FREE, DH_RDY, DH_FREE = (gl.constexpr(i) for i in range(8))
+QX_RDY, QX_FREE, DY_RDY, DY_FREE, DH_RDY, DH_FREE = (gl.constexpr(i) for i in range(6))
 
 
 @gluon.jit
@@ -116,8 +116,8 @@ def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_
 
 
 @gluon.jit
-def _ws_state(k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
-              dv_desc, g, beta, dht, dh0, T,
+def _ws_state(q_s, k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free, hand,
+              dv_desc, g, beta, dht, dh0, scale, T,
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
               USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
     # One warpgroup: dh [K, V] in fp32 registers, the chain dh -> K dh -> dV2 -> dY -> dh.
@@ -125,7 +125,10 @@ def _ws_state(k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc
     f32: gl.constexpr = gl.float32
     lp: gl.constexpr = gl.bfloat16
     M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     ROW: gl.constexpr = gl.SliceLayout(1, M)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
+    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
 
     i_nh = gl.program_id(0)
     i_n = i_nh // HV
@@ -153,16 +156,29 @@ def _ws_state(k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc
         b_w = gl.load(beta + (tok + rows) * HV).to(f32)
         b_rev = gl.exp2(g_last - g_w)
 
-        # dV2 = 2^(G_C - G) K dh + S^T dO
+        # S^T[j, i] = scale k_j . q_i 2^(G_i - G_j), i >= j (masked before exp2), and k . q for the local side
+        rows_s = _opaque(gl.arange(0, BT, layout=ROW_S))
+        cols_s = _opaque(gl.arange(0, BT, layout=COL_S))
+        r_s = gl.expand_dims(rows_s, 1)
+        c_s = gl.expand_dims(cols_s, 0)
+        g_r = gl.load(g + (tok + rows_s) * HV)
+        g_c = gl.load(g + (tok + cols_s) * HV)
         mbarrier.wait(rdy.index(TK), ph)
+        mbarrier.wait(rdy.index(TQ), ph)
+        b_kq = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
+        b_st = b_kq * gl.exp2(gl.where(c_s >= r_s, gl.expand_dims(g_c, 0) - gl.expand_dims(g_r, 1), float("-inf")))
+        # st_s held the local partition's P and dy_s its dY of the previous chunk: wait until it is done
+        mbarrier.wait(hand.index(DY_FREE), ph ^ 1)
+        kqd_s.store(gl.sum(gl.where(c_s == r_s, b_kq, 0.0), axis=1))
+        st_s.store((b_st * scale).to(lp))
+
+        # dV2 = 2^(G_C - G) K dh + S^T dO
         b_dv2 = warpgroup_mma(k_s, dh_s, gl.zeros([BT, V], f32, M), use_acc=False)
+        _signal(free.index(TQ))         # its fence and barrier also publish st_s to the MMA below
         _signal(free.index(TK))
         mbarrier.wait(rdy.index(TDO), ph)
-        mbarrier.wait(hand.index(ST_RDY), ph)
         b_dv2 = warpgroup_mma(st_s, do_s, b_dv2 * gl.expand_dims(b_rev, 1))
-        _signal(hand.index(ST_FREE))
-        # dV2 is staged in dy_s, which then takes dY: both wait for the local partition to be done with it
-        mbarrier.wait(hand.index(DY_FREE), ph ^ 1)
+        # dV2 is staged in dy_s, which then takes dY
         dy_s.store(b_dv2.to(lp))
         fence_async_shared()
         _barrier()
@@ -204,7 +220,7 @@ def _ws_state(k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc
 
 
 @gluon.jit
-def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free, hand,
               g, beta, dq, dk, dg, db, scale, T,
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
     # One warpgroup: the local gradients of each chunk, the state's only through dY and dh_s.
@@ -242,7 +258,6 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         cols_s = _opaque(gl.arange(0, BT, layout=COL_S))
         r_s = gl.expand_dims(rows_s, 1)
         c_s = gl.expand_dims(cols_s, 0)
-        causal = c_s >= r_s
         below = c_s < r_s
         g_w = gl.load(g + (tok + rows_w) * HV)
         g_r = gl.load(g + (tok + rows_s) * HV)
@@ -252,17 +267,9 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         b_r = gl.load(beta + (tok + rows_s) * HV).to(f32)
         b_eg = gl.exp2(g_w)
 
-        # S^T[j, i] = scale k_j . q_i 2^(G_i - G_j), i >= j: the state chain's first operand
+        # the update's gated operands
         mbarrier.wait(rdy.index(TK), ph)
         mbarrier.wait(rdy.index(TQ), ph)
-        b_kq = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
-        b_st = b_kq * gl.exp2(gl.where(causal, gl.expand_dims(g_c, 0) - gl.expand_dims(g_r, 1), float("-inf")))
-        b_kqd = gl.convert_layout(gl.sum(gl.where(c_s == r_s, b_kq, 0.0), axis=1), ROW)
-        mbarrier.wait(hand.index(ST_FREE), ph ^ 1)
-        st_s.store((b_st * scale).to(lp))
-        _signal(hand.index(ST_RDY))
-
-        # the update's gated operands
         mbarrier.wait(hand.index(QX_FREE), ph ^ 1)
         qg_s.store((q_s.load(M).to(f32) * gl.expand_dims(scale * b_eg, 1)).to(lp))
         x3_s.store((k_s.load(M).to(f32) * gl.expand_dims(-b_w * b_eg, 1)).to(lp))
@@ -301,8 +308,10 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         b_da = warpgroup_mma(st_s, k_s, -b_da * gl.expand_dims(b_eg, 1))
         b_dk = warpgroup_mma(p_s.permute((1, 0)), k_s, b_dk)
         b_k = k_s.load(M).to(f32)
+        _signal(free.index(TK))         # the next chunk's k loads while the key-state term below runs
         b_dbeta = dbp_s.load(ROW) + gl.sum(b_da * b_k, axis=1)
         b_dgc = dgc_s.load(VEC)
+        b_kqd = kqd_s.load(ROW)
         _signal(hand.index(DY_FREE))
         gl.store(db + (tok + rows_w) * HV, b_dbeta)
         b_dG += gl.sum(b_k * (gl.expand_dims(b_w, 1) * b_da - b_dk), axis=1) + b_diag * b_kqd
@@ -314,8 +323,7 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         _signal(hand.index(DH_FREE))
         _signal(free.index(TVN))
         b_ks = b_ks * gl.expand_dims(gl.exp2(g_last - g_w), 1)
-        b_kc = gl.sum(b_ks * k_s.load(M).to(f32), axis=1)
-        _signal(free.index(TK))
+        b_kc = gl.sum(b_ks * b_k, axis=1)
         b_dk += b_ks
         gl.store(dk + _offsets(i_t * BT, BT, K, HV * K, M), b_dk.to(dk.dtype.element_ty))
 
@@ -350,26 +358,27 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_des
     x3_s = gl.allocate_shared_memory(lp, [BT, K], SW)
     dbp_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
     dgc_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
+    kqd_s = gl.allocate_shared_memory(gl.float32, [BT], PLAIN)
     rdy = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
-    hand = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    hand = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(7):
         mbarrier.init(rdy.index(i), count=1)
     # how many partitions read each input tile: a, q, do, h, k, vn, v
     mbarrier.init(free.index(TA), count=1)
-    mbarrier.init(free.index(TQ), count=1)
+    mbarrier.init(free.index(TQ), count=2)
     mbarrier.init(free.index(TDO), count=2)
     mbarrier.init(free.index(TH), count=2)
     mbarrier.init(free.index(TK), count=2)
     mbarrier.init(free.index(TVN), count=1)
     mbarrier.init(free.index(TV), count=1)
-    for i in gl.static_range(8):
+    for i in gl.static_range(6):
         mbarrier.init(hand.index(i), count=1)
 
     gl.warp_specialize([
-        (_ws_state, (k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
-                     dv_desc, g, beta, dht, dh0, T, H, HV, K, V, USE_DHT, USE_DH0)),
-        (_ws_local, (q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, rdy, free, hand,
+        (_ws_state, (q_s, k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free,
+                     hand, dv_desc, g, beta, dht, dh0, scale, T, H, HV, K, V, USE_DHT, USE_DH0)),
+        (_ws_local, (q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free, hand,
                      g, beta, dq, dk, dg, db, scale, T, H, HV, K, V)),
         (_ws_loader, (q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_s, do_s, vn_s, a_s, h_s,
                       v_s, rdy, free, T, H, HV, K, V)),
