@@ -396,7 +396,9 @@ WARPS, MAXNREG = 4, 168
 
 
 def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: float = 1.0):
-    """(dq, dk per value head in fp32, dv, dg share, db, dh0) from the inputs of rewy's local kernel."""
+    """(dq, dk per value head, dv, dg share, db, dh0) from the inputs of rewy's local kernel. dq and dk come in
+    q's dtype where each value head has its own key head and in fp32 where value heads share one (they are
+    summed over the group after), as the split local kernel writes them."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -405,7 +407,7 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     if (K, V) != (128, 128) or T % C or q.dtype != torch.bfloat16:
         raise ValueError(f"this kernel takes bf16, K = V = 128 and T a multiple of {C}: got {q.dtype}, "
                          f"K = {K}, V = {V}, T = {T}")
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=q.dtype if HV == H else torch.float32)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(v)
     dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
@@ -427,13 +429,14 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
 
 
 def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90):
-    """The kernel compiled for sm_<arch> without a GPU (bf16 inputs, fp32 gate and outputs)."""
+    """The kernel compiled for sm_<arch> without a GPU (bf16 inputs, and bf16 dq and dk where H == HV; fp32
+    gate and the other outputs)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gdn_fused_bwd_kernel
     options = dict(num_warps=WARPS, maxnreg=MAXNREG)
-    bf16 = {"beta"}
+    bf16 = {"beta", "dq", "dk"} if H == HV else {"beta"}
     blocks = {"q_desc": (C, 128), "k_desc": (C, 128), "vn_desc": (C, 128), "do_desc": (C, 128), "a_desc": (C, C),
               "h_desc": (128, 128), "v_desc": (C, 128), "dv_desc": (C, 128)}
     const = dict(H=H, HV=HV, K=128, V=128, USE_DHT=False, USE_DH0=False)
