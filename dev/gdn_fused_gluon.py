@@ -3,8 +3,21 @@
 One program per (sequence, value head) walks the chunks from last to first, as FlashQLA's fused
 backward does. The state gradient dh [K, V] stays on chip for the whole walk (fp32 in registers, a
 16-bit copy in shared memory as the operand of its products); dv2, dh and the local value gradient
-are never written to memory. Every product is a Hopper warpgroup MMA (its second operand in shared
-memory, its first in shared memory or registers). Triton's ``tl`` language could not keep dh on chip
+are never written to memory. Every product is a Hopper warpgroup MMA (second operand in shared
+memory). The program is warp specialised into three partitions that hand tiles to each other through
+shared memory and mbarriers:
+
+    state (4 warps, 240 registers): dh in registers; S^T, K dh, dV2, dY, dv (out by TMA), and the
+        update of dh; it hands dY, beta's share from v, k . q and the carried state's decay term to
+        the local partition
+    local (4 warps, 240 registers): dq, dk, dg, dbeta from dAqk, dY h^T and the Gram Elimination
+        products; it prepares the update's gated operands and reads dh's 16-bit copy for dk
+    loader (1 warp, 24 registers): the TMA loads of the next chunk's tiles, each as soon as both
+        consumers have freed it (one ready and one free barrier per tile)
+
+so the chain's products (state) and the local ones run at once on the SM's tensor cores.
+
+Triton's ``tl`` language could not keep dh on chip
 (docs/studies.md, "A fused GDN backward in Triton: does it fit?"). Per chunk, with G the chunk-local
 log2 cumulative gate and G_C its last row:
 
@@ -22,7 +35,9 @@ bf16 inputs, K = V = 128, T a multiple of 64, no packing: the shapes of the go /
 
     # compile for sm_90 on any machine (the GPU's triton first on the path) and print its resources
     PYTHONPATH=/tmp/triton-3.6 python -P $REPO/dev/gdn_fused_gluon.py --resources
-    # on an H100 / H200: gradients against rewy's split kernels, then the timings
+    # on an H100 / H200: gradients against the torch reference on synthetic inputs (no autotuning), timed
+    python $REPO/dev/gdn_fused_gluon.py --against-reference --time --shapes 8,2048,16 4,4096,16
+    # gradients against rewy's split kernels on their own inputs, and both timed
     python $REPO/dev/gdn_fused_gluon.py --check --time --shapes 8,2048,16 4,4096,16
 """
 
