@@ -56,6 +56,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma)
 
 C = 64
+# The layouts every partition shares: 16-bit tiles in shared memory (128-byte swizzle), and one warpgroup's
+# MMA accumulators for [64, 128] and [64, 64] products with their row and column vectors.
+BT = gl.constexpr(C)
+SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+M = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
+MS = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+ROW = gl.constexpr(gl.SliceLayout(1, M.value))
+ROW_S = gl.constexpr(gl.SliceLayout(1, MS.value))
+COL_S = gl.constexpr(gl.SliceLayout(0, MS.value))
 # The block-wide barrier is gl.thread_barrier in triton 3.6 (the GPU machines' version), gl.barrier later.
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # and the TMA load tma.async_copy_global_to_shared, later tma.async_load (same arguments); the TMA store
@@ -91,6 +100,13 @@ def _opaque(x):
 
 
 @gluon.jit
+def _square_indices():
+    # The row and column indices of a chunk's [BT, BT] tiles, formed anew in every chunk: the masks made from
+    # them, hoisted out of the loop, would hold about 100 registers through it.
+    return _opaque(gl.arange(0, BT, layout=ROW_S)), _opaque(gl.arange(0, BT, layout=COL_S))
+
+
+@gluon.jit
 def _signal(bar):
     # every warp of the partition has stored (or read) and its stores reach the async proxy, then one arrive
     fence_async_shared()
@@ -109,7 +125,6 @@ def _load_tile(desc, c0, c1, dst, rdy, free, phase, nbytes: gl.constexpr):
 @gluon.jit
 def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_s, do_s, vn_s, a_s, h_s, v_s,
                rdy, free, T, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
-    BT: gl.constexpr = 64
     i_nh = gl.program_id(0)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -136,14 +151,8 @@ def _ws_state(q_s, k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
               USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
     # One warpgroup: dh [K, V] in fp32 registers, the chain dh -> K dh -> dV2 -> dY -> dh.
-    BT: gl.constexpr = 64
     f32: gl.constexpr = gl.float32
     lp: gl.constexpr = gl.bfloat16
-    M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    ROW: gl.constexpr = gl.SliceLayout(1, M)
-    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
-    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
 
     i_nh = gl.program_id(0)
     i_n = i_nh // HV
@@ -172,8 +181,7 @@ def _ws_state(q_s, k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s
         b_rev = gl.exp2(g_last - g_w)
 
         # S^T[j, i] = scale k_j . q_i 2^(G_i - G_j), i >= j (masked before exp2), and k . q for the local side
-        rows_s = _opaque(gl.arange(0, BT, layout=ROW_S))
-        cols_s = _opaque(gl.arange(0, BT, layout=COL_S))
+        rows_s, cols_s = _square_indices()
         r_s = gl.expand_dims(rows_s, 1)
         c_s = gl.expand_dims(cols_s, 0)
         g_r = gl.load(g + (tok + rows_s) * HV)
@@ -239,14 +247,8 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
               g, beta, dq, dk, dg, db, scale, T,
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
     # One warpgroup: the local gradients of each chunk, the state's only through dY and dh_s.
-    BT: gl.constexpr = 64
     f32: gl.constexpr = gl.float32
     lp: gl.constexpr = gl.bfloat16
-    M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    ROW: gl.constexpr = gl.SliceLayout(1, M)
-    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
-    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
     VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
     i_nh = gl.program_id(0)
@@ -267,10 +269,7 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         i_t = NT - 1 - j
         tok = i_t.to(gl.int64) * BT
         ph = j & 1
-        # The [BT, BT] masks are formed anew in every chunk: hoisted out of the loop they would hold about
-        # 100 registers through it. The opaque copy of the indices is what keeps them in.
-        rows_s = _opaque(gl.arange(0, BT, layout=ROW_S))
-        cols_s = _opaque(gl.arange(0, BT, layout=COL_S))
+        rows_s, cols_s = _square_indices()
         r_s = gl.expand_dims(rows_s, 1)
         c_s = gl.expand_dims(cols_s, 0)
         below = c_s < r_s
@@ -354,9 +353,7 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_des
                             dv_desc, dg, db, dh0, scale, T,
                             H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                             USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
-    BT: gl.constexpr = 64
     lp: gl.constexpr = gl.bfloat16
-    SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_s = gl.allocate_shared_memory(lp, [BT, K], SW)
     k_s = gl.allocate_shared_memory(lp, [BT, K], SW)
@@ -402,7 +399,7 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_des
 
 def shared_layout():
     """The 128-byte swizzled layout of every 16-bit tile (rows of 64 or 128 elements)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return SW.value
 
 
 # A 4-warp state partition (the default one), a 4-warp local partition and a 1-warp loader: registers per
@@ -572,8 +569,8 @@ def reference_backward(q, k, v, v_new, g, beta, A, h, do, scale: float, dht=None
         Pm = -torch.where(below, mm(dY, Vn.transpose(-1, -2)) * decay, 0)
         da = -mm(dY, Hc.transpose(-1, -2)) * eg[..., None] + mm(Pm, Kc)
         dk = ks + mm(P2.transpose(-1, -2), Q) + mm((Pm * b[..., None]).transpose(-1, -2), Kc)
-        dG = dG + (Kc * (b[..., None] * da - dk)).sum(-1) + (Kc * ks).sum(-1)
         kc = (Kc * ks).sum(-1)
+        dG = dG + (Kc * (b[..., None] * da - dk)).sum(-1) + kc
         dgc = (Hc * dh).sum((-1, -2))[..., None] * torch.exp2(Gc)
         outs["dq"].append(dq)
         outs["dk"].append(dk + diag[..., None] * Q + da * b[..., None])
