@@ -11,7 +11,8 @@ shared memory and mbarriers:
         update of dh; it hands dY, beta's share from v, k . q and the carried state's decay term to
         the local partition
     local (4 warps, 240 registers): dq, dk, dg, dbeta from dAqk, dY h^T and the Gram Elimination
-        products; it prepares the update's gated operands and reads dh's 16-bit copy for dk
+        products; it prepares the update's gated operands and reads dh's 16-bit copy for dk; 16-bit dq
+        and dk leave by TMA from q's and v_new's tiles once those are read for the last time
     loader (1 warp, 24 registers): the TMA loads of the next chunk's tiles, each as soon as both
         consumers have freed it (one ready and one free barrier per tile)
 
@@ -39,6 +40,8 @@ bf16 inputs, K = V = 128, T a multiple of 64, no packing: the shapes of the go /
     python $REPO/dev/gdn_fused_gluon.py --against-reference --time --shapes 8,2048,16 4,4096,16
     # gradients against rewy's split kernels on their own inputs, and both timed
     python $REPO/dev/gdn_fused_gluon.py --check --time --shapes 8,2048,16 4,4096,16
+    # with flash-qla installed: its whole backward and its fused kernel alone beside this kernel, same card
+    python $REPO/dev/gdn_fused_gluon.py --flash-qla --shapes 8,2048,16
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def _offsets(row0, R: gl.constexpr, N: gl.constexpr, row_stride, layout: gl.cons
 
 
 # input tiles, in the order the loader issues them (the order the consumers free them)
-TA, TQ, TDO, TH, TK, TVN, TV = (gl.constexpr(i) for i in range(7))
+TA, TQ, TDO, TH, TK, TV, TVN = (gl.constexpr(i) for i in range(7))
 # consumer-to-consumer hand-offs (ready, free pairs)
 QX_RDY, QX_FREE, DY_RDY, DY_FREE, DH_RDY, DH_FREE = (gl.constexpr(i) for i in range(6))
 
@@ -141,8 +144,8 @@ def _ws_loader(q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_
         _load_tile(do_desc, r, i_hv * V, do_s, rdy.index(TDO), free.index(TDO), ph, 2 * BT * V)
         _load_tile(h_desc, h_row0 + i_t * (HV * K), 0, h_s, rdy.index(TH), free.index(TH), ph, 2 * K * V)
         _load_tile(k_desc, r, i_h * K, k_s, rdy.index(TK), free.index(TK), ph, 2 * BT * K)
-        _load_tile(vn_desc, r, i_hv * V, vn_s, rdy.index(TVN), free.index(TVN), ph, 2 * BT * V)
         _load_tile(v_desc, r, i_hv * V, v_s, rdy.index(TV), free.index(TV), ph, 2 * BT * V)
+        _load_tile(vn_desc, r, i_hv * V, vn_s, rdy.index(TVN), free.index(TVN), ph, 2 * BT * V)
 
 
 @gluon.jit
@@ -244,9 +247,11 @@ def _ws_state(q_s, k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s
 
 @gluon.jit
 def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free, hand,
-              g, beta, dq, dk, dg, db, scale, T,
+              g, beta, dq, dk, dq_desc, dk_desc, dg, db, scale, T,
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
-    # One warpgroup: the local gradients of each chunk, the state's only through dY and dh_s.
+    # One warpgroup: the local gradients of each chunk, the state's only through dY and dh_s. Where dq and dk
+    # are 16-bit (H == HV) they leave by TMA from the tiles of q and v_new, once those are read for the last
+    # time; fp32 (value heads sharing a key head) they leave by per-thread stores.
     f32: gl.constexpr = gl.float32
     lp: gl.constexpr = gl.bfloat16
     VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -264,6 +269,7 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
     db += bos * HV + i_hv
     rows_w = gl.arange(0, BT, layout=ROW)
     rows_v = gl.arange(0, BT, layout=VEC)
+    row0 = i_n * T
 
     for j in range(NT):
         i_t = NT - 1 - j
@@ -302,13 +308,20 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         b_dq = warpgroup_mma(p_s, k_s, b_dq * gl.expand_dims(scale * b_eg, 1))
         b_dG = gl.sum(q_s.load(M).to(f32) * b_dq, axis=1)
         b_dq += gl.expand_dims(b_diag, 1) * k_s.load(M).to(f32)
-        gl.store(dq + _offsets(i_t * BT, BT, K, HV * K, M), b_dq.to(dq.dtype.element_ty))
+        b_dq = b_dq.to(dq.dtype.element_ty)
+        if H != HV:
+            gl.store(dq + _offsets(i_t * BT, BT, K, HV * K, M), b_dq)
         # the accumulator starts at diag * q; k . (diag q) = diag (k . q) is taken out of dG below
         b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, gl.expand_dims(b_diag, 1) * q_s.load(M).to(f32))
-        _signal(free.index(TQ))
 
         # Key side: dX = -dY h^T, P = -(dY Vn^T) * Gamma, Gram Elimination as the local kernel
         mbarrier.wait(hand.index(DY_RDY), ph)
+        if H == HV:
+            # q's tile is read for the last time (the state partition read it before it made dY): dq leaves from it
+            q_s.store(b_dq)
+            fence_async_shared()
+            _barrier()
+            _tma_store(dq_desc, [row0 + i_t * BT, i_hv * K], q_s)
         b_dyvn = warpgroup_mma(dy_s, vn_s.permute((1, 0)), gl.zeros([BT, BT], f32, MS), use_acc=False)
         # Gamma again, written so that it is not kept from above through the output side
         b_pm = gl.where(below, -b_dyvn * gl.exp2(gl.expand_dims(g_r, 1) - gl.expand_dims(g_c, 0)), 0.0)
@@ -319,6 +332,8 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         _barrier()
         b_da = warpgroup_mma(dy_s, h_s.permute((1, 0)), gl.zeros([BT, K], f32, M), use_acc=False)
         _signal(free.index(TH))
+        tma.store_wait(0)
+        _signal(free.index(TQ))
         b_da = warpgroup_mma(st_s, k_s, -b_da * gl.expand_dims(b_eg, 1))
         b_dk = warpgroup_mma(p_s.permute((1, 0)), k_s, b_dk)
         b_k = k_s.load(M).to(f32)
@@ -335,22 +350,30 @@ def _ws_local(q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_
         mbarrier.wait(hand.index(DH_RDY), ph)
         b_ks = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([BT, K], f32, M), use_acc=False)
         _signal(hand.index(DH_FREE))
-        _signal(free.index(TVN))
         b_ks = b_ks * gl.expand_dims(gl.exp2(g_last - g_w), 1)
         b_kc = gl.sum(b_ks * b_k, axis=1)
         b_dk += b_ks
-        gl.store(dk + _offsets(i_t * BT, BT, K, HV * K, M), b_dk.to(dk.dtype.element_ty))
+        if H == HV:
+            # v_new's tile is read for the last time: dk leaves from it
+            vn_s.store(b_dk.to(dk.dtype.element_ty))
+            fence_async_shared()
+            _barrier()
+            _tma_store(dk_desc, [row0 + i_t * BT, i_hv * K], vn_s)
+        else:
+            gl.store(dk + _offsets(i_t * BT, BT, K, HV * K, M), b_dk.to(dk.dtype.element_ty))
 
         # dg = (the suffix sum of dG) + (the prefix sum of kc before the row) + the carried state's term
         b_kc = gl.convert_layout(b_kc, VEC)
         b_before = gl.associative_scan(b_kc, 0, _add) - b_kc
         b_after = gl.associative_scan(gl.convert_layout(b_dG, VEC), 0, _add, reverse=True)
         gl.store(dg + (tok + rows_v) * HV, b_after + b_before + b_dgc)
+        tma.store_wait(0)
+        _signal(free.index(TVN))
 
 
 @gluon.jit
 def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_desc, do_desc, dht, dq, dk,
-                            dv_desc, dg, db, dh0, scale, T,
+                            dq_desc, dk_desc, dv_desc, dg, db, dh0, scale, T,
                             H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                             USE_DHT: gl.constexpr, USE_DH0: gl.constexpr):
     lp: gl.constexpr = gl.bfloat16
@@ -376,7 +399,7 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_des
     hand = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(7):
         mbarrier.init(rdy.index(i), count=1)
-    # how many partitions read each input tile: a, q, do, h, k, vn, v
+    # how many partitions read each input tile: a, q, do, h, k, v, vn
     mbarrier.init(free.index(TA), count=1)
     mbarrier.init(free.index(TQ), count=2)
     mbarrier.init(free.index(TDO), count=2)
@@ -391,7 +414,7 @@ def gdn_fused_bwd_kernel(q_desc, k_desc, v_desc, vn_desc, g, beta, a_desc, h_des
         (_ws_state, (q_s, k_s, do_s, a_s, h_s, v_s, st_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free,
                      hand, dv_desc, g, beta, dht, dh0, scale, T, H, HV, K, V, USE_DHT, USE_DH0)),
         (_ws_local, (q_s, k_s, do_s, vn_s, h_s, st_s, p_s, dy_s, qg_s, x3_s, dh_s, dbp_s, dgc_s, kqd_s, rdy, free, hand,
-                     g, beta, dq, dk, dg, db, scale, T, H, HV, K, V)),
+                     g, beta, dq, dk, dq_desc, dk_desc, dg, db, scale, T, H, HV, K, V)),
         (_ws_loader, (q_desc, k_desc, vn_desc, a_desc, h_desc, do_desc, v_desc, q_s, k_s, do_s, vn_s, a_s, h_s,
                       v_s, rdy, free, T, H, HV, K, V)),
     ], [4, 1], [240, 24])
@@ -431,10 +454,13 @@ def fused_backward(q, k, v, v_new, g, beta, A, h, do, dht=None, h0=None, scale: 
     def desc(x, rows, block):
         return TensorDescriptor.from_tensor(x.reshape(rows, -1), block, lay)
 
+    # fp32 dq and dk (value heads sharing a key head) are stored per thread; the descriptors are then unused
+    out_descs = [desc(x if HV == H else dv, B * T, [C, K]) for x in (dq, dk)]
+
     gdn_fused_bwd_kernel[(B * HV,)](
         desc(q, B * T, [C, K]), desc(k, B * T, [C, K]), desc(v, B * T, [C, V]), desc(v_new, B * T, [C, V]), g, beta,
         desc(A, B * T, [C, C]), desc(h, B * NT * HV * K, [K, V]), desc(do, B * T, [C, V]),
-        dht if dht is not None else dg, dq, dk, desc(dv, B * T, [C, V]), dg, db,
+        dht if dht is not None else dg, dq, dk, *out_descs, desc(dv, B * T, [C, V]), dg, db,
         dh0 if dh0 is not None else dg, scale, T, H=H, HV=HV, K=K, V=V, USE_DHT=dht is not None,
         USE_DH0=dh0 is not None, num_warps=WARPS, maxnreg=MAXNREG)
     return dq, dk, dv, dg, db, dh0
@@ -450,7 +476,8 @@ def compile_sm90(H: int = 16, HV: int = 16, arch: int = 90):
     options = dict(num_warps=WARPS, maxnreg=MAXNREG)
     bf16 = {"beta", "dq", "dk"} if H == HV else {"beta"}
     blocks = {"q_desc": (C, 128), "k_desc": (C, 128), "vn_desc": (C, 128), "do_desc": (C, 128), "a_desc": (C, C),
-              "h_desc": (128, 128), "v_desc": (C, 128), "dv_desc": (C, 128)}
+              "h_desc": (128, 128), "v_desc": (C, 128), "dv_desc": (C, 128), "dq_desc": (C, 128),
+              "dk_desc": (C, 128)}
     const = dict(H=H, HV=HV, K=128, V=128, USE_DHT=False, USE_DH0=False)
     sig = {}
     for n in fn.arg_names:
@@ -641,6 +668,56 @@ def _check_and_time(shapes, check: bool, time: bool) -> list[dict]:
     return rows
 
 
+def _flash_qla(shapes) -> list[dict]:
+    """FlashQLA beside this kernel on the same card and in the same process: its whole backward (through
+    autograd, the forward graph built outside the timing), and its fused backward kernel alone on the arguments
+    its backward hands that kernel; this kernel on synthetic inputs of the shape. Timing only: the two kernels
+    take different inputs (FlashQLA recomputes v_new in its fused kernel and reads v; this one reads v_new)."""
+    import torch
+    from triton.testing import do_bench
+    import flash_qla
+    from flash_qla.ops.gated_delta_rule import chunk as qla_chunk
+
+    rows = []
+    for B, T, H in shapes:
+        torch.manual_seed(0)
+        K = V = 128
+        dev = "cuda"
+        q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+        k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+        v = torch.randn(B, T, H, V, device=dev).bfloat16().requires_grad_()
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev) + 4).requires_grad_()
+        beta = torch.rand(B, T, H, device=dev).sigmoid().bfloat16().requires_grad_()
+        do = torch.randn(B, T, H, V, device=dev).bfloat16()
+        seen = {}
+        original = qla_chunk.fused_gdr_bwd
+
+        def capture(**kw):
+            seen.update(kw)
+            return original(**kw)
+
+        qla_chunk.fused_gdr_bwd = capture
+        try:
+            o, _ = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta)
+            grads = torch.autograd.grad(o, (q, k, v, g, beta), do, retain_graph=True)
+        finally:
+            qla_chunk.fused_gdr_bwd = original
+        torch.cuda.synchronize()
+        row = {"B": B, "T": T, "H": H, "flash_qla": flash_qla.__version__,
+               "flash_qla_finite": all(bool(torch.isfinite(x).all()) for x in grads)}
+        row["flash_qla_backward_ms"] = do_bench(
+            lambda: torch.autograd.grad(o, (q, k, v, g, beta), do, retain_graph=True), return_mode="median")
+        row["flash_qla_fused_ms"] = do_bench(lambda: original(**seen), return_mode="median")
+        s = synthetic_inputs(B, T, H)
+        args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+        row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
+        row["speedup_vs_flash_qla_fused"] = row["flash_qla_fused_ms"] / row["fused_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del o, grads, seen
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--resources", action="store_true", help="compile for sm_90 here and print its resources")
@@ -650,6 +727,9 @@ def main() -> int:
     p.add_argument("--against-reference", action="store_true",
                    help="GPU: gradients against a float32 torch reference on synthetic inputs (no forward, no "
                         "autotuning); with --time, the kernel timed")
+    p.add_argument("--flash-qla", action="store_true",
+                   help="GPU, with flash-qla installed: its whole backward and its fused kernel alone timed beside "
+                        "this kernel (timing only)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     a = p.parse_args()
     out = {}
@@ -661,6 +741,8 @@ def main() -> int:
         out["against_reference"] = _against_reference(shapes, a.time)
     elif a.check or a.time:
         out["rows"] = _check_and_time(shapes, a.check, a.time)
+    if a.flash_qla:
+        out["flash_qla"] = _flash_qla(shapes)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
