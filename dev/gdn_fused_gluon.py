@@ -536,21 +536,23 @@ def split_backward_inputs(B, T, H, seed=0):
     return seen
 
 
-def synthetic_inputs(B, T, H, seed=0, device="cuda"):
+def synthetic_inputs(B, T, H, seed=0, device="cuda", HV=None):
     """Inputs shaped and scaled as the fused kernels' (bf16, chunk-local log2 gate cumsum, a lower-triangular A,
     per-chunk states), made directly: checking the kernel against the reference needs no forward and no
-    autotuning."""
+    autotuning. With HV, q and k have H heads and everything else HV (value heads sharing a key head)."""
     import torch
 
     g_ = torch.Generator(device=device).manual_seed(seed)
     K = V = 128
     NT = T // C
+    HV, Hk = HV or H, H
+    H = HV
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, generator=g_) * scale).bfloat16()
 
-    q = torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16()
+    q = torch.nn.functional.normalize(rnd(B, T, Hk, K).float(), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(rnd(B, T, Hk, K).float(), dim=-1).bfloat16()
     gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=device, generator=g_) + 4) * 1.4426950408889634
     g = gate.view(B, NT, C, H).cumsum(2).view(B, T, H).contiguous()
     tri = torch.tril(torch.randn(B, NT, H, C, C, device=device, generator=g_) * 0.1, -1)
@@ -561,8 +563,9 @@ def synthetic_inputs(B, T, H, seed=0, device="cuda"):
 
 
 def reference_backward(q, k, v, v_new, g, beta, A, h, do, scale: float, dht=None, dtype=None):
-    """The kernel's outputs computed chunk by chunk in torch (float32 unless ``dtype``), as the module
-    docstring writes them; q and k may have fewer heads than v (each value head reads its group's)."""
+    """The kernel's outputs (dq, dk, dv, dg, db, dh0) computed chunk by chunk in torch (float32 unless
+    ``dtype``), as the module docstring writes them; q and k may have fewer heads than v (each value head reads
+    its group's), and dq, dk come per value head as the kernel writes them."""
     import torch
 
     B, T, H, K = q.shape
@@ -606,9 +609,9 @@ def reference_backward(q, k, v, v_new, g, beta, A, h, do, scale: float, dht=None
         outs["dg"].append(dG.flip(-1).cumsum(-1).flip(-1) + kc.cumsum(-1) - kc + dgc)
         dh = Gc.exp2()[..., None] * dh + mm((Q * (scale * eg)[..., None]).transpose(-1, -2), dO) \
             + mm((Kc * (-b * eg)[..., None]).transpose(-1, -2), dY)
-    # chunks were appended last first; back to [B, T, HV, ...]
+    # chunks were appended last first; back to [B, T, HV, ...]; then dh0, the gradient leaving the first chunk
     return tuple(torch.stack(outs[n][::-1], 2).reshape(B, HV, T, *outs[n][0].shape[3:]).transpose(1, 2)
-                 for n in ("dq", "dk", "dv", "dg", "db"))
+                 for n in ("dq", "dk", "dv", "dg", "db")) + (dh,)
 
 
 def _against_reference(shapes, time: bool) -> list[dict]:
