@@ -545,8 +545,7 @@ def synthetic_inputs(B, T, H, seed=0, device="cuda", HV=None):
     g_ = torch.Generator(device=device).manual_seed(seed)
     K = V = 128
     NT = T // C
-    HV, Hk = HV or H, H
-    H = HV
+    Hk, H = H, HV or H
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, generator=g_) * scale).bfloat16()

@@ -97,7 +97,7 @@ def test_gradients_are_the_reference_on_synthetic_inputs(fused, shape):
                     reason="the kernel is built for Hopper (sm_90)")
 @pytest.mark.parametrize("shape,HV", [((1, 128, 1), 2), ((2, 256, 2), 8)])
 def test_value_heads_sharing_a_key_head_are_the_reference(fused, shape, HV):
-    """dq and dk per value head in fp32, stored per thread (not by TMA), summed over the group after."""
+    """dq and dk per value head in fp32 (the caller sums them over each group), stored per thread, not by TMA."""
     s = fused.synthetic_inputs(*shape, HV=HV)
     args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
     got = fused.fused_backward(*args, scale=s["scale"])
