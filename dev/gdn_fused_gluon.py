@@ -503,11 +503,10 @@ def _resources() -> dict:
     return row
 
 
-def split_backward_inputs(B, T, H, seed=0):
-    """Inputs and outputs of rewy's split backward (full policy) at one shape, captured at its local kernel."""
+def op_inputs(B, T, H, seed=0):
+    """A GDN op's inputs at one shape (bf16, K = V = 128, l2-normalised q and k, mild gates), leaves that take
+    gradients, and the output gradient: what both rewy's and FlashQLA's backward are run on."""
     import torch
-    import rewy_hf
-    from rewy_hf.kernels.triton_backend.scalar_gate import stages
 
     torch.manual_seed(seed)
     dev = "cuda"
@@ -518,6 +517,15 @@ def split_backward_inputs(B, T, H, seed=0):
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev) + 4).requires_grad_()
     beta = torch.rand(B, T, H, device=dev).sigmoid().bfloat16().requires_grad_()
     do = torch.randn(B, T, H, V, device=dev).bfloat16()
+    return q, k, v, g, beta, do
+
+
+def split_backward_inputs(B, T, H, seed=0):
+    """Inputs and outputs of rewy's split backward (full policy) at one shape, captured at its local kernel."""
+    import rewy_hf
+    from rewy_hf.kernels.triton_backend.scalar_gate import stages
+
+    q, k, v, g, beta, do = op_inputs(B, T, H, seed)
     seen = {}
     original = stages.ScalarGate.local_backward
 
@@ -534,6 +542,11 @@ def split_backward_inputs(B, T, H, seed=0):
     finally:
         stages.ScalarGate.local_backward = staticmethod(original)
     return seen
+
+
+def kernel_args(s: dict) -> tuple:
+    """The kernel's (and the reference's) positional inputs from a dict of synthetic or captured inputs."""
+    return tuple(s[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do"))
 
 
 def synthetic_inputs(B, T, H, seed=0, device="cuda", HV=None):
@@ -613,6 +626,18 @@ def reference_backward(q, k, v, v_new, g, beta, A, h, do, scale: float, dht=None
                  for n in ("dq", "dk", "dv", "dg", "db")) + (dh,)
 
 
+def _errors(got, ref) -> dict:
+    """Relative error and finiteness of each gradient against another computation of it."""
+    import torch
+
+    row = {}
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, ref):
+        a, b = a.float(), b.float()
+        row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        row[f"finite_{name}"] = bool(torch.isfinite(a).all())
+    return row
+
+
 def _against_reference(shapes, time: bool) -> list[dict]:
     import torch
     from triton.testing import do_bench
@@ -620,15 +645,11 @@ def _against_reference(shapes, time: bool) -> list[dict]:
     rows = []
     for B, T, H in shapes:
         s = synthetic_inputs(B, T, H)
-        args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+        args = kernel_args(s)
         ref = reference_backward(*args, scale=s["scale"])
         got = fused_backward(*args, scale=s["scale"])
         torch.cuda.synchronize()
-        row = {"B": B, "T": T, "H": H, "inputs": "synthetic", "reference": "float32 torch"}
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, ref):
-            a, b = a.float(), b.float()
-            row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            row[f"finite_{name}"] = bool(torch.isfinite(a).all())
+        row = {"B": B, "T": T, "H": H, "inputs": "synthetic", "reference": "float32 torch", **_errors(got, ref)}
         if time:
             row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
         print(json.dumps(row), flush=True)
@@ -646,15 +667,12 @@ def _check_and_time(shapes, check: bool, time: bool) -> list[dict]:
     rows = []
     for B, T, H in shapes:
         s = split_backward_inputs(B, T, H)
-        args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+        args = kernel_args(s)
         row = {"B": B, "T": T, "H": H}
         if check:
             got = fused_backward(*args, scale=s["scale"])
             torch.cuda.synchronize()
-            for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, s["out"]):
-                a, b = a.float(), b.float()
-                row[f"err_{name}"] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-                row[f"finite_{name}"] = bool(torch.isfinite(a).all())
+            row.update(_errors(got, s["out"]))
         if time:
             row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
 
@@ -682,15 +700,7 @@ def _flash_qla(shapes) -> list[dict]:
 
     rows = []
     for B, T, H in shapes:
-        torch.manual_seed(0)
-        K = V = 128
-        dev = "cuda"
-        q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
-        k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
-        v = torch.randn(B, T, H, V, device=dev).bfloat16().requires_grad_()
-        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev) + 4).requires_grad_()
-        beta = torch.rand(B, T, H, device=dev).sigmoid().bfloat16().requires_grad_()
-        do = torch.randn(B, T, H, V, device=dev).bfloat16()
+        q, k, v, g, beta, do = op_inputs(B, T, H)
         seen = {}
         original = qla_chunk.fused_gdr_bwd
 
@@ -711,7 +721,7 @@ def _flash_qla(shapes) -> list[dict]:
             lambda: torch.autograd.grad(o, (q, k, v, g, beta), do, retain_graph=True), return_mode="median")
         row["flash_qla_fused_ms"] = do_bench(lambda: original(**seen), return_mode="median")
         s = synthetic_inputs(B, T, H)
-        args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+        args = kernel_args(s)
         row["fused_ms"] = do_bench(lambda: fused_backward(*args, scale=s["scale"]), return_mode="median")
         row["speedup_vs_flash_qla_fused"] = row["flash_qla_fused_ms"] / row["fused_ms"]
         print(json.dumps(row), flush=True)

@@ -24,6 +24,12 @@ from scalar_gate_stages import kernel_inputs, stages, to_fla
 
 DEV = Path(__file__).resolve().parents[2] / "dev"
 HOPPER_BLOCK_SHARED = 227 * 1024          # the most shared memory one block may hold on sm_90
+_ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def hopper(test):
+    """A GPU test of the kernel, which is built for Hopper (sm_90) and skipped elsewhere."""
+    return pytest.mark.gpu(pytest.mark.skipif(not _ON_HOPPER, reason="the kernel is built for Hopper (sm_90)")(test))
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,13 @@ def test_it_compiles_for_hopper_and_fits_one_block(tmp_path):
     assert row["warps"] == 12, row
 
 
+def _assert_is_the_reference(got, ref, names=("dq", "dk", "dv", "dg", "db")):
+    for name, a, b in zip(names, got, ref):
+        assert torch.isfinite(a).all(), name
+        # bf16 operands of every product (dV2, dY, dh, the masked gram tiles) against a float64 walk
+        assert rel_err(a.double(), b) < 1e-2, name
+
+
 @pytest.mark.parametrize("bad", ["K", "T", "dtype"])
 def test_it_refuses_what_it_was_not_built_for(fused, bad):
     B, T, H, K, V = 1, 128, 1, 128, 128
@@ -60,14 +73,11 @@ def test_it_refuses_what_it_was_not_built_for(fused, bad):
         fused.fused_backward(q, q, v, v, None, None, None, None, v)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the kernel is built for Hopper (sm_90)")
+@hopper
 @pytest.mark.parametrize("shape", [(2, 512, 4), (1, 1024, 2)])
 def test_gradients_are_the_split_kernels(fused, shape):
     s = fused.split_backward_inputs(*shape)
-    got = fused.fused_backward(s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"],
-                               scale=s["scale"])
+    got = fused.fused_backward(*fused.kernel_args(s), scale=s["scale"])
     for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, s["out"]):
         a, b = a.float(), b.float()
         assert torch.isfinite(a).all(), name
@@ -76,57 +86,44 @@ def test_gradients_are_the_split_kernels(fused, shape):
         assert ((a - b).norm() / b.norm()).item() < 1e-2, name
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the kernel is built for Hopper (sm_90)")
+@hopper
 @pytest.mark.parametrize("shape", [(1, 64, 1), (1, 128, 1), (2, 512, 4)])
 def test_gradients_are_the_reference_on_synthetic_inputs(fused, shape):
     """One chunk, two (the hand-offs' second phase) and several: no forward, no autotuning."""
     s = fused.synthetic_inputs(*shape)
-    args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+    args = fused.kernel_args(s)
     got = fused.fused_backward(*args, scale=s["scale"])
     ref = fused.reference_backward(*args, scale=s["scale"], dtype=torch.float64)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, ref):
-        assert torch.isfinite(a).all(), name
-        # bf16 operands of every product (dV2, dY, dh, the masked gram tiles) against a float64 walk
-        assert rel_err(a.double(), b) < 1e-2, name
+    _assert_is_the_reference(got, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the kernel is built for Hopper (sm_90)")
+@hopper
 @pytest.mark.parametrize("shape,HV", [((1, 128, 1), 2), ((2, 256, 2), 8)])
 def test_value_heads_sharing_a_key_head_are_the_reference(fused, shape, HV):
     """dq and dk per value head in fp32 (the caller sums them over each group), stored per thread, not by TMA."""
     s = fused.synthetic_inputs(*shape, HV=HV)
-    args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+    args = fused.kernel_args(s)
     got = fused.fused_backward(*args, scale=s["scale"])
     ref = fused.reference_backward(*args, scale=s["scale"], dtype=torch.float64)
     assert got[0].dtype == torch.float32 and got[0].shape[2] == HV
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "db"), got, ref):
-        assert torch.isfinite(a).all(), name
-        assert rel_err(a.double(), b) < 1e-2, name
+    _assert_is_the_reference(got, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the kernel is built for Hopper (sm_90)")
+@hopper
 def test_the_state_gradient_enters_and_leaves(fused):
     """A final-state gradient dht enters the walk and the initial state's gradient dh0 leaves it. Two chunks,
     so dht still weighs in dh0 (over more chunks their own terms outgrow it)."""
     B, T, H = 2, 128, 2
     s = fused.synthetic_inputs(B, T, H, seed=3)
-    args = (s["q"], s["k"], s["v"], s["v_new"], s["g"], s["beta"], s["A"], s["h"], s["do"])
+    args = fused.kernel_args(s)
     dht = torch.randn(B, H, 128, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     got = fused.fused_backward(*args, dht=dht, h0=torch.zeros_like(dht), scale=s["scale"])
     ref = fused.reference_backward(*args, scale=s["scale"], dht=dht, dtype=torch.float64)
     without = fused.reference_backward(*args, scale=s["scale"], dtype=torch.float64)
-    for name, a, b, w in zip(("dq", "dk", "dv", "dg", "db", "dh0"), got, ref, without):
-        assert torch.isfinite(a).all(), name
-        assert rel_err(a.double(), b) < 1e-2, name
-        if name != "dq":   # dq reads h, not dh
-            # dht changes the gradient by far more than the tolerance, so the check above sees it
-            assert rel_err(w, b) > 5e-2, name
+    _assert_is_the_reference(got, ref, ("dq", "dk", "dv", "dg", "db", "dh0"))
+    for name, b, w in zip(("dk", "dv", "dg", "db", "dh0"), ref[1:], without[1:]):   # dq reads h, not dh
+        # dht changes the gradient by far more than the tolerance, so the check above sees it
+        assert rel_err(w, b) > 5e-2, name
 
 
 @pytest.mark.parametrize("HV,log_gate", [(1, None), (2, None), (2, -0.02)])
